@@ -1,0 +1,3 @@
+from llmcustoms.cli import main
+
+main()

@@ -1,0 +1,62 @@
+"""Group rows of similar length into micro-batches and pad each to its own longest row.
+
+Instruction data is mostly short rows with a long tail; padding every row to
+the longest in the dataset wastes most of the compute. Grouping by length
+within shuffled "mega-batches" keeps padding low while the order stays random
+from step to step, and the whole order is a pure function of (seed, epoch), so
+a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
+
+# Rows are sorted by length within windows of this many micro-batches.
+MEGABATCH_FACTOR = 32
+
+
+def epoch_batches(lengths: list[int], micro_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The micro-batches (lists of row indices) of one epoch, in training order."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    mega = micro_batch_size * MEGABATCH_FACTOR
+    batches: list[list[int]] = []
+    for start in range(0, len(order), mega):
+        chunk = sorted(order[start:start + mega].tolist(), key=lambda i: -lengths[i])
+        batches += [chunk[i:i + micro_batch_size] for i in range(0, len(chunk), micro_batch_size)]
+    batch_order = rng.permutation(len(batches)).tolist()
+    batches = [batches[i] for i in batch_order]
+    # The longest batch goes first, so a batch that does not fit in memory
+    # fails in the first seconds rather than hours in.
+    longest = max(range(len(batches)), key=lambda b: max(lengths[i] for i in batches[b]))
+    batches.insert(0, batches.pop(longest))
+    return batches
+
+
+def eval_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Evaluation order: sorted by length, so padding is minimal; no shuffling."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+
+
+def collate(examples: list[TokenizedExample], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the batch's longest row; labels are -100 on padding."""
+    longest = max(len(e.input_ids) for e in examples)
+    width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        input_ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that contribute to the loss: labels shift by one, so position 0 never counts."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -1,0 +1,113 @@
+"""What this machine has: GPUs (via nvidia-ml-py's `pynvml`), CPU cores and RAM.
+
+`detect()` reads the machine once into a frozen `Hardware`. Nothing here
+imports torch, so `llmcustoms plan` and `hardware` stay fast, and planning is
+tested by constructing `Hardware` values for machines we do not have.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import psutil
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int]
+
+    @property
+    def supports_bf16(self) -> bool:
+        # bf16 tensor-core math arrived with Ampere (compute capability 8.0).
+        return self.compute_capability >= (8, 0)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[Gpu, ...]
+    cpu_cores: int
+    ram_bytes: int
+    ram_free_bytes: int
+    driver_note: str = ""
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus)
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.has_gpu and all(g.supports_bf16 for g in self.gpus)
+
+    @property
+    def mixed_precision(self) -> str:
+        """What autocast to use: bf16 where supported, fp16 on older GPUs, none on CPU."""
+        if not self.has_gpu:
+            return "no"
+        return "bf16" if self.supports_bf16 else "fp16"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def cpu_only(cls, ram_gib: float = 16, cores: int = 8) -> "Hardware":
+        return cls(gpus=(), cpu_cores=cores, ram_bytes=int(ram_gib * GIB), ram_free_bytes=int(ram_gib * GIB * 0.8))
+
+    @classmethod
+    def with_gpu(cls, vram_gib: float, name: str = "GPU", compute_capability: tuple[int, int] = (8, 6),
+                 ram_gib: float = 32, cores: int = 8) -> "Hardware":
+        vram = int(vram_gib * GIB)
+        return cls(gpus=(Gpu(name, vram, vram, compute_capability),), cpu_cores=cores,
+                   ram_bytes=int(ram_gib * GIB), ram_free_bytes=int(ram_gib * GIB * 0.8))
+
+
+def _detect_gpus() -> tuple[tuple[Gpu, ...], str]:
+    try:
+        import pynvml
+    except ImportError:
+        return (), "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return (), f"no NVIDIA driver found ({exc})"
+    try:
+        gpus = []
+        visible = _visible_device_indices(pynvml.nvmlDeviceGetCount())
+        for index in visible:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            gpus.append(Gpu(name.decode() if isinstance(name, bytes) else name,
+                            int(memory.total), int(memory.free), (int(major), int(minor))))
+        return tuple(gpus), ""
+    except pynvml.NVMLError as exc:
+        return (), f"the NVIDIA driver did not answer ({exc})"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _visible_device_indices(count: int) -> list[int]:
+    """Honour CUDA_VISIBLE_DEVICES when it lists plain indices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    indices = []
+    for part in visible.split(","):
+        part = part.strip()
+        if part.isdigit() and int(part) < count:
+            indices.append(int(part))
+    return indices
+
+
+def detect() -> Hardware:
+    gpus, note = _detect_gpus()
+    memory = psutil.virtual_memory()
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return Hardware(gpus=gpus, cpu_cores=cores, ram_bytes=int(memory.total),
+                    ram_free_bytes=int(memory.available), driver_note=note)

@@ -1,0 +1,176 @@
+"""Load the tokenizer and model a plan names, attach LoRA, and save what was trained.
+
+`--model` is a local directory or a Hugging Face Hub id. A hub id is looked up
+in the local cache first, so a cached model loads with no network at all; only
+a model the user asked for and that is not cached is fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.errors import ModelError
+from llmcustoms.planning import ModelChoice, Plan
+from llmcustoms.presets import Family, family_for_model_type, find_model_spec
+
+# Used for model types no preset family covers: peft finds every linear layer.
+ALL_LINEAR = ("all-linear",)
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "org/name": one slash, no leading dot, slash or tilde.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def model_location(name: str) -> str:
+    """The string to hand to `from_pretrained`: an absolute path for local models."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if _looks_like_path(name):
+        raise ModelError(f"Model directory not found: {name}",
+                         "Pass --model with a directory that holds config.json, or a Hugging Face Hub id.")
+    return name
+
+
+def _explain(name: str, exc: Exception) -> ModelError:
+    """One message for the many ways a load can fail; never includes a token."""
+    text = str(exc)
+    kind = type(exc).__name__
+    if "Gated" in kind or "gated" in text or "401" in text:
+        return ModelError(f"The model '{name}' is gated on the Hugging Face Hub and needs an access token.",
+                          "Accept its licence on the Hub, then set HF_TOKEN in the environment or in .env.")
+    if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
+        return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
+                          "Check the spelling, or pass --model PATH to a local model directory.")
+    if "couldn't connect" in text or "offline" in text.lower() or "Connection" in kind or "LocalEntryNotFound" in kind:
+        return ModelError(f"The model '{name}' is not in the local Hugging Face cache and the Hub cannot be reached.",
+                          "Connect to the internet once to download it, or pass --model PATH to a local model directory.")
+    if "model_type" in text or "config.json" in text:
+        return ModelError(f"'{name}' is not a Hugging Face model directory (no usable config.json).",
+                          "Point --model at a directory written by `save_pretrained`, or use a Hub id.")
+    return ModelError(f"Could not load the model '{name}' ({kind}).",
+                      "Check that the directory is complete, or pass another --model.")
+
+
+def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
+    """Try the local cache first (instant and offline), then the Hub."""
+    location = model_location(name)
+    try:
+        return loader.from_pretrained(location, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:
+        if Path(location).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise _explain(name, exc) from None
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _explain(name, exc) from None
+
+
+def load_config(name: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
+
+
+def describe_model(name: str, families: dict[str, Family], source: str, trust_remote_code: bool = False) -> ModelChoice:
+    """Family, LoRA targets and context length of a model, from its config."""
+    config = load_config(name, trust_remote_code)
+    model_type = getattr(config, "model_type", "")
+    family = family_for_model_type(model_type, families)
+    spec = find_model_spec(name, families)
+    max_context = getattr(config, "max_position_embeddings", None) or (spec.max_context if spec else 2048)
+    if family is None:
+        return ModelChoice(name=name, family="other", model_type=model_type, target_modules=ALL_LINEAR,
+                           max_context=max_context, source=source)
+    return ModelChoice(name=name, family=family.name, model_type=model_type,
+                       target_modules=family.targets_for(model_type), max_context=max_context, source=source)
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding positions are masked out of attention and loss, so any token
+        # will do; EOS is the one every causal LM tokenizer has.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(name: str) -> set[int]:
+    """Token ids generation stops on, from the model's generation_config.json if it has one."""
+    path = Path(model_location(name)) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    if isinstance(eos, int):
+        return {eos}
+    return {int(i) for i in eos} if isinstance(eos, list) else set()
+
+
+def weights_dtype(plan: Plan) -> Any:
+    """dtype of the frozen base weights. Trained weights stay fp32 (AdamW on
+    16-bit master weights loses small updates); frozen ones can be 16-bit."""
+    import torch
+
+    if plan.method == "full" or plan.mixed_precision == "no":
+        return torch.float32
+    return torch.bfloat16 if plan.mixed_precision == "bf16" else torch.float16
+
+
+def load_model(plan: Plan, device_index: int | None = None) -> Any:
+    """The model of the plan, ready to train: quantized for QLoRA, LoRA attached
+    unless the method is full, gradient checkpointing on if planned."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": weights_dtype(plan), "trust_remote_code": plan.trust_remote_code}
+    if plan.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=weights_dtype(plan),
+        )
+        if device_index is not None:
+            kwargs["device_map"] = {"": device_index}
+    model = _from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
+    model.config.use_cache = False  # the KV cache is for generation; it only costs memory here
+    checkpointing_kwargs = {"use_reentrant": False}
+    if plan.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=checkpointing_kwargs)
+    elif plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        model.enable_input_require_grads()
+    if plan.method == "full":
+        return model if model.dtype == torch.float32 else model.float()
+    from peft import LoraConfig, get_peft_model
+
+    assert plan.lora is not None
+    targets = plan.lora.target_modules
+    config = LoraConfig(
+        r=plan.lora.r, lora_alpha=plan.lora.alpha, lora_dropout=plan.lora.dropout, bias="none",
+        task_type="CAUSAL_LM", target_modules="all-linear" if targets == ALL_LINEAR else list(targets),
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelError(f"Cannot attach LoRA to this model: {exc}",
+                         "The model's layer names differ from its family's; check `lora_target_modules` in presets/.") from None
+
+
+def save_trained(model: Any, tokenizer: Any, directory: Path) -> None:
+    """Write the adapter (or the full model) and the tokenizer, with its chat template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save_pretrained(str(directory))

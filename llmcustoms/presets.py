@@ -1,0 +1,298 @@
+"""Model families and training presets, loaded from the YAML files in `presets/`.
+
+Presets are data, not code: a user can read and copy them, and `tune` writes a
+file of the same shape. Validation collects every problem in a file and raises
+once, so a hand-edited preset is fixed in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmcustoms.errors import ConfigError
+
+# Row-count bounds of the dataset-size buckets a preset adjusts for.
+SMALL_DATASET_ROWS = 1_000
+MEDIUM_DATASET_ROWS = 10_000
+
+METHODS = ("lora", "qlora", "full")
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+def presets_dir() -> Path:
+    """Where the preset files are: inside the installed package (wheel), or at
+    the repository root (editable install / source checkout)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "presets", here.parent / "presets"):
+        if (candidate / "families").is_dir():
+            return candidate
+    raise ConfigError(
+        "The preset files are missing from this installation.",
+        "Reinstall llmcustoms (`pip install .` from the source tree).",
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of one hub model, enough for memory maths without a download."""
+
+    hub_id: str
+    family: str
+    model_type: str
+    params: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    model_types: tuple[str, ...]
+    # model_type -> LoRA target module names
+    lora_target_modules: dict[str, tuple[str, ...]]
+    chat_template_notes: str
+    models: tuple[ModelSpec, ...]
+
+    def targets_for(self, model_type: str) -> tuple[str, ...]:
+        return self.lora_target_modules[model_type]
+
+
+@dataclass(frozen=True)
+class TrainingPreset:
+    """Training defaults. Every field here can be overridden by a flag."""
+
+    name: str
+    description: str
+    families: tuple[str, ...]
+    default_model: str
+    method: str
+    epochs: float
+    lr: float
+    lr_scheduler: str
+    warmup_ratio: float
+    weight_decay: float
+    max_grad_norm: float
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    effective_batch_size: int
+    max_seq_len: int
+    eval_split: float
+    evals_per_epoch: int
+    early_stopping_patience: int
+    by_dataset_size: dict[str, dict[str, Any]]
+    source: str = ""
+
+    def for_dataset_size(self, rows: int) -> tuple[dict[str, Any], str]:
+        """The preset's values adjusted for a dataset of `rows` rows, and the bucket name."""
+        bucket = dataset_size_bucket(rows)
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in TUNABLE_FIELDS}
+        values.update(self.by_dataset_size.get(bucket, {}))
+        return values, bucket
+
+
+# The preset fields that become plan values (the rest describe the preset itself).
+TUNABLE_FIELDS = (
+    "method", "epochs", "lr", "lr_scheduler", "warmup_ratio", "weight_decay",
+    "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "effective_batch_size",
+    "max_seq_len", "eval_split", "evals_per_epoch", "early_stopping_patience",
+)
+
+
+def dataset_size_bucket(rows: int) -> str:
+    if rows < SMALL_DATASET_ROWS:
+        return "small"
+    if rows < MEDIUM_DATASET_ROWS:
+        return "medium"
+    return "large"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot read preset file {path}: {exc.strerror}.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML.", "Fix the YAML syntax and try again.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a preset file must be a YAML mapping of field: value.")
+    return data
+
+
+def _check_fields(data: dict[str, Any], required: dict[str, type | tuple[type, ...]], problems: list[str], where: str) -> None:
+    for name, kind in required.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = data.get(name)
+        if name not in data:
+            problems.append(f"{where}: missing field '{name}'")
+        # bool is a subclass of int in Python; `lora_r: true` is still a mistake.
+        elif not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            problems.append(f"{where}: field '{name}' has the wrong type ({type(value).__name__})")
+
+
+_MODEL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "hub_id": str, "params": int, "hidden_size": int, "num_layers": int,
+    "num_attention_heads": int, "num_kv_heads": int, "intermediate_size": int,
+    "vocab_size": int, "tie_word_embeddings": bool, "max_context": int,
+}
+
+
+def parse_family(data: dict[str, Any], source: str) -> Family:
+    problems: list[str] = []
+    _check_fields(data, {"name": str, "description": str, "model_types": list,
+                         "lora_target_modules": (list, dict), "models": list}, problems, source)
+    if problems:
+        raise ConfigError("Invalid model family file:\n  " + "\n  ".join(problems))
+    model_types = tuple(data["model_types"])
+    raw_targets = data["lora_target_modules"]
+    if isinstance(raw_targets, list):
+        targets = {mt: tuple(raw_targets) for mt in model_types}
+    else:
+        targets = {mt: tuple(v) for mt, v in raw_targets.items()}
+        problems += [f"{source}: no LoRA targets for model type '{mt}'" for mt in model_types if mt not in targets]
+    models = []
+    for i, raw in enumerate(data["models"], start=1):
+        where = f"{source} model {i}"
+        if not isinstance(raw, dict):
+            problems.append(f"{where}: must be a mapping")
+            continue
+        _check_fields(raw, _MODEL_FIELDS, problems, where)
+        model_type = raw.get("model_type", model_types[0] if model_types else "")
+        if model_type not in model_types:
+            problems.append(f"{where}: model_type '{model_type}' is not one of {list(model_types)}")
+        if raw.get("num_attention_heads") and raw.get("num_kv_heads") and raw["num_attention_heads"] % raw["num_kv_heads"]:
+            problems.append(f"{where}: num_attention_heads must be a multiple of num_kv_heads")
+        if not problems:
+            models.append(ModelSpec(family=data["name"], model_type=model_type,
+                                    **{k: raw[k] for k in _MODEL_FIELDS}))
+    if problems:
+        raise ConfigError("Invalid model family file:\n  " + "\n  ".join(problems))
+    return Family(
+        name=data["name"], description=data["description"].strip(), model_types=model_types,
+        lora_target_modules=targets, chat_template_notes=str(data.get("chat_template_notes", "")).strip(),
+        models=tuple(models),
+    )
+
+
+_PRESET_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str, "description": str, "families": list, "default_model": str, "method": str,
+    "epochs": (int, float), "lr": (int, float), "lr_scheduler": str, "warmup_ratio": (int, float),
+    "weight_decay": (int, float), "max_grad_norm": (int, float), "lora_r": int, "lora_alpha": int,
+    "lora_dropout": (int, float), "effective_batch_size": int, "max_seq_len": int,
+    "eval_split": (int, float), "evals_per_epoch": int, "early_stopping_patience": int,
+}
+
+
+def validate_preset_values(values: dict[str, Any], where: str) -> list[str]:
+    """Range checks shared by preset files and their per-size overrides."""
+    problems = []
+    checks = {
+        "method": lambda v: v in METHODS,
+        "lr_scheduler": lambda v: v in SCHEDULERS,
+        "epochs": lambda v: v > 0,
+        "lr": lambda v: 0 < v < 1,
+        "warmup_ratio": lambda v: 0 <= v < 1,
+        "weight_decay": lambda v: 0 <= v < 1,
+        "max_grad_norm": lambda v: v >= 0,
+        "lora_r": lambda v: v >= 1,
+        "lora_alpha": lambda v: v >= 1,
+        "lora_dropout": lambda v: 0 <= v < 1,
+        "effective_batch_size": lambda v: v >= 1,
+        "max_seq_len": lambda v: v >= 16,
+        "eval_split": lambda v: 0 <= v < 1,
+        "evals_per_epoch": lambda v: v >= 0,
+        "early_stopping_patience": lambda v: v >= 0,
+    }
+    for name, value in values.items():
+        check = checks.get(name)
+        if check is not None and not check(value):
+            problems.append(f"{where}: '{name}' has an out-of-range value {value!r}")
+    return problems
+
+
+def parse_preset(data: dict[str, Any], source: str, known_families: set[str]) -> TrainingPreset:
+    problems: list[str] = []
+    _check_fields(data, _PRESET_FIELDS, problems, source)
+    unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size"}
+    problems += [f"{source}: unknown field '{name}'" for name in sorted(unknown)]
+    if not problems:
+        problems += validate_preset_values({k: data[k] for k in TUNABLE_FIELDS}, source)
+        problems += [f"{source}: unknown family '{f}'" for f in data["families"] if f not in known_families]
+    by_size = data.get("by_dataset_size") or {}
+    if not isinstance(by_size, dict):
+        problems.append(f"{source}: 'by_dataset_size' must be a mapping of small/medium/large")
+        by_size = {}
+    for bucket, overrides in by_size.items():
+        where = f"{source} by_dataset_size.{bucket}"
+        if bucket not in ("small", "medium", "large"):
+            problems.append(f"{where}: bucket must be small, medium or large")
+        elif not isinstance(overrides, dict):
+            problems.append(f"{where}: must be a mapping")
+        else:
+            problems += [f"{where}: '{k}' cannot be adjusted per dataset size" for k in overrides if k not in TUNABLE_FIELDS]
+            problems += validate_preset_values(overrides, where)
+    if problems:
+        raise ConfigError("Invalid preset:\n  " + "\n  ".join(problems),
+                          "Compare it with the files in presets/ (`llmcustoms presets` lists them).")
+    return TrainingPreset(
+        **{k: data[k] for k in _PRESET_FIELDS if k != "families"},
+        families=tuple(data["families"]), by_dataset_size={k: dict(v) for k, v in by_size.items()},
+        source=source,
+    )
+
+
+def load_families() -> dict[str, Family]:
+    families = {}
+    for path in sorted((presets_dir() / "families").glob("*.yaml")):
+        family = parse_family(_read_yaml(path), path.name)
+        families[family.name] = family
+    return families
+
+
+def builtin_preset_names() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def load_preset(name_or_path: str) -> TrainingPreset:
+    """A built-in preset by name, or a preset YAML file by path."""
+    families = set(load_families())
+    builtin = presets_dir() / f"{name_or_path}.yaml"
+    if "/" not in name_or_path and not name_or_path.endswith((".yaml", ".yml")) and builtin.is_file():
+        return parse_preset(_read_yaml(builtin), builtin.name, families)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return parse_preset(_read_yaml(path), str(path), families)
+    raise ConfigError(
+        f"Unknown preset '{name_or_path}'.",
+        f"Use one of {', '.join(builtin_preset_names())}, or the path to a preset YAML file.",
+    )
+
+
+def family_for_model_type(model_type: str, families: dict[str, Family]) -> Family | None:
+    for family in families.values():
+        if model_type in family.model_types:
+            return family
+    return None
+
+
+def find_model_spec(hub_id: str, families: dict[str, Family]) -> ModelSpec | None:
+    for family in families.values():
+        for spec in family.models:
+            if spec.hub_id.lower() == hub_id.lower():
+                return spec
+    return None

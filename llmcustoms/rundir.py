@@ -1,0 +1,104 @@
+"""The run directory: the files a run leaves for users, `resume` and `report`.
+
+    <output-dir>/<run-name>/
+      plan.json         the plan in force (rewritten when recovery changes it)
+      metrics.jsonl     one JSON object per optimizer step, plus eval rows
+      status.json       running | completed | failed | interrupted, last step, reason
+      checkpoints/      step-NNNNNN/ directories
+      adapter/          the final PEFT adapter and tokenizer (model/ for --method full)
+
+JSON files are replaced atomically (write a temp file, then rename), so a
+reader never sees half a file even if the process dies mid-write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning import Plan
+
+STATUSES = ("running", "completed", "failed", "interrupted")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def plan_path(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / "status.json"
+
+    @property
+    def checkpoints_path(self) -> Path:
+        return self.path / "checkpoints"
+
+    def output_path(self, method: str) -> Path:
+        return self.path / ("model" if method == "full" else "adapter")
+
+    def create(self, overwrite: bool = False) -> None:
+        if self.path.exists() and any(self.path.iterdir()):
+            if not overwrite:
+                raise ConfigError(f"The run directory {self.path} already exists.",
+                                  "Continue it with `llmcustoms resume`, pick another --run-name, or pass --overwrite to start over.")
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_plan(self, plan: Plan) -> None:
+        write_json_atomic(self.plan_path, plan.to_json())
+
+    def read_plan(self) -> Plan:
+        return Plan.from_json(json.loads(self.plan_path.read_text()))
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        rows = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill; the rest are whole
+        return rows
+
+    def read_status(self) -> dict[str, Any]:
+        if not self.status_path.exists():
+            return {}
+        return json.loads(self.status_path.read_text())
+
+    def write_status(self, status: str, **fields: Any) -> dict[str, Any]:
+        assert status in STATUSES, status
+        current = self.read_status()
+        current.update(fields)
+        current["status"] = status
+        current["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        current.setdefault("started_at", current["updated_at"])
+        current.setdefault("recoveries", [])
+        write_json_atomic(self.status_path, current)
+        return current
