@@ -14,26 +14,36 @@ import torch
 
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 
-# Rows are sorted by length within windows of this many micro-batches.
+# Steps are formed from rows sorted by length within windows of this many steps.
 MEGABATCH_FACTOR = 32
 
 
-def epoch_batches(lengths: list[int], micro_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The micro-batches (lists of row indices) of one epoch, in training order."""
+def epoch_steps(lengths: list[int], step_rows: int, seed: int, epoch: int) -> list[list[int]]:
+    """The optimizer steps of one epoch: lists of row indices, in training order.
+
+    Which rows make up a step depends only on (seed, epoch, step_rows), never
+    on how a step is split into micro-batches, so halving the micro-batch and
+    doubling accumulation (OOM recovery) trains on exactly the same steps.
+    """
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
-    mega = micro_batch_size * MEGABATCH_FACTOR
-    batches: list[list[int]] = []
+    mega = step_rows * MEGABATCH_FACTOR
+    steps: list[list[int]] = []
     for start in range(0, len(order), mega):
         chunk = sorted(order[start:start + mega].tolist(), key=lambda i: -lengths[i])
-        batches += [chunk[i:i + micro_batch_size] for i in range(0, len(chunk), micro_batch_size)]
-    batch_order = rng.permutation(len(batches)).tolist()
-    batches = [batches[i] for i in batch_order]
-    # The longest batch goes first, so a batch that does not fit in memory
-    # fails in the first seconds rather than hours in.
-    longest = max(range(len(batches)), key=lambda b: max(lengths[i] for i in batches[b]))
-    batches.insert(0, batches.pop(longest))
-    return batches
+        steps += [chunk[i:i + step_rows] for i in range(0, len(chunk), step_rows)]
+    steps = [steps[i] for i in rng.permutation(len(steps)).tolist()]
+    # The step with the longest row goes first, so a batch that does not fit
+    # in memory fails in the first seconds rather than hours in.
+    longest = max(range(len(steps)), key=lambda s: max(lengths[i] for i in steps[s]))
+    steps.insert(0, steps.pop(longest))
+    return steps
+
+
+def micro_batches(step: list[int], lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Split one step's rows into micro-batches of similar length (longest first)."""
+    ordered = sorted(step, key=lambda i: -lengths[i])
+    return [ordered[i:i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
 
 
 def eval_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:

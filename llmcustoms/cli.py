@@ -63,8 +63,12 @@ def _quiet_libraries() -> None:
     """Keep the libraries' own progress bars and advice out of the user's terminal."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import logging
     import warnings
 
+    # bitsandbytes announces on import that an optional Hub-hosted CPU kernel is
+    # missing; it falls back to its own kernel, so the notice only confuses.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 console = Console(highlight=False)
@@ -73,10 +73,10 @@ class RichReporter:
 
     def training_started(self, total_steps: int, start_step: int = 0) -> None:
         self.progress = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            BarColumn(bar_width=20), MofNCompleteColumn(),
             TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
             TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eval]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            TextColumn("eta"), TimeRemainingColumn(),
             console=console, transient=False,
         )
         self.progress.start()
@@ -128,9 +128,9 @@ def show_data_summary(path: str, format_description: str, rows: int, skipped: in
 
 def plan_table(plan: Any) -> Table:
     table = Table(title="Training plan", show_header=True, header_style="bold")
-    table.add_column("setting")
+    table.add_column("setting", no_wrap=True)
     table.add_column("value")
-    table.add_column("source", style="dim")
+    table.add_column("source", style="dim", no_wrap=True)
     src = plan.sources
     rows = [
         ("model", plan.model, "model"),
@@ -148,11 +148,16 @@ def plan_table(plan: Any) -> Table:
         ("seed", str(plan.seed), "seed"),
     ]
     if plan.lora is not None:
-        rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout} "
-                                f"on {', '.join(plan.lora.target_modules)}", "lora.r"))
+        rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout}", "lora.r"))
+        rows.insert(4, ("LoRA targets", " ".join(plan.lora.target_modules), None))
     for name, value, key in rows:
-        table.add_row(name, escape(str(value)), src.get(key, "") if key else "")
+        table.add_row(name, escape(str(value)), _short_source(src.get(key, "")) if key else "")
     return table
+
+
+def _short_source(source: str) -> str:
+    """'preset quality (small dataset)' -> 'preset'; plan.json keeps the detail."""
+    return source.split(" ")[0]
 
 
 def show_plan(plan: Any) -> None:

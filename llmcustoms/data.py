@@ -204,35 +204,37 @@ def _read_json(path: Path, raw: bytes) -> Iterator[RawRow]:
 
 def _read_csv(path: Path, raw: bytes) -> Iterator[RawRow]:
     text = _decode(path, raw)
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    if not reader.fieldnames:
-        return
-    header = [name.strip() for name in reader.fieldnames]
-    if len(set(header)) != len(header):
-        raise DataError(f"{path.name}, line 1: the header repeats a column name.", "Give every column a unique name.")
+    # csv.reader, not DictReader: DictReader skips blank lines without saying
+    # so, and the line numbers of every later row would be off.
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] | None = None
     row = 0
-    start_line = reader.line_num + 1
-    for record in reader:
+    start_line = 1
+    for cells in reader:
+        line, start_line = start_line, reader.line_num + 1
+        if not cells:
+            continue
+        if header is None:
+            header = [name.strip() for name in cells]
+            if len(set(header)) != len(header):
+                raise DataError(f"{path.name}, line {line}: the header repeats a column name.",
+                                "Give every column a unique name.")
+            continue
         row += 1
-        line = start_line
-        start_line = reader.line_num + 1
-        if None in record:
+        if len(cells) > len(header):
             yield RawRow(row, line, problem=f"has more cells than the header's {len(header)} columns")
             continue
-        value = {}
-        for name, cell in zip(header, record.values()):
-            if cell is None:
-                continue
+        value, problem = {}, None
+        for name, cell in zip(header, cells):
             # Chat columns in a CSV hold JSON text.
             if name in ("messages", "conversations") and cell.strip().startswith("["):
                 try:
                     cell = json.loads(cell)
                 except json.JSONDecodeError as exc:
-                    yield RawRow(row, line, problem=f"column '{name}' is not valid JSON ({exc.msg})")
+                    problem = f"column '{name}' is not valid JSON ({exc.msg})"
                     break
             value[name] = cell
-        else:
-            yield RawRow(row, line, value=value)
+        yield RawRow(row, line, problem=problem) if problem else RawRow(row, line, value=value)
 
 
 def _read_arrow_rows(rows: Iterator[dict]) -> Iterator[RawRow]:
@@ -295,17 +297,23 @@ def read_rows(path: Path) -> Iterator[RawRow]:
 
 def detect_format(rows: list[RawRow], path: Path) -> str:
     seen_fields: list[str] = []
-    for raw in rows[:DETECTION_ROWS]:
-        if not isinstance(raw.value, dict):
-            continue
+    objects = [raw for raw in rows if isinstance(raw.value, dict)]
+    for raw in objects[:DETECTION_ROWS]:
         keys = set(raw.value)
         for name, required in FORMAT_REQUIRED_FIELDS.items():
             if required <= keys:
                 return name
         seen_fields += [k for k in raw.value if k not in seen_fields]
-    if not seen_fields:
-        raise DataError(f"{path.name}: none of the first rows is a JSON object with fields.",
+    if not objects:
+        unreadable = next((raw for raw in rows if raw.problem is not None), None)
+        if unreadable is not None:
+            # Nothing parsed: the first row's own problem is the useful message.
+            raise DataError(f"{unreadable.where(path)}: {unreadable.problem}.",
+                            "Each row must be one JSON object, such as {\"instruction\": ..., \"output\": ...}.")
+        raise DataError(f"{path.name}: no row is a JSON object with fields.",
                         "Each row must be an object such as {\"instruction\": ..., \"output\": ...}.")
+    if not seen_fields:
+        raise DataError(f"{path.name}: the rows are empty objects.", "Each row needs fields such as instruction and output.")
     accepted = "; ".join(FORMAT_DESCRIPTIONS.values())
     raise DataError(
         f"{path.name}: cannot tell the data format from the fields found ({', '.join(map(str, seen_fields[:20]))}).",

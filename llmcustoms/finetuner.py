@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from llmcustoms.batching import collate, count_loss_tokens, epoch_batches, eval_batches
+from llmcustoms.batching import collate, count_loss_tokens, epoch_steps, eval_batches, micro_batches
 from llmcustoms.console import Reporter
 from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan
@@ -102,29 +102,27 @@ class FineTuner:
 
     # ------------------------------------------------------------------- loop
 
-    def _windows(self, epoch: int) -> list[list[list[int]]]:
-        """The optimizer steps of one epoch, each a list of micro-batches of row indices."""
-        batches = epoch_batches(self.lengths, self.plan.micro_batch_size, self.plan.seed, epoch)
-        accum = self.plan.grad_accum
-        return [batches[i:i + accum] for i in range(0, len(batches), accum)]
+    def _epoch_steps(self, epoch: int) -> list[list[int]]:
+        """The optimizer steps of one epoch, each a list of row indices."""
+        return epoch_steps(self.lengths, self.plan.effective_batch_size, self.plan.seed, epoch)
 
-    def _train_step(self, window: list[list[int]]) -> dict[str, float]:
-        """One optimizer step over a window of micro-batches."""
+    def _train_step(self, rows: list[int]) -> dict[str, float]:
+        """One optimizer step over `rows`, in micro-batches of the planned size."""
         started = time.perf_counter()
-        micro_batches = [collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple)
-                         for b in window]
-        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches)
-        input_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+        batches = [collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple)
+                   for b in micro_batches(rows, self.lengths, self.plan.micro_batch_size)]
+        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in batches)
+        input_tokens = sum(int(mb["attention_mask"].sum()) for mb in batches)
         normaliser = torch.tensor(loss_tokens, device=self.device)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for j, mb in enumerate(micro_batches):
+        for j, mb in enumerate(batches):
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-            # Gradients are only all-reduced on the last micro-batch of the window.
-            sync = nullcontext() if j == len(micro_batches) - 1 else self.accelerator.no_sync(self.model)
+            # Gradients are only all-reduced on the last micro-batch of the step.
+            sync = nullcontext() if j == len(batches) - 1 else self.accelerator.no_sync(self.model)
             with sync:
                 # num_items_in_batch: the loss is summed over tokens and divided by
-                # the window's token count, not averaged per micro-batch.
+                # the step's token count, not averaged per micro-batch.
                 loss = self.model(**mb, num_items_in_batch=normaliser, use_cache=False).loss
                 self.accelerator.backward(loss)
             loss_sum += loss.detach()
@@ -162,15 +160,15 @@ class FineTuner:
         best_eval, best_step, evals_since_best, stop_reason = None, None, 0, None
         epoch = 0
         while step < plan.total_steps and stop_reason is None:
-            windows = self._windows(epoch)
-            for index, window in enumerate(windows):
+            steps = self._epoch_steps(epoch)
+            for index, rows in enumerate(steps):
                 if step >= plan.total_steps or stop_reason is not None:
                     break
-                metrics = self._train_step(window)
+                metrics = self._train_step(rows)
                 step += 1
                 tokens += metrics["tokens"]
                 final_loss = metrics["loss"]
-                row = {"step": step, "epoch": round(epoch + (index + 1) / len(windows), 4),
+                row = {"step": step, "epoch": round(epoch + (index + 1) / len(steps), 4),
                        **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}}
                 self.run_dir.append_metrics(row)
                 self.reporter.step(row)

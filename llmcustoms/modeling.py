@@ -143,6 +143,8 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
             kwargs["device_map"] = {"": device_index}
     model = _from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory here
+    if plan.method == "qlora":
+        _keep_4bit_layout_trainable(model)
     checkpointing_kwargs = {"use_reentrant": False}
     if plan.method == "qlora":
         from peft import prepare_model_for_kbit_training
@@ -167,6 +169,18 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
     except ValueError as exc:
         raise ModelError(f"Cannot attach LoRA to this model: {exc}",
                          "The model's layer names differ from its family's; check `lora_target_modules` in presets/.") from None
+
+
+def _keep_4bit_layout_trainable(model: Any) -> None:
+    """On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights into an
+    inference-only layout the first time a layer runs in eval mode, and keeps
+    that layout when training resumes, where it then fails (bitsandbytes 0.50).
+    Evaluation between training steps must not trigger it."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def save_trained(model: Any, tokenizer: Any, directory: Path) -> None:

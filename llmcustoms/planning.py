@@ -220,8 +220,8 @@ def _batch_shape(r: _Resolver, preset_effective: int, train_rows: int) -> tuple[
 
 
 def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> int:
-    micro_batches = -(-train_rows // micro_batch_size)
-    return max(1, -(-micro_batches // grad_accum))
+    """Optimizer steps in one pass; the last step of an epoch may be short."""
+    return max(1, -(-train_rows // (micro_batch_size * grad_accum)))
 
 
 def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:

@@ -230,8 +230,10 @@ def parse_preset(data: dict[str, Any], source: str, known_families: set[str]) ->
     _check_fields(data, _PRESET_FIELDS, problems, source)
     unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size"}
     problems += [f"{source}: unknown field '{name}'" for name in sorted(unknown)]
-    if not problems:
-        problems += validate_preset_values({k: data[k] for k in TUNABLE_FIELDS}, source)
+    # Range-check every field whose type is right, so one pass reports everything.
+    typed = {k: data[k] for k in TUNABLE_FIELDS if k in data and not any(f"'{k}'" in p for p in problems)}
+    problems += validate_preset_values(typed, source)
+    if isinstance(data.get("families"), list):
         problems += [f"{source}: unknown family '{f}'" for f in data["families"] if f not in known_families]
     by_size = data.get("by_dataset_size") or {}
     if not isinstance(by_size, dict):

@@ -68,7 +68,10 @@ def build_model(family: str, directory: Path, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(FAMILY_STYLE[family])
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+                  bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  # With the default 0.02 a frozen 64-wide LM head caps logits near +-1.3,
+                  # so no adapter could fit anything; 0.1 behaves like a real model.
+                  initializer_range=0.1)
     config_class, extra = {
         "llama": (LlamaConfig, {"num_key_value_heads": 2}),
         "mistral": (MistralConfig, {"num_key_value_heads": 2, "sliding_window": None}),

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny local models, fixture data, and ways to run the CLI.
+
+Nothing here touches the network or the user's home directory: the Hugging
+Face cache and hub access are pointed at a temp dir and switched offline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import FIXTURES, build_model  # noqa: E402
+
+FAMILIES = ("llama", "mistral", "qwen2", "phi", "phi3")
+DATA_FILES = {
+    "alpaca": FIXTURES / "alpaca.jsonl",
+    "sharegpt": FIXTURES / "sharegpt.json",
+    "messages": FIXTURES / "messages.jsonl",
+    "prompt_completion": FIXTURES / "prompt_completion.csv",
+    "text": FIXTURES / "text.jsonl",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_hub(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf_home")
+    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """model_type -> directory of a two-layer random model with its tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    return {family: build_model(family, root / f"tiny-{family}") for family in FAMILIES}
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m llmcustoms ARGS` as a real subprocess."""
+    full_env = {**os.environ, "COLUMNS": "120", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, input=input)
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,104 @@
+"""Bad input through the real CLI (`python -m llmcustoms train ...` in a
+subprocess): exit code 2, one clear message naming the file and line, no
+traceback, no row content echoed, and no run directory left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SECRET = "SECRET-ROW-CONTENT-12345"
+
+
+def jsonl(*rows: object) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+
+
+def good(i: int) -> dict:
+    return {"instruction": f"What is {i} plus {i}?", "input": "", "output": f"{i} plus {i} is {2 * i}."}
+
+
+def output_of(result) -> str:
+    """stdout + stderr with whitespace collapsed, so Rich's line wrapping cannot split a phrase."""
+    return " ".join((result.stdout + "\n" + result.stderr).split())
+
+
+def assert_clean_user_error(result, *expected: str) -> str:
+    out = output_of(result)
+    assert result.returncode == 2, out
+    assert "Traceback" not in out
+    assert SECRET not in out
+    for text in expected:
+        assert text in out, out
+    return out
+
+
+# name -> (file content, or None for a file that does not exist; texts the output must contain)
+BAD_DATA = {
+    "malformed_json": (jsonl(good(1)) + ('{"instruction": "' + SECRET + '", "output": \n').encode() + jsonl(good(3)),
+                       ["line 2", "not valid JSON"]),
+    "non_utf8": (jsonl(good(1)) + b'{"instruction": "\xff' + SECRET.encode() + b'", "output": "x"}\n',
+                 ["line 2", "UTF-8"]),
+    "empty_file": (b"", ["is empty"]),
+    "missing_file": (None, ["not found"]),
+    "unknown_columns": (jsonl({"question": SECRET, "answer": SECRET}, {"question": SECRET, "answer": SECRET}),
+                        ["cannot tell the data format", "question", "answer", "Alpaca"]),
+    "empty_text_field": (jsonl(good(1), good(2), {"instruction": SECRET, "input": "", "output": "  "}),
+                         ["line 3", "field 'output' is empty"]),
+    "row_not_object": (jsonl(good(1), [SECRET, SECRET], good(3)),
+                       ["line 2", "not a JSON object"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_exits_2_with_location(cli, tiny_models, tmp_path, case):
+    content, expected = BAD_DATA[case]
+    path = tmp_path / f"{case}.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    runs = tmp_path / "runs"
+    result = cli("train", str(path), "--model", str(tiny_models["llama"]), "--yes", "--output-dir", str(runs))
+    assert_clean_user_error(result, path.name, *expected)
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_skip_bad_rows_trains(cli, tiny_models, tmp_path):
+    rows = [good(i) for i in range(1, 9)]
+    data = jsonl(*rows[:4]) + ('{"instruction": "' + SECRET + '",\n').encode() + jsonl(*rows[4:])
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(data)
+    runs = tmp_path / "runs"
+    result = cli("train", str(path), "--model", str(tiny_models["llama"]), "--skip-bad-rows", "--yes", "--quiet",
+                 "--max-steps", "1", "--output-dir", str(runs), "--run-name", "skip")
+    out = output_of(result)
+    assert result.returncode == 0, out
+    assert "Traceback" not in out
+    assert SECRET not in out
+    assert (runs / "skip" / "plan.json").exists()
+
+
+def test_model_hub_id_not_cached_offline(cli, tmp_path):
+    runs = tmp_path / "runs"
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--model", "no-such-org/no-such-model", "--yes",
+                 "--output-dir", str(runs))
+    assert_clean_user_error(result, "no-such-org/no-such-model", "not in the local Hugging Face cache",
+                            "the Hub cannot be reached", "--model PATH")
+    assert not runs.exists()
+
+
+def test_model_directory_not_found(cli, tmp_path):
+    runs = tmp_path / "runs"
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--model", "./does-not-exist-dir", "--yes",
+                 "--output-dir", str(runs), cwd=tmp_path)
+    assert_clean_user_error(result, "not found", "does-not-exist-dir")
+    assert not runs.exists()
+
+
+def test_bad_flag_value(cli, tmp_path):
+    runs = tmp_path / "runs"
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--batch-size", "0", "--yes", "--output-dir", str(runs))
+    assert_clean_user_error(result, "--batch-size")
+    assert not runs.exists()

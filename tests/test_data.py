@@ -1,0 +1,465 @@
+"""Unit tests of `llmcustoms.data.read_dataset`: formats, file types, and the
+error messages for bad input (file, 1-based line or row, reason; never the
+row's content)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmcustoms.data import FORMAT_DESCRIPTIONS, read_dataset
+from llmcustoms.errors import DataError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SECRET = "SECRET-ROW-CONTENT-12345"
+
+
+def write(tmp_path: Path, name: str, data: bytes | str) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+def jsonl(*rows: object) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+
+
+def good(i: int) -> dict:
+    return {"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."}
+
+
+def bad_input(path: Path, **kwargs) -> DataError:
+    with pytest.raises(DataError) as info:
+        read_dataset(path, **kwargs)
+    err = info.value
+    assert err.message, "a DataError needs a message"
+    assert "Traceback" not in str(err)
+    return err
+
+
+# --------------------------------------------------------------- fixture files
+
+@pytest.mark.parametrize("name, fmt, rows", [
+    ("alpaca.jsonl", "alpaca", 48),
+    ("sharegpt.json", "sharegpt", 24),
+    ("messages.jsonl", "messages", 24),
+    ("prompt_completion.csv", "prompt_completion", 24),
+    ("text.jsonl", "text", 24),
+])
+def test_fixture_files_detected(name, fmt, rows):
+    dataset = read_dataset(FIXTURES / name)
+    assert dataset.format == fmt
+    assert dataset.format_description == FORMAT_DESCRIPTIONS[fmt]
+    assert len(dataset.examples) == rows
+    assert dataset.skipped == 0
+    assert [e.row for e in dataset.examples] == list(range(1, rows + 1))
+    chat = fmt in ("alpaca", "sharegpt", "messages")
+    assert all(e.is_chat == chat for e in dataset.examples)
+
+
+def test_alpaca_fixture_normalised():
+    raw = [json.loads(line) for line in (FIXTURES / "alpaca.jsonl").read_text().splitlines() if line.strip()]
+    dataset = read_dataset(FIXTURES / "alpaca.jsonl")
+    assert any(r["input"] for r in raw) and any(not r["input"] for r in raw)
+    for row, example in zip(raw, dataset.examples):
+        user = row["instruction"] + ("\n\n" + row["input"] if row["input"] else "")
+        assert example.messages == (("user", user), ("assistant", row["output"]))
+        assert example.prompt == "" and example.completion == ""
+    # Row 3 has an input: it follows the instruction after a blank line.
+    assert dataset.examples[2].messages == (
+        ("user", "How many legs does a spider have?\n\nAnswer in one sentence."),
+        ("assistant", "A spider has eight legs."),
+    )
+    assert dataset.examples[0].messages[0] == ("user", "What is the capital of France?")
+
+
+def test_sharegpt_fixture_normalised():
+    dataset = read_dataset(FIXTURES / "sharegpt.json")
+    first = dataset.examples[0]
+    assert first.messages == (
+        ("system", "You are a helpful assistant."),
+        ("user", "What is the capital of France?"),
+        ("assistant", "The capital of France is Paris."),
+        ("user", "What do bees make?"),
+        ("assistant", "Bees make honey."),
+    )
+    for example in dataset.examples:
+        roles = [role for role, _ in example.messages]
+        assert set(roles) <= {"system", "user", "assistant"}
+        assert "system" not in roles[1:]
+        assert roles[-1] == "assistant"
+
+
+def test_messages_fixture_normalised():
+    dataset = read_dataset(FIXTURES / "messages.jsonl")
+    assert dataset.examples[0].messages == (
+        ("system", "Answer briefly."),
+        ("user", "What is the capital of France?"),
+        ("assistant", "The capital of France is Paris."),
+    )
+
+
+def test_prompt_completion_fixture_normalised():
+    dataset = read_dataset(FIXTURES / "prompt_completion.csv")
+    first = dataset.examples[0]
+    assert first.prompt == "Question: What is the capital of France?\nAnswer:"
+    assert first.completion == " The capital of France is Paris."
+    assert first.messages == ()
+    assert all(e.prompt.startswith("Question: ") and e.completion.strip() for e in dataset.examples)
+
+
+def test_text_fixture_normalised():
+    dataset = read_dataset(FIXTURES / "text.jsonl")
+    first = dataset.examples[0]
+    assert first.completion == "What is the capital of France? The capital of France is Paris."
+    assert first.prompt == "" and first.messages == ()
+
+
+# ----------------------------------------------------------------- file types
+
+ROWS = [
+    {"prompt": "Question: one?\nAnswer:", "completion": " One."},
+    {"prompt": "Question: two?\nAnswer:", "completion": " Two."},
+    {"prompt": "Question: three?\nAnswer:", "completion": " Three."},
+]
+
+
+def check_rows(dataset):
+    assert dataset.format == "prompt_completion"
+    assert [(e.row, e.prompt, e.completion) for e in dataset.examples] == [
+        (i, r["prompt"], r["completion"]) for i, r in enumerate(ROWS, start=1)
+    ]
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    check_rows(read_dataset(path))
+
+
+def test_parquet_bad_row_named_by_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = ROWS[:1] + [{"prompt": SECRET, "completion": "  "}] + ROWS[2:]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    err = bad_input(path)
+    assert err.message.startswith("train.parquet, row 2: ")
+    assert "field 'completion' is empty" in err.message
+    assert SECRET not in str(err)
+
+
+def test_saved_dataset_directory(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(directory))
+    check_rows(read_dataset(directory))
+
+
+def test_saved_dataset_dict_uses_train_split(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved_dict"
+    other = [{"prompt": "other", "completion": "split"}]
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list(ROWS),
+        "test": datasets.Dataset.from_list(other),
+    }).save_to_disk(str(directory))
+    check_rows(read_dataset(directory))
+
+
+def test_saved_dataset_dict_without_train_split(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved_dict"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(directory))
+    err = bad_input(directory)
+    assert "no 'train' split" in err.message and "test" in err.message
+
+
+def test_directory_that_is_not_a_saved_dataset(tmp_path):
+    err = bad_input(tmp_path)
+    assert "save_to_disk" in err.message
+
+
+def test_json_array_and_json_lines_in_a_json_file(tmp_path):
+    as_array = write(tmp_path, "array.json", json.dumps(ROWS, indent=1))
+    check_rows(read_dataset(as_array))
+    as_lines = write(tmp_path, "lines.json", jsonl(*ROWS))
+    check_rows(read_dataset(as_lines))
+
+
+def test_single_object_json_file_is_one_row(tmp_path):
+    path = write(tmp_path, "one.json", json.dumps(ROWS[0], indent=2))
+    dataset = read_dataset(path)
+    assert len(dataset.examples) == 1 and dataset.examples[0].prompt == ROWS[0]["prompt"]
+
+
+def test_utf8_bom_and_crlf_are_accepted(tmp_path):
+    path = write(tmp_path, "bom.jsonl", b"\xef\xbb\xbf" + jsonl(*ROWS).replace(b"\n", b"\r\n"))
+    check_rows(read_dataset(path))
+    csv_path = write(tmp_path, "bom.csv", b'\xef\xbb\xbfprompt,completion\r\n"Question: one?\nAnswer:", One.\r\n'
+                                          b'"Question: two?\nAnswer:", Two.\r\n"Question: three?\nAnswer:", Three.\r\n')
+    check_rows(read_dataset(csv_path))
+
+
+def test_blank_lines_in_jsonl_give_row_and_line(tmp_path):
+    path = write(tmp_path, "gaps.jsonl", jsonl(good(1)) + b"\n\n" + jsonl({"instruction": SECRET, "output": ""}))
+    err = bad_input(path)
+    assert err.message.startswith("gaps.jsonl, row 2 (line 4): ")
+    assert "field 'output' is empty" in err.message
+    assert SECRET not in str(err)
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_malformed_json_line(tmp_path):
+    data = jsonl(good(1)) + ('{"instruction": "' + SECRET + '", "output": "x"\n').encode() + jsonl(good(3))
+    err = bad_input(write(tmp_path, "train.jsonl", data))
+    assert err.message.startswith("train.jsonl, line 2: not valid JSON")
+    assert "line 1" not in err.message and "line 3" not in err.message
+    assert "--skip-bad-rows" in err.hint
+
+
+def test_non_utf8_bytes_in_jsonl(tmp_path):
+    data = jsonl(good(1)) + b'{"instruction": "\xff\xfe' + SECRET.encode() + b'", "output": "x"}\n' + jsonl(good(3))
+    err = bad_input(write(tmp_path, "train.jsonl", data))
+    assert err.message.startswith("train.jsonl, line 2: not valid UTF-8 text")
+    assert "0xff" in err.message
+
+
+def test_non_utf8_bytes_in_json_array(tmp_path):
+    data = (b'[\n' + json.dumps(good(1)).encode() + b',\n'
+            + json.dumps(good(2)).encode() + b',\n'
+            + b'{"instruction": "caf\xe9 ' + SECRET.encode() + b'", "output": "x"}\n]\n')
+    err = bad_input(write(tmp_path, "train.json", data))
+    assert err.message.startswith("train.json, line 4: not valid UTF-8 text")
+    assert "UTF-8" in err.hint
+
+
+def test_non_utf8_bytes_in_csv(tmp_path):
+    data = b"prompt,completion\nhello,world\n" + SECRET.encode() + b"\xff,x\n"
+    err = bad_input(write(tmp_path, "train.csv", data))
+    assert err.message.startswith("train.csv, line 3: not valid UTF-8 text")
+
+
+@pytest.mark.parametrize("name, data", [
+    ("empty.jsonl", b""),
+    ("blank.jsonl", b"  \n\n\t \r\n"),
+    ("empty.json", b""),
+    ("blank.json", b"\n   \n"),
+    ("empty.csv", b""),
+    ("bom_only.jsonl", b"\xef\xbb\xbf\n"),
+])
+def test_empty_and_whitespace_only_files(tmp_path, name, data):
+    err = bad_input(write(tmp_path, name, data))
+    assert err.message == f"{name} is empty."
+    assert err.hint
+
+
+def test_empty_json_array_and_header_only_csv(tmp_path):
+    err = bad_input(write(tmp_path, "none.json", b"[\n]\n"))
+    assert err.message == "none.json has no rows."
+    err = bad_input(write(tmp_path, "header.csv", b"prompt,completion\n"))
+    assert err.message == "header.csv has no rows."
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nowhere" / "missing.jsonl"
+    err = bad_input(path)
+    assert "not found" in err.message
+    assert "missing.jsonl" in err.message
+
+
+def test_unsupported_extension(tmp_path):
+    err = bad_input(write(tmp_path, "notes.txt", jsonl(good(1))))
+    assert err.message.startswith("notes.txt: unsupported file type '.txt'")
+    for suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        assert suffix in err.hint
+
+
+def test_unknown_columns(tmp_path):
+    rows = [{"question": SECRET, "answer": SECRET}, {"question": "q", "answer": "a", "source": SECRET}]
+    err = bad_input(write(tmp_path, "qa.jsonl", jsonl(*rows)))
+    assert err.message.startswith("qa.jsonl: cannot tell the data format")
+    for name in ("question", "answer", "source"):
+        assert name in err.message
+    for description in FORMAT_DESCRIPTIONS.values():
+        assert description in err.hint
+    assert SECRET not in str(err)
+
+
+def test_unknown_columns_in_csv(tmp_path):
+    data = f"question,answer\n{SECRET},{SECRET}\n".encode()
+    err = bad_input(write(tmp_path, "qa.csv", data))
+    assert "question" in err.message and "answer" in err.message
+    assert "Alpaca" in err.hint
+
+
+def test_empty_text_field(tmp_path):
+    rows = [good(1), good(2), {"instruction": SECRET, "input": SECRET, "output": "  "}, good(4)]
+    err = bad_input(write(tmp_path, "train.jsonl", jsonl(*rows)))
+    assert err.message == "train.jsonl, line 3: field 'output' is empty."
+
+
+def test_missing_and_non_text_fields(tmp_path):
+    rows = [good(1), {"instruction": SECRET, "input": ""}]
+    err = bad_input(write(tmp_path, "missing.jsonl", jsonl(*rows)))
+    assert err.message == "missing.jsonl, line 2: missing field 'output'."
+    rows = [good(1), {"instruction": SECRET, "output": [SECRET]}]
+    err = bad_input(write(tmp_path, "list.jsonl", jsonl(*rows)))
+    assert err.message == "list.jsonl, line 2: field 'output' must be text, found list."
+
+
+def test_row_that_is_not_an_object(tmp_path):
+    data = jsonl(good(1), [SECRET, "not an object"], good(3))
+    err = bad_input(write(tmp_path, "train.jsonl", data))
+    assert err.message == "train.jsonl, line 2: the row is not a JSON object (found list)."
+
+
+def test_row_that_is_not_an_object_in_json_array(tmp_path):
+    data = ("[\n" + json.dumps(good(1)) + ",\n" + json.dumps(SECRET) + "\n]\n").encode()
+    err = bad_input(write(tmp_path, "train.json", data))
+    assert err.message == "train.json, row 2 (line 3): the row is not a JSON object (found str)."
+
+
+def sharegpt_row(*turns: tuple[str, str]) -> dict:
+    return {"conversations": [{"from": role, "value": value} for role, value in turns]}
+
+
+def test_sharegpt_unknown_role(tmp_path):
+    rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")),
+            sharegpt_row(("human", SECRET), ("robot", SECRET))]
+    err = bad_input(write(tmp_path, "chat.jsonl", jsonl(*rows)))
+    assert err.message.startswith("chat.jsonl, line 2: conversations[2] has unknown role 'robot'")
+    for role in ("human", "gpt", "system"):
+        assert role in err.message
+
+
+def test_conversation_without_assistant_turn(tmp_path):
+    rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")),
+            sharegpt_row(("system", SECRET), ("human", SECRET))]
+    err = bad_input(write(tmp_path, "chat.jsonl", jsonl(*rows)))
+    assert err.message == "chat.jsonl, line 2: field 'conversations' has no assistant turn to learn from."
+    messages = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+                {"messages": [{"role": "user", "content": SECRET}]}]
+    err = bad_input(write(tmp_path, "messages.jsonl", jsonl(*messages)))
+    assert err.message == "messages.jsonl, line 2: field 'messages' has no assistant turn to learn from."
+
+
+def test_system_turn_not_first_and_empty_turn(tmp_path):
+    rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")),
+            sharegpt_row(("human", SECRET), ("system", SECRET), ("gpt", SECRET))]
+    err = bad_input(write(tmp_path, "chat.jsonl", jsonl(*rows)))
+    assert err.message == "chat.jsonl, line 2: field 'conversations' has a system turn that is not the first turn."
+    rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")), sharegpt_row(("human", SECRET), ("gpt", " \n"))]
+    err = bad_input(write(tmp_path, "empty_turn.jsonl", jsonl(*rows)))
+    assert err.message == "empty_turn.jsonl, line 2: conversations[2] (assistant) is empty."
+
+
+def test_json_array_missing_comma(tmp_path):
+    data = ("[\n" + json.dumps(good(1)) + ",\n"
+            + json.dumps({"instruction": SECRET, "output": SECRET}) + "\n"  # no comma here
+            + json.dumps(good(3)) + "\n]\n").encode()
+    err = bad_input(write(tmp_path, "train.json", data))
+    # The missing comma is noticed where the next element starts: line 4.
+    assert err.message.startswith("train.json, line 4: not valid JSON")
+    assert "Expecting ',' or ']'" in err.message
+    assert "comma" in err.hint
+
+
+def test_json_array_broken_element(tmp_path):
+    data = ("[\n" + json.dumps(good(1)) + ",\n"
+            + '{"instruction": "' + SECRET + '" "output": "x"}\n]\n').encode()
+    err = bad_input(write(tmp_path, "train.json", data))
+    assert err.message.startswith("train.json, line 3: not valid JSON")
+    assert "column" in err.message
+
+
+def test_json_text_after_array(tmp_path):
+    data = ("[\n" + json.dumps(good(1)) + "\n]\n\n" + SECRET + "\n").encode()
+    err = bad_input(write(tmp_path, "train.json", data))
+    assert err.message.startswith("train.json, line 5: not valid JSON (Extra data")
+
+
+def test_csv_row_with_too_many_cells(tmp_path):
+    data = ('prompt,completion\n'
+            'one,two\n'
+            '"multi\nline prompt",answer\n'
+            f'{SECRET},{SECRET},{SECRET}\n'
+            'three,four\n').encode()
+    err = bad_input(write(tmp_path, "train.csv", data))
+    assert err.message == "train.csv, row 3 (line 5): has more cells than the header's 2 columns."
+
+
+def test_csv_line_number_after_blank_line(tmp_path):
+    data = f"prompt,completion\none,two\n\n{SECRET},{SECRET},{SECRET}\n".encode()
+    err = bad_input(write(tmp_path, "train.csv", data))
+    # header = line 1, "one,two" = line 2, blank = line 3, bad row = line 4
+    assert err.message == "train.csv, row 2 (line 4): has more cells than the header's 2 columns."
+
+
+def test_csv_repeated_header(tmp_path):
+    err = bad_input(write(tmp_path, "dup.csv", b"prompt,prompt\na,b\n"))
+    assert err.message == "dup.csv, line 1: the header repeats a column name."
+
+
+@pytest.mark.xfail(strict=True, reason="when no row can be parsed (e.g. a one-line .jsonl with bad JSON) "
+                                       "detect_format reports 'none of the first rows is a JSON object' "
+                                       "without the line number or the JSON error")
+def test_only_row_malformed_names_line(tmp_path):
+    data = ('{"instruction": "' + SECRET + '", "output": "x"\n').encode()
+    err = bad_input(write(tmp_path, "one.jsonl", data))
+    assert err.message.startswith("one.jsonl, line 1: not valid JSON")
+
+
+def test_secret_never_echoed(tmp_path):
+    """Every row-level error above keeps the row's content out; check a batch at once."""
+    cases = {
+        "a.jsonl": jsonl(good(1)) + ('{"output": "' + SECRET + '" ,,}\n').encode(),
+        "b.jsonl": jsonl(good(1), {"instruction": SECRET, "output": 5}),
+        "c.jsonl": jsonl(good(1), 12345, SECRET),
+        "d.json": ("[" + json.dumps(good(1)) + ", {\"instruction\": \"" + SECRET + "\" \"x\"}]").encode(),
+        "e.csv": f"instruction,output\n{SECRET},\n".encode(),
+        "f.jsonl": jsonl({"messages": [{"role": "user", "content": SECRET}, {"role": "assistant", "content": 7}]}),
+        "g.jsonl": jsonl({"messages": SECRET}),
+        "h.jsonl": jsonl({"conversations": [SECRET]}),
+    }
+    for name, data in cases.items():
+        err = bad_input(write(tmp_path, name, data))
+        assert err.message.startswith(name), err.message
+        assert SECRET not in err.message and SECRET not in (err.hint or ""), name
+        assert "12345" not in err.message, name
+
+
+# -------------------------------------------------------------- skip_bad_rows
+
+def test_skip_bad_rows(tmp_path):
+    data = (jsonl(good(1))
+            + ('{"instruction": "' + SECRET + '"\n').encode()   # bad JSON
+            + jsonl(good(3), {"instruction": SECRET, "output": " "}, [SECRET], good(6)))
+    path = write(tmp_path, "mixed.jsonl", data)
+    dataset = read_dataset(path, skip_bad_rows=True)
+    assert dataset.format == "alpaca"
+    assert [e.row for e in dataset.examples] == [1, 3, 6]
+    assert [e.messages[1][1] for e in dataset.examples] == ["Answer 1.", "Answer 3.", "Answer 6."]
+    assert dataset.skipped == 3
+    assert sum(dataset.skip_reasons.values()) == 3
+    assert dataset.skip_reasons["not valid JSON"] == 1
+    assert all(SECRET not in reason for reason in dataset.skip_reasons)
+    # Without the flag the first bad row stops the read.
+    assert bad_input(path).message.startswith("mixed.jsonl, line 2: not valid JSON")
+
+
+def test_skip_bad_rows_all_bad_still_raises(tmp_path):
+    rows = [{"instruction": SECRET, "output": ""}, {"instruction": "", "output": SECRET}]
+    err = bad_input(write(tmp_path, "bad.jsonl", jsonl(*rows)), skip_bad_rows=True)
+    assert err.message == "bad.jsonl: no usable rows (2 skipped as bad)."
+    assert SECRET not in str(err)
