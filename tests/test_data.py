@@ -411,9 +411,6 @@ def test_csv_repeated_header(tmp_path):
     assert err.message == "dup.csv, line 1: the header repeats a column name."
 
 
-@pytest.mark.xfail(strict=True, reason="when no row can be parsed (e.g. a one-line .jsonl with bad JSON) "
-                                       "detect_format reports 'none of the first rows is a JSON object' "
-                                       "without the line number or the JSON error")
 def test_only_row_malformed_names_line(tmp_path):
     data = ('{"instruction": "' + SECRET + '", "output": "x"\n').encode()
     err = bad_input(write(tmp_path, "one.jsonl", data))
