@@ -345,7 +345,7 @@ def _chat_turns(turns: Any, field_name: str, role_key: str, content_key: str, ro
         role = turn.get(role_key, turn.get("role", turn.get("from")))
         content = turn.get(content_key, turn.get("content", turn.get("value")))
         if role not in roles:
-            raise RowProblem(f"{field_name}[{i}] has unknown role {str(role)[:20]!r} (accepted: {', '.join(sorted(roles))})")
+            raise RowProblem(f"{field_name}[{i}] has an unknown role (accepted: {', '.join(sorted(roles))})")
         if not isinstance(content, str):
             raise RowProblem(f"{field_name}[{i}] content must be text, found {type(content).__name__}")
         if not content.strip():
