@@ -156,6 +156,8 @@ def train(
         })
         options = TrainOptions(data=data, model=model, preset=preset, eval_data=eval_data,
                                skip_bad_rows=skip_bad_rows, overrides=overrides)
+        if run_name:  # fail before any slow work, not after it
+            RunDirectory(output_dir / run_name).check_available(overwrite)
         prepared = prepare_run(options, detect())
         plan = prepared.plan
         run_dir = RunDirectory(output_dir / (run_name or default_run_name(plan.model, plan.preset)))

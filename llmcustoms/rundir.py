@@ -58,13 +58,17 @@ class RunDirectory:
     def output_path(self, method: str) -> Path:
         return self.path / ("model" if method == "full" else "adapter")
 
+    def check_available(self, overwrite: bool = False) -> None:
+        """Refuse to reuse a run directory that holds a run, unless told to."""
+        if self.path.exists() and any(self.path.iterdir()) and not overwrite:
+            raise ConfigError(f"The run directory {self.path} already exists.",
+                              "Continue it with `llmcustoms resume`, pick another --run-name, or pass --overwrite to start over.")
+
     def create(self, overwrite: bool = False) -> None:
-        if self.path.exists() and any(self.path.iterdir()):
-            if not overwrite:
-                raise ConfigError(f"The run directory {self.path} already exists.",
-                                  "Continue it with `llmcustoms resume`, pick another --run-name, or pass --overwrite to start over.")
+        self.check_available(overwrite)
+        if self.path.exists():
             shutil.rmtree(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True)
 
     def write_plan(self, plan: Plan) -> None:
         write_json_atomic(self.plan_path, plan.to_json())
