@@ -183,7 +183,17 @@ def train(
             ui.show_summary(result)
 
 
+def load_env_file(path: Path = Path(".env")) -> None:
+    """Variables from ./.env (HF_TOKEN, HF_HOME, ...) for this process. The
+    real environment wins over the file, so a one-off `VAR=x llmcustoms ...` works."""
+    if path.is_file():
+        from dotenv import load_dotenv
+
+        load_dotenv(path, override=False)
+
+
 def main() -> None:
+    load_env_file()
     try:
         app()
     except KeyboardInterrupt:

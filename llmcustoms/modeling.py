@@ -46,6 +46,10 @@ def _explain(name: str, exc: Exception) -> ModelError:
     if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
         return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
                           "Check the spelling, or pass --model PATH to a local model directory.")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return ModelError(f"The model '{name}' is not in the local Hugging Face cache, and offline mode is on "
+                          "(HF_HUB_OFFLINE=1), so the Hub cannot be reached.",
+                          "Unset HF_HUB_OFFLINE to download it, or pass --model PATH to a local model directory.")
     if "couldn't connect" in text or "offline" in text.lower() or "Connection" in kind or "LocalEntryNotFound" in kind:
         return ModelError(f"The model '{name}' is not in the local Hugging Face cache and the Hub cannot be reached.",
                           "Connect to the internet once to download it, or pass --model PATH to a local model directory.")

@@ -147,3 +147,17 @@ def test_train_as_a_real_subprocess(tmp_path, tiny_models, cli):
 def test_python_dash_m_and_version(cli):
     result = cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("llmcustoms ")
+
+
+@pytest.mark.slow
+def test_dot_env_in_the_working_directory_is_read(tmp_path, cli):
+    # HF_HUB_OFFLINE comes only from .env here; the message names offline mode
+    # only when the variable is set.
+    (tmp_path / ".env").write_text("HF_HUB_OFFLINE=1\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    result = subprocess.run([sys.executable, "-m", "llmcustoms", "train", str(DATA_FILES["alpaca"]),
+                             "--model", "no-such-org/no-such-model", "--yes"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "not in the local Hugging Face cache" in flat(result.stderr)
+    assert "offline mode is on (HF_HUB_OFFLINE=1)" in flat(result.stderr)
