@@ -25,6 +25,9 @@ from llmcustoms.planning import Plan
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.tokenization import TokenizedExample
 
+# status.json is rewritten (with fsync) at most this often while training runs.
+STATUS_INTERVAL_S = 5.0
+
 
 @dataclass
 class TrainResult:
@@ -154,6 +157,7 @@ class FineTuner:
         plan = self.plan
         self._setup()
         self.run_dir.write_status("running", step=0, total_steps=plan.total_steps, reason=None)
+        self._status_written = time.monotonic()
         self.reporter.training_started(plan.total_steps)
         started = time.perf_counter()
         step, tokens, final_loss = 0, 0, None
@@ -185,7 +189,9 @@ class FineTuner:
                         if plan.early_stopping_patience and evals_since_best >= plan.early_stopping_patience:
                             stop_reason = (f"early stopping: eval loss has not improved for {evals_since_best} "
                                            f"evaluations since step {best_step}")
-                self.run_dir.write_status("running", step=step)
+                if time.monotonic() - self._status_written > STATUS_INTERVAL_S:
+                    self.run_dir.write_status("running", step=step)
+                    self._status_written = time.monotonic()
             epoch += 1
         self.reporter.training_finished()
         seconds = time.perf_counter() - started

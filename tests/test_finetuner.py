@@ -185,3 +185,13 @@ def _plan_fields() -> dict:
                 max_grad_norm=1.0, epochs=1.0, steps_per_epoch=10, total_steps=10, eval_every=0,
                 early_stopping_patience=0, save_every=5, keep_checkpoints=3, seed=1, train_on_prompt=False,
                 trust_remote_code=False, train_rows=10, eval_rows=0, lora=None)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_gradient_checkpointing_saves_memory_without_changing_the_result(tmp_path, tiny_models, method):
+    plain = train(tmp_path, tiny_models["llama"], name="plain", method=method)
+    checkpointed = train(tmp_path, tiny_models["llama"], name="ckpt", method=method, gradient_checkpointing=True)
+    model = checkpointed[0].accelerator.unwrap_model(checkpointed[0].model)
+    assert model.base_model.model.is_gradient_checkpointing
+    assert [r["loss"] for r in checkpointed[3].steps] == pytest.approx([r["loss"] for r in plain[3].steps], abs=1e-6)
+    assert max_difference(adapter_tensors(plain[2]), adapter_tensors(checkpointed[2])) < 1e-5
