@@ -1,0 +1,209 @@
+"""Predicted vs measured peak training memory, for several configurations.
+
+    python benchmarks/memory_accuracy.py [--json] [--device cpu|cuda] [--only NAME]
+
+Each configuration runs in a fresh subprocess: build a small random model of a
+real architecture locally (no download), set up llmcustoms' own `FineTuner`
+(model, LoRA/QLoRA, optimizer), then run real optimizer steps on rows of
+exactly `seq_len` tokens and record the peak.
+
+Measured on CPU: peak resident memory during the training steps (Linux
+`clear_refs` resets the high-water mark after the model has loaded) minus the
+resident memory before the model was loaded, with glibc returning freed
+blocks at once (MALLOC_MMAP_THRESHOLD_), so the peak follows live tensors.
+On a GPU: `torch.cuda.max_memory_allocated()`, plus the CUDA context the
+estimate also counts.
+
+The prediction comes from `MemoryOptimizer` with architecture facts only.
+Target: every ratio measured/predicted within 0.8-1.25.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from llmcustoms.presets import ModelSpec  # noqa: E402
+
+
+def small_arch(name: str, model_type: str = "llama", hidden: int = 512, layers: int = 4, heads: int = 8,
+               kv_heads: int = 4, intermediate: int = 1408, vocab: int = 32000, tied: bool = False) -> ModelSpec:
+    return ModelSpec(hub_id=name, family="bench", model_type=model_type, params=0, hidden_size=hidden,
+                     num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads,
+                     intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied, max_context=4096)
+
+
+LLAMA = small_arch("small-llama")
+QWEN = small_arch("small-qwen", model_type="qwen2", hidden=448, heads=7, kv_heads=1, intermediate=2432,
+                  vocab=151936, tied=True, layers=4)
+PHI3 = small_arch("small-phi3", model_type="phi3", hidden=384, heads=6, kv_heads=6, intermediate=1024, vocab=32064)
+MISTRAL_DEEP = small_arch("small-mistral", model_type="mistral", hidden=256, layers=12, heads=8, kv_heads=2,
+                          intermediate=896, vocab=32768)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    arch: ModelSpec
+    method: str
+    micro_batch: int
+    seq_len: int
+    gradient_checkpointing: bool = False
+    lora_rank: int = 16
+
+
+CONFIGS = [
+    Config("llama-lora-s256", LLAMA, "lora", 4, 256),
+    Config("llama-lora-s1024", LLAMA, "lora", 4, 1024),
+    Config("llama-qlora-s256", LLAMA, "qlora", 4, 256),
+    Config("llama-qlora-s1024", LLAMA, "qlora", 4, 1024),
+    Config("llama-full-s256", LLAMA, "full", 2, 256),
+    Config("llama-full-s1024", LLAMA, "full", 2, 1024),
+    Config("llama-lora-ckpt-s1024", LLAMA, "lora", 4, 1024, gradient_checkpointing=True),
+    Config("qwen-lora-s512", QWEN, "lora", 2, 512),
+    Config("phi3-lora-s512", PHI3, "lora", 4, 512),
+    Config("mistral-lora-s1024", MISTRAL_DEEP, "lora", 4, 1024),
+]
+
+
+def build_model(arch: ModelSpec, directory: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "phi3": Phi3Config, "mistral": MistralConfig}[arch.model_type]
+    config = config_class(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
+                          num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_kv_heads,
+                          intermediate_size=arch.intermediate_size, max_position_embeddings=arch.max_context,
+                          tie_word_embeddings=arch.tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+
+
+def _rss(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def measure(config: Config, model_dir: Path, device: str) -> dict:
+    """Runs inside the child process: real FineTuner set-up and steps, then the peak."""
+    import torch
+
+    from llmcustoms.console import SilentReporter
+    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.planning import LoraSettings, Plan
+    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.tokenization import TokenizedExample
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    if config.arch.model_type == "phi3":
+        targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    precision = "bf16" if device == "cuda" else "no"
+    plan = Plan(model=str(model_dir), family="bench", model_type=config.arch.model_type, preset="quality",
+                method=config.method, micro_batch_size=config.micro_batch, grad_accum=1,
+                effective_batch_size=config.micro_batch, max_seq_len=config.seq_len,
+                gradient_checkpointing=config.gradient_checkpointing, mixed_precision=precision, lr=1e-4,
+                lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epochs=1.0,
+                steps_per_epoch=3, total_steps=3, eval_every=0, early_stopping_patience=0, save_every=100,
+                keep_checkpoints=1, seed=0, train_on_prompt=True, trust_remote_code=False,
+                train_rows=config.micro_batch * 3, eval_rows=0,
+                lora=None if config.method == "full" else LoraSettings(config.lora_rank, 2 * config.lora_rank, 0.0, targets))
+
+    class PadOnly:
+        pad_token_id = 0
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [TokenizedExample(i, ids, ids) for i, ids in enumerate(
+        torch.randint(3, config.arch.vocab_size, (config.micro_batch * 3, config.seq_len), generator=generator).tolist())]
+    tuner = FineTuner(plan, PadOnly(), rows, [], RunDirectory(Path(tempfile.mkdtemp())), SilentReporter())
+    before = _rss("VmRSS")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tuner._setup()
+    after_load = _rss("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark now starts here
+    for step in range(3):
+        tuner._train_step(list(range(step * config.micro_batch, (step + 1) * config.micro_batch)))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+    else:
+        measured = _rss("VmHWM") - before
+    return {"measured_bytes": measured, "loaded_bytes": after_load - before}
+
+
+def predict(config: Config, device: str) -> dict:
+    from llmcustoms.memory import MemoryOptimizer
+
+    targets = ("all-linear",)
+    estimate = MemoryOptimizer(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
+        config.method, config.micro_batch, config.seq_len, "bf16" if device == "cuda" else "no",
+        config.gradient_checkpointing, lora_rank=config.lora_rank, lora_targets=targets)
+    data = estimate.to_json()
+    if device == "cuda":
+        # max_memory_allocated does not see the CUDA context; compare like with like.
+        from llmcustoms.memory import CUDA_CONTEXT_BYTES
+
+        data["total_bytes"] -= CUDA_CONTEXT_BYTES
+    return data
+
+
+def run_one(name: str, device: str) -> dict:
+    config = next(c for c in CONFIGS if c.name == name)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_model(config.arch, model_dir)
+        result = measure(config, model_dir, device)
+    return {"name": name, "method": config.method, "micro_batch": config.micro_batch, "seq_len": config.seq_len,
+            "gradient_checkpointing": config.gradient_checkpointing, "arch": config.arch.hub_id,
+            **result, "predicted": predict(config, device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--only", help="run one configuration by name")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_one(args.child, args.device)))
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    results = []
+    for config in CONFIGS:
+        if args.only and config.name != args.only:
+            continue
+        out = subprocess.run([sys.executable, __file__, "--child", config.name, "--device", args.device],
+                             capture_output=True, text=True, env=env)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{config.name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        result = json.loads(line[len("RESULT "):])
+        result["ratio"] = result["measured_bytes"] / result["predicted"]["total_bytes"]
+        results.append(result)
+        if not args.json:
+            p = result["predicted"]
+            print(f"{config.name:24} predicted {p['total_bytes'] / 2**20:8.0f} MiB  measured "
+                  f"{result['measured_bytes'] / 2**20:8.0f} MiB  ratio {result['ratio']:.2f}  "
+                  f"(weights {p['weights_bytes'] / 2**20:.0f}, act {p['activations_bytes'] / 2**20:.0f}, "
+                  f"logits {p['logits_bytes'] / 2**20:.0f}, loaded {result['loaded_bytes'] / 2**20:.0f})", flush=True)
+    within = all(0.8 <= r["ratio"] <= 1.25 for r in results)
+    if args.json:
+        print(json.dumps({"device": args.device, "results": results, "all_within_0.8_1.25": within}))
+    else:
+        print(f"all within 0.8-1.25x: {within}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""`MemoryOptimizer`: peak training memory from architecture facts alone.
+
+The estimate is a sum of parts, each from first principles:
+
+  weights      parameters x bytes per parameter (fp32 / bf16 / fp16); for
+               QLoRA the block linears are NF4 with double quantisation,
+               4.127 bits per weight (QLoRA paper: 4 bits + 8-bit absmax per
+               64 + fp32 second-level absmax per 256 blocks), while embeddings,
+               LM head and norms stay in the compute dtype
+  trainable    LoRA adapters in fp32 (full fine-tuning: already in weights)
+  gradients    one fp32 gradient per trained parameter
+  optimizer    AdamW: two fp32 moments (8 bytes / parameter); 8-bit AdamW: 2
+  activations  what autograd keeps per layer for backward, per token, as a
+               function of hidden, intermediate and key/value widths
+               (Korthikanti et al. 2022, restated for Llama-style blocks with
+               memory-efficient attention); with gradient checkpointing, each
+               layer's input plus one layer's worth during recomputation
+  logits       batch x sequence x vocabulary in fp32, a few times over (the
+               logits, log-softmax kept for backward, and their gradient);
+               large for Qwen's 152k vocabulary
+  overhead     CUDA context and allocator slack
+
+The per-token activation and logit coefficients are calibrated against
+measured peaks (`benchmarks/memory_accuracy.py`); the table in the README shows
+predicted against measured. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from llmcustoms.presets import ModelSpec
+
+GIB = 1024 ** 3
+NF4_BITS_PER_WEIGHT = 4.127
+# Budget kept free for fragmentation and stray allocations when choosing a batch.
+SAFETY_MARGIN = 0.10
+CUDA_CONTEXT_BYTES = 600 * 1024 ** 2
+
+# Saved-for-backward elements per token per layer, calibrated (see module doc).
+# Keys: (hidden, intermediate, kv) coefficients; LoRA keeps fewer tensors than
+# full fine-tuning because frozen linears need no saved inputs for weight grads.
+ACTIVATION_COEFFICIENTS = {
+    "lora": {"hidden": 14.0, "intermediate": 4.0, "kv": 2.0},
+    "full": {"hidden": 16.0, "intermediate": 5.0, "kv": 2.0},
+}
+# Copies of the fp32 logits alive at the peak (logits, log-softmax, gradient).
+LOGIT_COPIES = 3.0
+# Allocator slack on top of activations and logits.
+SLACK_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features
+
+
+def block_linears(arch: ModelSpec) -> list[Linear]:
+    """The linear layers of one transformer block, by model type."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    d = h // arch.num_attention_heads
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
+    if arch.model_type == "phi":
+        return [Linear("q_proj", h, q), Linear("k_proj", h, kv), Linear("v_proj", h, kv),
+                Linear("dense", q, h), Linear("fc1", h, i), Linear("fc2", i, h)]
+    if arch.model_type == "phi3":
+        return [Linear("qkv_proj", h, q + 2 * kv), Linear("o_proj", q, h),
+                Linear("gate_up_proj", h, 2 * i), Linear("down_proj", i, h)]
+    return [Linear("q_proj", h, q), Linear("k_proj", h, kv), Linear("v_proj", h, kv), Linear("o_proj", q, h),
+            Linear("gate_proj", h, i), Linear("up_proj", h, i), Linear("down_proj", i, h)]
+
+
+def parameter_counts(arch: ModelSpec) -> tuple[int, int]:
+    """(parameters in block linears, all other parameters: embeddings, head, norms)."""
+    linear = arch.num_layers * sum(l.params for l in block_linears(arch))
+    embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    norms = (2 * arch.num_layers + 1) * arch.hidden_size
+    return linear, embeddings + norms
+
+
+def lora_parameters(arch: ModelSpec, rank: int, targets: tuple[str, ...]) -> int:
+    linears = block_linears(arch)
+    chosen = linears if targets == ("all-linear",) else [l for l in linears if l.name in targets]
+    return arch.num_layers * sum(rank * (l.in_features + l.out_features) for l in chosen)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_bytes: int
+    trainable_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    logits_bytes: int
+    overhead_bytes: int
+    budget_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.trainable_bytes + self.gradients_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.logits_bytes + self.overhead_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes * (1 - SAFETY_MARGIN)
+
+    def to_json(self) -> dict[str, int]:
+        data = asdict(self)
+        data["total_bytes"] = self.total_bytes
+        return data
+
+
+class MemoryOptimizer:
+    """Estimates peak training memory of one configuration, and finds the largest
+    micro-batch that fits a budget."""
+
+    def __init__(self, arch: ModelSpec, on_gpu: bool, budget_bytes: int):
+        self.arch = arch
+        self.on_gpu = on_gpu
+        self.budget_bytes = budget_bytes
+
+    def weight_bytes_per_param(self, method: str, mixed_precision: str) -> int:
+        # Full fine-tuning keeps fp32 master weights; a frozen base can be 16-bit.
+        if method == "full" or mixed_precision == "no":
+            return 4
+        return 2
+
+    def weights(self, method: str, mixed_precision: str) -> int:
+        linear, other = parameter_counts(self.arch)
+        per_param = self.weight_bytes_per_param(method, mixed_precision)
+        if method == "qlora":
+            return int(linear * NF4_BITS_PER_WEIGHT / 8) + other * per_param
+        return (linear + other) * per_param
+
+    def activation_bytes_per_token(self, method: str, mixed_precision: str, gradient_checkpointing: bool) -> float:
+        arch = self.arch
+        element = 4 if mixed_precision == "no" else 2
+        kv = arch.num_kv_heads * (arch.hidden_size // arch.num_attention_heads)
+        c = ACTIVATION_COEFFICIENTS["full" if method == "full" else "lora"]
+        per_layer = (c["hidden"] * arch.hidden_size + c["intermediate"] * arch.intermediate_size + c["kv"] * kv) * element
+        if gradient_checkpointing:
+            # Each layer keeps only its input; backward recomputes one layer at a time.
+            return arch.num_layers * arch.hidden_size * element + per_layer
+        return arch.num_layers * per_layer
+
+    def estimate(self, method: str, micro_batch: int, seq_len: int, mixed_precision: str,
+                 gradient_checkpointing: bool, lora_rank: int = 16, lora_targets: tuple[str, ...] = ("all-linear",),
+                 optimizer: str = "adamw") -> MemoryEstimate:
+        linear, other = parameter_counts(self.arch)
+        trained = linear + other if method == "full" else lora_parameters(self.arch, lora_rank, lora_targets)
+        tokens = micro_batch * seq_len
+        activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
+        logits = int(tokens * self.arch.vocab_size * 4 * LOGIT_COPIES)
+        overhead = int((activations + logits) * SLACK_FRACTION) + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
+        return MemoryEstimate(
+            weights_bytes=self.weights(method, mixed_precision),
+            trainable_bytes=0 if method == "full" else trained * 4,
+            gradients_bytes=trained * 4,
+            optimizer_bytes=trained * (2 if optimizer == "adamw_8bit" else 8),
+            activations_bytes=activations,
+            logits_bytes=logits,
+            overhead_bytes=overhead,
+            budget_bytes=self.budget_bytes,
+        )
+
+    def largest_micro_batch(self, method: str, seq_len: int, mixed_precision: str, gradient_checkpointing: bool,
+                            limit: int, **lora: object) -> int:
+        """The largest micro-batch <= limit that fits; 0 if not even one row fits."""
+        best = 0
+        for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+            if batch > limit:
+                break
+            if self.estimate(method, batch, seq_len, mixed_precision, gradient_checkpointing, **lora).fits:
+                best = batch
+            else:
+                break
+        return best
