@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
@@ -94,47 +94,81 @@ def default_run_name(model: str, preset: str) -> str:
     return f"{short}-{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _overrides(values: dict[str, Any]) -> dict[str, tuple[Any, str]]:
-    """Plan values the user set with a flag; None means not given."""
-    return {name: (value.value if isinstance(value, Enum) else value, "flag")
-            for name, value in values.items() if value is not None}
+# Options shared by `train`, `plan` (and later `tune`), declared once.
+Data = Annotated[str, typer.Argument(help="Training data: .jsonl, .json, .csv, .parquet or a saved datasets directory.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face Hub id or local model directory. Default: the preset's best model that fits.")]
+PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="highspeed, quality (default), bestaccuracy, or a preset YAML file.")]
+MethodOpt = Annotated[Optional[Method], typer.Option("--method", help="lora, qlora (4-bit base) or full fine-tuning. Default: what fits.")]
+EpochsOpt = Annotated[Optional[float], typer.Option("--epochs", min=0.01, help="Passes over the training data.")]
+MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Stop after this many optimizer steps (overrides --epochs).")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Micro-batch size: rows per forward pass. Default: the largest that fits.")]
+AccumOpt = Annotated[Optional[int], typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", min=0.0, help="Peak learning rate.")]
+SchedulerOpt = Annotated[Optional[Scheduler], typer.Option("--lr-scheduler", help="Learning-rate decay after warmup.")]
+WarmupOpt = Annotated[Optional[float], typer.Option("--warmup-ratio", min=0.0, max=0.99, help="Share of steps spent warming up.")]
+SeqOpt = Annotated[Optional[int], typer.Option("--max-seq-len", min=16, help="Longest sequence in tokens; longer rows are truncated.")]
+RankOpt = Annotated[Optional[int], typer.Option("--lora-r", min=1, help="LoRA rank.")]
+AlphaOpt = Annotated[Optional[int], typer.Option("--lora-alpha", min=1, help="LoRA alpha (scale = alpha / r).")]
+DropoutOpt = Annotated[Optional[float], typer.Option("--lora-dropout", min=0.0, max=0.99, help="Dropout on the LoRA path.")]
+EvalSplitOpt = Annotated[Optional[float], typer.Option("--eval-split", min=0.0, max=0.9, help="Share of rows held out for evaluation.")]
+EvalDataOpt = Annotated[Optional[str], typer.Option("--eval-data", help="A separate evaluation file (replaces --eval-split).")]
+SaveEveryOpt = Annotated[Optional[int], typer.Option("--save-every", min=1, help="Checkpoint every N optimizer steps.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed: same seed, same run.")]
+PatienceOpt = Annotated[Optional[int], typer.Option("--early-stopping-patience", min=0, help="Stop after N evaluations without a better eval loss (0: never).")]
+CheckpointingOpt = Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations to save memory (slower). Default: only when needed.")]
+PrecisionOpt = Annotated[Optional[Precision], typer.Option("--mixed-precision", help="Autocast precision. Default: bf16 or fp16 on a GPU, none on CPU.")]
+PromptOpt = Annotated[bool, typer.Option("--train-on-prompt", help="Also compute the loss on prompts, not only on responses.")]
+SkipOpt = Annotated[bool, typer.Option("--skip-bad-rows", help="Skip rows that fail validation instead of stopping.")]
+RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model repository to run its own code.")]
+
+
+def _train_options(data: str, model: Optional[str], preset: Optional[str], eval_data: Optional[str],
+                   skip_bad_rows: bool, **flags: Any) -> Any:
+    """TrainOptions from parsed flags; flags left at None are the plan's to decide."""
+    from llmcustoms.preparation import TrainOptions
+
+    names = {"batch_size": "micro_batch_size"}
+    for switch in ("train_on_prompt", "trust_remote_code"):  # plain switches: off means "not given"
+        if flags.get(switch) is False:
+            flags[switch] = None
+    overrides = {names.get(k, k): (v.value if isinstance(v, Enum) else v, "flag")
+                 for k, v in flags.items() if v is not None}
+    return TrainOptions(data=data, model=model, preset=preset, eval_data=eval_data,
+                        skip_bad_rows=skip_bad_rows, overrides=overrides)
 
 
 @app.command()
 def train(
-    data: str = typer.Argument(..., help="Training data: .jsonl, .json, .csv, .parquet or a saved datasets directory."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Hugging Face Hub id or local model directory. Default: the preset's choice."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="highspeed, quality (default), bestaccuracy, or a preset YAML file."),
-    method: Optional[Method] = typer.Option(None, "--method", help="lora, qlora (4-bit base) or full fine-tuning."),
-    output_dir: Path = typer.Option(Path("runs"), "--output-dir", "-o", help="Where run directories go."),
-    run_name: Optional[str] = typer.Option(None, "--run-name", help="Name of this run's directory. Default: model-preset-time."),
-    epochs: Optional[float] = typer.Option(None, "--epochs", min=0.01, help="Passes over the training data."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many optimizer steps (overrides --epochs)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Micro-batch size: rows per forward pass."),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", min=1, help="Micro-batches per optimizer step."),
-    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Peak learning rate."),
-    lr_scheduler: Optional[Scheduler] = typer.Option(None, "--lr-scheduler", help="Learning-rate decay after warmup."),
-    warmup_ratio: Optional[float] = typer.Option(None, "--warmup-ratio", min=0.0, max=0.99, help="Share of steps spent warming up."),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", min=16, help="Longest sequence in tokens; longer rows are truncated."),
-    lora_r: Optional[int] = typer.Option(None, "--lora-r", min=1, help="LoRA rank."),
-    lora_alpha: Optional[int] = typer.Option(None, "--lora-alpha", min=1, help="LoRA alpha (scale = alpha / r)."),
-    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", min=0.0, max=0.99, help="Dropout on the LoRA path."),
-    eval_split: Optional[float] = typer.Option(None, "--eval-split", min=0.0, max=0.9, help="Share of rows held out for evaluation."),
-    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="A separate evaluation file (replaces --eval-split)."),
-    save_every: Optional[int] = typer.Option(None, "--save-every", min=1, help="Checkpoint every N optimizer steps."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed: same seed, same run."),
-    early_stopping_patience: Optional[int] = typer.Option(None, "--early-stopping-patience", min=0,
-                                                          help="Stop after N evaluations without a better eval loss (0: never)."),
-    gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
-                                                          help="Recompute activations to save memory (slower)."),
-    mixed_precision: Optional[Precision] = typer.Option(None, "--mixed-precision",
-                                                        help="Autocast precision. Default: bf16 or fp16 on a GPU, none on CPU."),
-    train_on_prompt: bool = typer.Option(False, "--train-on-prompt", help="Also compute the loss on prompts, not only on responses."),
-    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip rows that fail validation instead of stopping."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model repository to run its own code."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory of the same name."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display; for scripts."),
+    data: Data,
+    model: ModelOpt = None,
+    preset: PresetOpt = None,
+    method: MethodOpt = None,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where run directories go.")] = Path("runs"),
+    run_name: Annotated[Optional[str], typer.Option("--run-name", help="Name of this run's directory. Default: model-preset-time.")] = None,
+    epochs: EpochsOpt = None,
+    max_steps: MaxStepsOpt = None,
+    batch_size: BatchOpt = None,
+    grad_accum: AccumOpt = None,
+    lr: LrOpt = None,
+    lr_scheduler: SchedulerOpt = None,
+    warmup_ratio: WarmupOpt = None,
+    max_seq_len: SeqOpt = None,
+    lora_r: RankOpt = None,
+    lora_alpha: AlphaOpt = None,
+    lora_dropout: DropoutOpt = None,
+    eval_split: EvalSplitOpt = None,
+    eval_data: EvalDataOpt = None,
+    save_every: SaveEveryOpt = None,
+    seed: SeedOpt = None,
+    early_stopping_patience: PatienceOpt = None,
+    gradient_checkpointing: CheckpointingOpt = None,
+    mixed_precision: PrecisionOpt = None,
+    train_on_prompt: PromptOpt = False,
+    skip_bad_rows: SkipOpt = False,
+    trust_remote_code: RemoteOpt = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
 ) -> None:
     """Fine-tune a model on DATA and save a LoRA adapter (or full model) into a run directory."""
     with user_errors():
@@ -142,35 +176,26 @@ def train(
         from llmcustoms import console as ui
         from llmcustoms.finetuner import FineTuner
         from llmcustoms.hardware import detect
-        from llmcustoms.preparation import TrainOptions, prepare_run
+        from llmcustoms.preparation import prepare_run
         from llmcustoms.rundir import RunDirectory
 
-        overrides = _overrides({
-            "method": method, "epochs": epochs, "max_steps": max_steps, "micro_batch_size": batch_size,
-            "grad_accum": grad_accum, "lr": lr, "lr_scheduler": lr_scheduler, "warmup_ratio": warmup_ratio,
-            "max_seq_len": max_seq_len, "lora_r": lora_r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout,
-            "eval_split": eval_split, "save_every": save_every, "seed": seed,
-            "early_stopping_patience": early_stopping_patience, "gradient_checkpointing": gradient_checkpointing,
-            "mixed_precision": mixed_precision, "train_on_prompt": train_on_prompt or None,
-            "trust_remote_code": trust_remote_code or None,
-        })
-        options = TrainOptions(data=data, model=model, preset=preset, eval_data=eval_data,
-                               skip_bad_rows=skip_bad_rows, overrides=overrides)
+        options = _train_options(
+            data, model, preset, eval_data, skip_bad_rows, method=method, epochs=epochs, max_steps=max_steps,
+            batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
+            warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, seed=seed,
+            early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
+            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
         if run_name:  # fail before any slow work, not after it
             RunDirectory(output_dir / run_name).check_available(overwrite)
-        prepared = prepare_run(options, detect())
+        hardware = detect()
+        prepared = prepare_run(options, hardware)
         plan = prepared.plan
         run_dir = RunDirectory(output_dir / (run_name or default_run_name(plan.model, plan.preset)))
 
         if not quiet:
-            ui.show_data_summary(data, prepared.dataset.format_description, len(prepared.dataset.examples),
-                                 prepared.dataset.skipped, len(prepared.evaluation), prepared.eval_source)
-            if prepared.used_fallback_template:
-                console.print("The tokenizer has no chat template: using the llmcustoms fallback template (see README).")
-            if prepared.truncated:
-                console.print(f"{prepared.truncated} rows truncated to {plan.max_seq_len} tokens"
-                              + (f", {prepared.dropped} dropped (no response left)" if prepared.dropped else "") + ".")
-            ui.show_plan(plan)
+            ui.show_prepared(prepared, data)
+            ui.show_plan(plan, hardware)
         if not yes and not quiet and not ui.confirm("Start training?"):
             raise typer.Exit(0)
         run_dir.create(overwrite=overwrite)
@@ -181,6 +206,85 @@ def train(
             print(result.output_path)
         else:
             ui.show_summary(result)
+
+
+@app.command()
+def plan(
+    data: Data,
+    model: ModelOpt = None,
+    preset: PresetOpt = None,
+    method: MethodOpt = None,
+    vram: Annotated[Optional[float], typer.Option("--vram", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")] = False,
+    epochs: EpochsOpt = None,
+    max_steps: MaxStepsOpt = None,
+    batch_size: BatchOpt = None,
+    grad_accum: AccumOpt = None,
+    lr: LrOpt = None,
+    lr_scheduler: SchedulerOpt = None,
+    warmup_ratio: WarmupOpt = None,
+    max_seq_len: SeqOpt = None,
+    lora_r: RankOpt = None,
+    lora_alpha: AlphaOpt = None,
+    lora_dropout: DropoutOpt = None,
+    eval_split: EvalSplitOpt = None,
+    eval_data: EvalDataOpt = None,
+    save_every: SaveEveryOpt = None,
+    seed: SeedOpt = None,
+    early_stopping_patience: PatienceOpt = None,
+    gradient_checkpointing: CheckpointingOpt = None,
+    mixed_precision: PrecisionOpt = None,
+    train_on_prompt: PromptOpt = False,
+    skip_bad_rows: SkipOpt = False,
+    trust_remote_code: RemoteOpt = False,
+) -> None:
+    """Show what `train` would do with DATA, and whether it fits, without training."""
+    with user_errors():
+        _quiet_libraries()
+        from llmcustoms import console as ui
+        from llmcustoms.hardware import GIB, Hardware, detect
+        from llmcustoms.preparation import prepare_run
+
+        options = _train_options(
+            data, model, preset, eval_data, skip_bad_rows, method=method, epochs=epochs, max_steps=max_steps,
+            batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
+            warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, seed=seed,
+            early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
+            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        hardware = detect()
+        if vram is not None:
+            machine = hardware
+            # Cards sold as "24 GB" have 24 GiB.
+            hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=machine.ram_bytes / GIB,
+                                         cores=machine.cpu_cores)
+        prepared = prepare_run(options, hardware, tokenizer_required=False)
+        if json_output:
+            print(prepared.plan.dumps())
+            return
+        ui.show_prepared(prepared, data)
+        ui.show_plan(prepared.plan, hardware)
+
+
+@app.command()
+def hardware() -> None:
+    """Show this machine's GPUs, CPU and memory, and which models and methods fit."""
+    with user_errors():
+        from llmcustoms import console as ui
+        from llmcustoms.hardware import detect
+        from llmcustoms.presets import load_families
+
+        ui.show_hardware(detect(), load_families())
+
+
+@app.command()
+def presets() -> None:
+    """List the training presets and the model families they choose from."""
+    with user_errors():
+        from llmcustoms import console as ui
+        from llmcustoms.presets import builtin_preset_names, load_families, load_preset
+
+        ui.show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
 
 
 def load_env_file(path: Path = Path(".env")) -> None:

@@ -117,13 +117,48 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def show_data_summary(path: str, format_description: str, rows: int, skipped: int, eval_rows: int, eval_source: str) -> None:
-    line = f"Data: [bold]{escape(path)}[/] - detected format [bold]{escape(format_description)}[/], {rows:,} rows"
-    if skipped:
-        line += f" ([yellow]{skipped:,} bad rows skipped[/])"
+def show_prepared(prepared: Any, data_path: str) -> None:
+    """What was found in the data, before the plan."""
+    dataset = prepared.dataset
+    line = (f"Data: [bold]{escape(data_path)}[/] - detected format [bold]{escape(dataset.format_description)}[/], "
+            f"{len(dataset.examples):,} rows")
+    if dataset.skipped:
+        line += f" ([yellow]{dataset.skipped:,} bad rows skipped[/])"
     console.print(line)
-    if eval_rows:
-        console.print(f"Evaluation: {eval_rows:,} rows held out ({escape(eval_source)})")
+    if prepared.plan.eval_rows:
+        console.print(f"Evaluation: {prepared.plan.eval_rows:,} rows held out ({escape(prepared.eval_source)})")
+    if prepared.used_fallback_template:
+        console.print("The tokenizer has no chat template: using the llmcustoms fallback template (see README).")
+    if prepared.truncated:
+        console.print(f"{prepared.truncated} rows truncated to {prepared.plan.max_seq_len} tokens"
+                      + (f", {prepared.dropped} dropped (no response left)" if prepared.dropped else "") + ".")
+
+
+MEMORY_PARTS = (("weights", "weights_bytes"), ("LoRA adapters", "trainable_bytes"), ("gradients", "gradients_bytes"),
+                ("optimizer state", "optimizer_bytes"), ("activations", "activations_bytes"),
+                ("logits", "logits_bytes"), ("overhead", "overhead_bytes"))
+
+
+def memory_table(memory: dict[str, int], where: str) -> Table:
+    total, budget = memory["total_bytes"], memory["budget_bytes"]
+    table = Table(title=f"Estimated peak memory ({escape(where)})", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right")
+    table.add_column()
+    for label, key in MEMORY_PARTS:
+        if memory.get(key):
+            table.add_row(label, _gib(memory[key]), "")
+    share = total / budget if budget else 0
+    colour = "green" if share <= 0.9 else "red"
+    width = 30
+    filled = min(width, round(share * width))
+    table.add_row("[bold]total", f"[bold]{_gib(total)}",
+                  f"[{colour}]{'#' * filled}[/]{'.' * (width - filled)} {share:.0%} of {_gib(budget)}")
+    return table
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024 ** 3:.2f} GiB"
 
 
 def plan_table(plan: Any) -> Table:
@@ -160,8 +195,11 @@ def _short_source(source: str) -> str:
     return source.split(" ")[0]
 
 
-def show_plan(plan: Any) -> None:
+def show_plan(plan: Any, hardware: Any = None) -> None:
     console.print(plan_table(plan))
+    if plan.memory:
+        where = "RAM" if hardware is None or not hardware.has_gpu else f"GPU: {hardware.gpus[0].name}"
+        console.print(memory_table(plan.memory, where))
     if plan.reasons:
         console.print(Panel("\n".join(f"- {escape(r)}" for r in plan.reasons), title="Why", expand=False))
 
@@ -197,3 +235,66 @@ def confirm(question: str) -> bool:
     from rich.prompt import Confirm
 
     return Confirm.ask(question, default=True, console=console)
+
+
+def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
+    from llmcustoms.memory import MemoryOptimizer
+
+    table = Table(title="This machine", show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for i, gpu in enumerate(hardware.gpus):
+        table.add_row(f"GPU {i}", f"{escape(gpu.name)}: {_gib(gpu.total_bytes)} ({_gib(gpu.free_bytes)} free), "
+                                  f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
+                                  f"bf16 {'yes' if gpu.supports_bf16 else 'no'}")
+    if not hardware.gpus:
+        table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
+    table.add_row("CPU cores", str(hardware.cpu_cores))
+    table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
+    table.add_row("precision", hardware.mixed_precision)
+    console.print(table)
+
+    budget = hardware.memory_budget_bytes
+    seq_len = 1024
+    fits = Table(title=f"What fits in {_gib(budget)} of {'GPU memory' if hardware.has_gpu else 'RAM'} "
+                       f"({seq_len}-token sequences; largest micro-batch)")
+    for column in ("model", "params", "lora", "qlora", "full"):
+        fits.add_column(column, no_wrap=column == "model")
+    for family in families.values():
+        for spec in family.models:
+            memory = MemoryOptimizer(spec, hardware.has_gpu, budget)
+            cells = []
+            for method in ("lora", "qlora", "full"):
+                batch = memory.largest_micro_batch(method, seq_len, hardware.mixed_precision, False, 16)
+                if batch:
+                    cells.append(f"[green]yes[/], {batch}")
+                elif memory.largest_micro_batch(method, seq_len, hardware.mixed_precision, True, 16):
+                    cells.append("[yellow]with checkpointing[/]")
+                else:
+                    need = memory.estimate(method, 1, seq_len, hardware.mixed_precision, True).total_bytes
+                    cells.append(f"[red]no[/] ({need / 1024 ** 3:.1f} GiB)")
+            fits.add_row(spec.hub_id, f"{spec.params / 1e9:.1f}B", *cells)
+    console.print(fits)
+    if not hardware.has_gpu:
+        console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
+                      "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
+
+
+def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
+    table = Table(title="Presets (llmcustoms train DATA --preset NAME)")
+    for column in ("preset", "what for", "models, best first", "LoRA r", "epochs", "lr", "batch", "max len"):
+        table.add_column(column)
+    for p in presets:
+        table.add_row(f"[bold]{p.name}", escape(p.description), escape("\n".join(p.models)), str(p.lora_r),
+                      f"{p.epochs:g}", f"{p.lr:g}", str(p.effective_batch_size), str(p.max_seq_len))
+    console.print(table)
+    table = Table(title="Model families")
+    for column in ("family", "models", "LoRA targets"):
+        table.add_column(column)
+    for family in families.values():
+        models = "\n".join(f"{m.hub_id} ({m.params / 1e9:.1f}B)" for m in family.models)
+        targets = "\n".join(f"{mt}: {' '.join(t)}" for mt, t in family.lora_target_modules.items())
+        table.add_row(f"[bold]{family.name}", escape(models), escape(targets))
+    console.print(table)
+    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < 1,000 rows, "
+                  "medium < 10,000, large). `--preset FILE.yaml` takes your own preset of the same shape.")

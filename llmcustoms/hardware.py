@@ -28,6 +28,17 @@ class Gpu:
         return self.compute_capability >= (8, 0)
 
 
+# Dense bf16/fp16 tensor-core peak, TFLOP/s, by a substring of the GPU's name
+# (vendor datasheets). Used only to estimate how long a run takes.
+PEAK_TFLOPS = (
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
+    ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("A6000", 155.0), ("4090", 165.0), ("4080", 97.0),
+    ("4070", 58.0), ("3090", 71.0), ("3080", 60.0), ("3070", 40.0), ("3060", 25.0), ("T4", 65.0),
+    ("V100", 125.0), ("P100", 19.0),
+)
+DEFAULT_GPU_TFLOPS = 30.0
+
+
 @dataclass(frozen=True)
 class Hardware:
     gpus: tuple[Gpu, ...]
@@ -50,6 +61,22 @@ class Hardware:
         if not self.has_gpu:
             return "no"
         return "bf16" if self.supports_bf16 else "fp16"
+
+    @property
+    def peak_tflops(self) -> float:
+        """Tensor-core peak of the first GPU, from its name (a conservative default if unknown)."""
+        if not self.gpus:
+            return 0.0
+        name = self.gpus[0].name
+        return next((tflops for key, tflops in PEAK_TFLOPS if key.lower() in name.lower()), DEFAULT_GPU_TFLOPS)
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """What one training process may use: the smallest GPU's free memory (every
+        data-parallel rank holds a whole model), or the available RAM on a CPU."""
+        if self.gpus:
+            return min(g.free_bytes for g in self.gpus)
+        return self.ram_free_bytes
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -18,7 +18,12 @@ The estimate is a sum of parts, each from first principles:
   logits       batch x sequence x vocabulary in fp32, a few times over (the
                logits, log-softmax kept for backward, and their gradient);
                large for Qwen's 152k vocabulary
-  overhead     CUDA context and allocator slack
+  overhead     runtime bookkeeping, plus the CUDA context on a GPU
+
+The peak is not the plain sum: backward writes the gradients while it frees
+the activations, so the peak holds weights, adapters and optimizer state plus
+the larger of (gradients) and (activations + logits). That matters for full
+fine-tuning, where gradients are as large as the weights.
 
 The per-token activation and logit coefficients are calibrated against
 measured peaks (`benchmarks/memory_accuracy.py`); the table in the README shows
@@ -37,17 +42,20 @@ NF4_BITS_PER_WEIGHT = 4.127
 SAFETY_MARGIN = 0.10
 CUDA_CONTEXT_BYTES = 600 * 1024 ** 2
 
-# Saved-for-backward elements per token per layer, calibrated (see module doc).
-# Keys: (hidden, intermediate, kv) coefficients; LoRA keeps fewer tensors than
-# full fine-tuning because frozen linears need no saved inputs for weight grads.
+# Saved-for-backward elements per token per layer. First principles gave
+# (14, 4, 2) for LoRA and (16, 5, 2) for full fine-tuning; least squares over
+# the measured peaks of benchmarks/memory_accuracy.py scaled them by 0.78.
+# LoRA keeps fewer tensors than full fine-tuning: frozen linears save no
+# inputs for weight gradients.
 ACTIVATION_COEFFICIENTS = {
-    "lora": {"hidden": 14.0, "intermediate": 4.0, "kv": 2.0},
-    "full": {"hidden": 16.0, "intermediate": 5.0, "kv": 2.0},
+    "lora": {"hidden": 10.9, "intermediate": 3.1, "kv": 1.6},
+    "full": {"hidden": 12.5, "intermediate": 3.9, "kv": 1.6},
 }
-# Copies of the fp32 logits alive at the peak (logits, log-softmax, gradient).
-LOGIT_COPIES = 3.0
-# Allocator slack on top of activations and logits.
-SLACK_FRACTION = 0.05
+# Copies of the fp32 logits alive at the peak (logits, log-softmax kept for
+# backward, their gradient, partly overlapping): fitted 2.85.
+LOGIT_COPIES = 2.85
+# Autograd bookkeeping, batch tensors, kernel workspaces: fitted ~106 MiB.
+RUNTIME_OVERHEAD_BYTES = 100 * 1024 ** 2
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,10 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return (self.weights_bytes + self.trainable_bytes + self.gradients_bytes + self.optimizer_bytes
-                + self.activations_bytes + self.logits_bytes + self.overhead_bytes)
+        """Estimated peak. Gradients are written while activations are freed, so
+        the two overlap in time rather than add up."""
+        in_backward = max(self.gradients_bytes, self.activations_bytes + self.logits_bytes)
+        return self.weights_bytes + self.trainable_bytes + self.optimizer_bytes + in_backward + self.overhead_bytes
 
     @property
     def fits(self) -> bool:
@@ -157,7 +167,7 @@ class MemoryOptimizer:
         tokens = micro_batch * seq_len
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
         logits = int(tokens * self.arch.vocab_size * 4 * LOGIT_COPIES)
-        overhead = int((activations + logits) * SLACK_FRACTION) + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
+        overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
         return MemoryEstimate(
             weights_bytes=self.weights(method, mixed_precision),
             trainable_bytes=0 if method == "full" else trained * 4,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ModelError
 from llmcustoms.planning import ModelChoice, Plan
-from llmcustoms.presets import Family, family_for_model_type, find_model_spec
+from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_model_spec
 
 # Used for model types no preset family covers: peft finds every linear layer.
 ALL_LINEAR = ("all-linear",)
@@ -80,18 +81,44 @@ def load_config(name: str, trust_remote_code: bool = False) -> Any:
     return _from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
 
 
+def spec_from_config(name: str, config: Any, family: str) -> ModelSpec:
+    """Architecture facts of a model from its config.json (memory maths needs them)."""
+    from llmcustoms.memory import parameter_counts
+
+    heads = config.num_attention_heads
+    spec = ModelSpec(
+        hub_id=name, family=family, model_type=config.model_type, params=0, hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers, num_attention_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        vocab_size=config.vocab_size, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_context=getattr(config, "max_position_embeddings", None) or 2048,
+    )
+    return replace(spec, params=sum(parameter_counts(spec)))
+
+
+def choice_from_spec(spec: ModelSpec, families: dict[str, Family], source: str) -> ModelChoice:
+    family = families.get(spec.family)
+    targets = family.targets_for(spec.model_type) if family else ALL_LINEAR
+    return ModelChoice(name=spec.hub_id, family=spec.family, model_type=spec.model_type, target_modules=targets,
+                       max_context=spec.max_context, source=source, arch=spec)
+
+
 def describe_model(name: str, families: dict[str, Family], source: str, trust_remote_code: bool = False) -> ModelChoice:
-    """Family, LoRA targets and context length of a model, from its config."""
-    config = load_config(name, trust_remote_code)
+    """Family, LoRA targets, context and architecture of a model, from its config.
+    A preset model that is not downloaded yet is described from the presets,
+    so planning works offline."""
+    try:
+        config = load_config(name, trust_remote_code)
+    except ModelError:
+        known = find_model_spec(name, families)
+        if known is None:
+            raise
+        return choice_from_spec(known, families, source)
     model_type = getattr(config, "model_type", "")
     family = family_for_model_type(model_type, families)
-    spec = find_model_spec(name, families)
-    max_context = getattr(config, "max_position_embeddings", None) or (spec.max_context if spec else 2048)
-    if family is None:
-        return ModelChoice(name=name, family="other", model_type=model_type, target_modules=ALL_LINEAR,
-                           max_context=max_context, source=source)
-    return ModelChoice(name=name, family=family.name, model_type=model_type,
-                       target_modules=family.targets_for(model_type), max_context=max_context, source=source)
+    spec = spec_from_config(name, config, family.name if family else "other")
+    return choice_from_spec(spec, families, source)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

@@ -14,13 +14,21 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.hardware import Hardware
-from llmcustoms.presets import TrainingPreset, validate_preset_values
+from llmcustoms.hardware import GIB, Hardware
+from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
+from llmcustoms.presets import ModelSpec, TrainingPreset, validate_preset_values
 
 DEFAULT_SEED = 42
 DEFAULT_KEEP_CHECKPOINTS = 3
-# A micro-batch this size keeps per-step overhead low without a memory model.
-DEFAULT_MICRO_BATCH = 4
+# Larger micro-batches than this add little speed; memory is better spent elsewhere.
+MICRO_BATCH_CAP = 16
+# Share of the GPU's tensor-core peak a fine-tuning step reaches (model FLOPs utilisation).
+GPU_MFU = 0.35
+# Effective FLOP/s per CPU core in fp32 training steps, measured with
+# benchmarks/throughput.py on the reference machine.
+CPU_FLOPS_PER_CORE = 12e9
+# Extra time QLoRA spends dequantising 4-bit weights in every forward and backward.
+QLORA_SLOWDOWN = 1.3
 # Sequence length is chosen to cover this share of rows, rounded up to a multiple of 64.
 LENGTH_PERCENTILE = 99
 
@@ -34,7 +42,8 @@ class ModelChoice:
     model_type: str
     target_modules: tuple[str, ...]
     max_context: int
-    source: str  # where the choice came from: flag, env, preset
+    source: str  # where the choice came from: flag, env, preset, optimizer
+    arch: ModelSpec  # architecture facts for the memory estimate
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,11 @@ class DataStats:
 
     def rows_truncated(self, max_seq_len: int) -> int:
         return sum(1 for n in self.lengths if n > max_seq_len)
+
+    def mean_length(self, max_seq_len: int) -> float:
+        """Mean tokens per kept row after truncation: what a step really computes."""
+        kept = [min(n, max_seq_len) for n, p in zip(self.lengths, self.first_loss_positions) if p < max_seq_len]
+        return sum(kept) / max(1, len(kept))
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class Plan:
     eval_rows: int
     lora: LoraSettings | None
     memory: dict[str, int] | None = None
+    estimated_seconds: float | None = None
     reasons: tuple[str, ...] = ()
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -199,26 +214,6 @@ def _choose_max_seq_len(r: _Resolver, stats: DataStats, model: ModelChoice) -> i
     return cap
 
 
-def _batch_shape(r: _Resolver, preset_effective: int, train_rows: int) -> tuple[int, int]:
-    if r.given("micro_batch_size") and r.given("grad_accum"):
-        return r.get("micro_batch_size"), r.get("grad_accum")
-    # Never ask for a bigger batch than there are rows.
-    target = max(1, min(preset_effective, train_rows))
-    if r.given("micro_batch_size"):
-        micro = r.get("micro_batch_size")
-    elif r.given("grad_accum"):
-        accum = r.get("grad_accum")
-        micro = r.chose("micro_batch_size", max(1, target // accum),
-                        f"micro-batch {max(1, target // accum)}: preset effective batch {target} / accumulation {accum}")
-        return micro, accum
-    else:
-        micro = r.chose("micro_batch_size", min(DEFAULT_MICRO_BATCH, target),
-                        f"micro-batch {min(DEFAULT_MICRO_BATCH, target)}: default without a memory estimate")
-    accum = max(1, -(-target // micro))
-    r.chose("grad_accum", accum, f"gradient accumulation {accum}: reaches the effective batch of {target}")
-    return micro, accum
-
-
 def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> int:
     """Optimizer steps in one pass; the last step of an epoch may be short."""
     return max(1, -(-train_rows // (micro_batch_size * grad_accum)))
@@ -233,84 +228,281 @@ def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, 
     return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
 
 
-def make_plan(hardware: Hardware, preset: TrainingPreset, model: ModelChoice, stats: DataStats,
-              overrides: dict[str, tuple[Any, str]], preset_source: str = "default") -> Plan:
-    """The plan in force for these inputs. Raises `ConfigError` naming every bad value at once."""
-    preset_values, bucket = preset.for_dataset_size(stats.train_rows + stats.eval_rows)
-    r = _Resolver(overrides, preset_values, f"preset {preset.name} ({bucket} dataset)")
-    problems = validate_preset_values({k: v for k, (v, _) in overrides.items() if k in preset_values}, "flag")
-    if problems:
-        raise ConfigError("Invalid value(s):\n  " + "\n  ".join(p.removeprefix("flag: ") for p in problems))
 
-    method = r.get("method")
-    if overrides.get("mixed_precision", (None,))[0] == "fp16" and not hardware.has_gpu:
-        raise ConfigError("fp16 mixed precision needs a GPU.", "Use --mixed-precision no or bf16 on a CPU.")
-    if method == "qlora" and not hardware.has_gpu:
-        r.reasons.append("QLoRA on CPU: bitsandbytes runs 4-bit on the CPU, slowly; fine for small models")
-    mixed_precision = r.get("mixed_precision", hardware.mixed_precision)
-    if not r.given("mixed_precision"):
-        r.chose("mixed_precision", mixed_precision,
-                f"precision {mixed_precision}: " + ("bf16 autocast, supported by this GPU" if mixed_precision == "bf16"
-                                                    else "fp16 autocast, this GPU has no bf16" if mixed_precision == "fp16"
-                                                    else "fp32, no GPU found"))
-    max_seq_len = _choose_max_seq_len(r, stats, model)
-    train_rows = stats.rows_kept(max_seq_len)
-    if train_rows == 0:
-        raise ConfigError(f"No row has a response token within max_seq_len {max_seq_len}.",
-                          "Raise --max-seq-len, or shorten the prompts in the data.")
-    micro, accum = _batch_shape(r, r.get("effective_batch_size"), train_rows)
-    effective = micro * accum
-    r.sources["effective_batch_size"] = "optimizer" if not (r.given("micro_batch_size") and r.given("grad_accum")) else "flag"
+def _memory_summary(estimate: MemoryEstimate) -> str:
+    return f"{estimate.total_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB"
 
-    per_epoch = steps_per_epoch(train_rows, micro, accum)
-    epochs = r.get("epochs")
-    max_steps = r.get("max_steps")
-    total = max_steps if max_steps else max(1, math.ceil(epochs * per_epoch))
-    r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "optimizer"
-    warmup_steps = int(r.get("warmup_ratio") * total)
-    r.sources["warmup_steps"] = r.sources.pop("warmup_ratio")
 
-    evals_per_epoch = preset_values.get("evals_per_epoch", 1)
-    if stats.eval_rows == 0:
-        eval_every = 0
-        r.sources["eval_every"] = "optimizer"
-    elif r.given("eval_every"):
-        eval_every = r.get("eval_every")
+class ParameterOptimizer:
+    """Chooses model, method, batch shape, checkpointing and the rest for one machine.
+
+    Every choice must fit `budget_bytes` (with `SAFETY_MARGIN` to spare) by the
+    `MemoryOptimizer`'s estimate; nothing is found out by crashing.
+    """
+
+    def __init__(self, hardware: Hardware, preset: TrainingPreset, budget_bytes: int | None = None,
+                 catalog: tuple[ModelSpec, ...] = ()):
+        self.hardware = hardware
+        self.preset = preset
+        self.budget = budget_bytes if budget_bytes is not None else hardware.memory_budget_bytes
+        # Known models, smallest first: what a refusal can suggest instead.
+        self.catalog = tuple(sorted(catalog, key=lambda spec: sum(parameter_counts(spec))))
+
+    # -------------------------------------------------------- memory choices
+
+    def _micro_batch(self, memory: MemoryOptimizer, method: str, seq_len: int, precision: str, cap: int,
+                     checkpointing: bool | None, lora: dict[str, Any]) -> tuple[int, bool]:
+        """(micro-batch, gradient checkpointing) for one method; micro-batch 0 if nothing fits.
+
+        Checkpointing is used only when the micro-batch could not reach `cap`
+        without it. Both options grow with the budget, so the result does too.
+        """
+        def largest(ckpt: bool) -> int:
+            return memory.largest_micro_batch(method, seq_len, precision, ckpt, cap, **lora)
+
+        if checkpointing is not None:
+            return largest(checkpointing), checkpointing
+        plain = largest(False)
+        if plain >= cap:
+            return plain, False
+        with_ckpt = largest(True)
+        return (with_ckpt, True) if with_ckpt > plain else (plain, False)
+
+    def _fit(self, r: _Resolver, model: ModelChoice, methods: list[str], seq_len: int, precision: str,
+             cap: int, lora: dict[str, Any]) -> tuple[str, int, bool, dict[str, int]] | None:
+        """The method and micro-batch to use: the largest micro-batch over the allowed
+        methods (the preferred method wins ties), and each method's micro-batch.
+        None if no method fits."""
+        memory = MemoryOptimizer(model.arch, self.hardware.has_gpu, self.budget)
+        checkpointing = r.overrides["gradient_checkpointing"][0] if r.given("gradient_checkpointing") else None
+        options = []
+        for method in methods:
+            micro, ckpt = self._micro_batch(memory, method, seq_len, precision, cap, checkpointing, lora)
+            options.append((micro, method, ckpt))
+        micro, method, ckpt = max(options, key=lambda o: o[0])  # max keeps the first (preferred) on ties
+        if micro == 0:
+            return None
+        return method, micro, ckpt, {m: mb for mb, m, _ in options}
+
+    def _does_not_fit(self, model: ModelChoice, methods: list[str], seq_len: int, precision: str,
+                      lora: dict[str, Any]) -> ConfigError:
+        memory = MemoryOptimizer(model.arch, self.hardware.has_gpu, self.budget)
+        smallest = min(methods, key=lambda m: memory.estimate(m, 1, seq_len, precision, True, **lora).total_bytes)
+        need = memory.estimate(smallest, 1, seq_len, precision, True, **lora)
+        usable = self.budget * (1 - SAFETY_MARGIN)
+        where = "GPU memory" if self.hardware.has_gpu else "RAM"
+        suggestions = []
+        if "qlora" not in methods and memory.estimate("qlora", 1, seq_len, precision, True, **lora).fits:
+            suggestions.append("--method qlora")
+        for shorter in (1024, 512, 256):
+            if shorter < seq_len and memory.estimate(smallest, 1, shorter, precision, True, **lora).fits:
+                suggestions.append(f"--max-seq-len {shorter}")
+                break
+        smaller = self._largest_smaller_model(model.arch, seq_len, precision)
+        if smaller:
+            spec, length = smaller
+            suggestions.append(f"a smaller model such as --model {spec.hub_id}"
+                               + (f" with --max-seq-len {length}" if length < seq_len else ""))
+        gib_needed = math.ceil(need.total_bytes / (1 - SAFETY_MARGIN) / GIB)
+        suggestions.append(f"a machine with at least {gib_needed} GiB of {where}")
+        return ConfigError(
+            f"{model.name} does not fit in {self.budget / GIB:.1f} GiB of {where}: even {smallest} with micro-batch 1, "
+            f"gradient checkpointing and {seq_len}-token sequences needs about {need.total_bytes / GIB:.1f} GiB "
+            f"({max(0.0, need.total_bytes - usable) / GIB:.1f} GiB more than can be used).",
+            "What would fit: " + "; or ".join(suggestions) + ".",
+        )
+
+    def _largest_smaller_model(self, arch: ModelSpec, seq_len: int, precision: str) -> tuple[ModelSpec, int] | None:
+        """The largest known model smaller than `arch` that fits with QLoRA, at
+        this sequence length or the longest shorter one that works."""
+        size = sum(parameter_counts(arch))
+        for spec in reversed(self.catalog):
+            if sum(parameter_counts(spec)) >= size:
+                continue
+            memory = MemoryOptimizer(spec, self.hardware.has_gpu, self.budget)
+            for length in [seq_len] + [n for n in (1024, 512, 256) if n < seq_len]:
+                if memory.estimate("qlora", 1, length, precision, True).fits:
+                    return spec, length
+        return None
+
+    # ------------------------------------------------------------ the plan
+
+    def choose_model(self, candidates: list[ModelChoice], stats: DataStats,
+                     overrides: dict[str, tuple[Any, str]]) -> tuple[ModelChoice, str]:
+        """The preset's best model that fits, and why. On a CPU-only machine the
+        smallest: training there is slow, so size matters more than quality."""
+        if not self.hardware.has_gpu:
+            return candidates[-1], f"model {candidates[-1].name}: no GPU found, so the preset's smallest model"
+        for candidate in candidates:
+            try:
+                self.plan(candidate, stats, overrides)
+            except ConfigError:
+                continue
+            return candidate, f"model {candidate.name}: the preset's first choice that fits this GPU"
+        raise self._does_not_fit(candidates[-1], ["lora", "qlora"], min(stats.percentile(LENGTH_PERCENTILE), 512),
+                                 self.hardware.mixed_precision, {})
+
+    def plan(self, model: ModelChoice, stats: DataStats, overrides: dict[str, tuple[Any, str]],
+             preset_source: str = "default") -> Plan:
+        """The plan in force for these inputs. Raises `ConfigError` naming every bad value at once."""
+        hardware, preset = self.hardware, self.preset
+        preset_values, bucket = preset.for_dataset_size(stats.train_rows + stats.eval_rows)
+        r = _Resolver(overrides, preset_values, f"preset {preset.name} ({bucket} dataset)")
+        problems = validate_preset_values({k: v for k, (v, _) in overrides.items() if k in preset_values}, "flag")
+        if problems:
+            raise ConfigError("Invalid value(s):\n  " + "\n  ".join(p.removeprefix("flag: ") for p in problems))
+        if overrides.get("mixed_precision", (None,))[0] == "fp16" and not hardware.has_gpu:
+            raise ConfigError("fp16 mixed precision needs a GPU.", "Use --mixed-precision no or bf16 on a CPU.")
+
+        precision = r.get("mixed_precision", hardware.mixed_precision)
+        if not r.given("mixed_precision"):
+            r.chose("mixed_precision", precision,
+                    f"precision {precision}: " + {"bf16": "bf16 autocast, supported by this GPU",
+                                                  "fp16": "fp16 autocast, this GPU has no bf16",
+                                                  "no": "fp32, no GPU found"}[precision])
+        max_seq_len = _choose_max_seq_len(r, stats, model)
+        train_rows = stats.rows_kept(max_seq_len)
+        if train_rows == 0:
+            raise ConfigError(f"No row has a response token within max_seq_len {max_seq_len}.",
+                              "Raise --max-seq-len, or shorten the prompts in the data.")
+        target = max(1, min(r.get("effective_batch_size"), train_rows))
+        lora = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules}
+
+        preferred = r.get("method")
+        methods = [preferred] if r.given("method") or preferred == "full" else [preferred, "qlora"]
+        methods = list(dict.fromkeys(methods))
+        cap = min(MICRO_BATCH_CAP, target)
+        if r.given("micro_batch_size"):
+            cap = r.overrides["micro_batch_size"][0]
+        fit = self._fit(r, model, methods, max_seq_len, precision, cap, lora)
+        if fit is None:
+            if r.given("micro_batch_size"):
+                fit = self._fit(r, model, methods, max_seq_len, precision, 1, lora)
+            if fit is None:
+                raise self._does_not_fit(model, methods, max_seq_len, precision, lora)
+        method, micro, checkpointing, per_method = fit
+        if method != preferred:
+            why = (f"{preferred} does not fit" if per_method[preferred] == 0
+                   else f"{preferred} fits only micro-batch {per_method[preferred]}")
+            r.chose("method", method, f"method {method}: {why}; with a 4-bit base micro-batch {micro} fits")
+        if r.given("micro_batch_size"):
+            micro = r.get("micro_batch_size", plan_field="micro_batch_size")
+        else:
+            r.chose("micro_batch_size", micro, f"micro-batch {micro}: the largest up to {cap} that fits "
+                                               f"with a {int(SAFETY_MARGIN * 100)}% margin")
+        if r.given("gradient_checkpointing"):
+            checkpointing = r.get("gradient_checkpointing")
+        elif checkpointing:
+            r.chose("gradient_checkpointing", True,
+                    f"gradient checkpointing on: without it the micro-batch would be under {cap}; costs about 30% more compute")
+        else:
+            r.sources["gradient_checkpointing"] = "optimizer"
+
+        if r.given("grad_accum"):
+            accum = r.get("grad_accum")
+        else:
+            accum = max(1, -(-target // micro))
+            r.chose("grad_accum", accum, f"gradient accumulation {accum}: {micro} x {accum} reaches the "
+                                         f"effective batch of {target}")
+        effective = micro * accum
+        r.sources["effective_batch_size"] = "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "optimizer"
+        memory = MemoryOptimizer(model.arch, hardware.has_gpu, self.budget).estimate(
+            method, micro, max_seq_len, precision, checkpointing, optimizer="adamw", **lora)
+        if not memory.fits:
+            r.reasons.append(f"warning: the estimated peak ({_memory_summary(memory)}) exceeds the safe budget; "
+                             "out-of-memory is likely")
+        else:
+            r.reasons.append(f"estimated peak memory {_memory_summary(memory)}")
+
+        per_epoch = steps_per_epoch(train_rows, micro, accum)
+        epochs = r.get("epochs")
+        max_steps = r.get("max_steps")
+        total = max_steps if max_steps else max(1, math.ceil(epochs * per_epoch))
+        r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "optimizer"
+        warmup_steps = int(r.get("warmup_ratio") * total)
+        r.sources["warmup_steps"] = r.sources.pop("warmup_ratio")
+
+        evals_per_epoch = preset_values.get("evals_per_epoch", 1)
+        if stats.eval_rows == 0:
+            eval_every = 0
+            r.sources["eval_every"] = "optimizer"
+        elif r.given("eval_every"):
+            eval_every = r.get("eval_every")
+        else:
+            every = max(1, per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else total
+            eval_every = r.chose("eval_every", every, f"evaluate every {every} steps: {evals_per_epoch} evaluation(s) per epoch")
+        save_every = r.get("save_every")
+        if not save_every:
+            every = min(500, max(1, total // 10))
+            save_every = r.chose("save_every", every, f"checkpoint every {every} steps: about 10 per run, at most 500 steps apart")
+
+        lora_settings = None
+        if method != "full":
+            lora_settings = LoraSettings(r=r.get("lora_r"), alpha=r.get("lora_alpha"), dropout=r.get("lora_dropout"),
+                                         target_modules=model.target_modules)
+            for name in ("lora_r", "lora_alpha", "lora_dropout"):
+                r.sources[f"lora.{name.removeprefix('lora_')}"] = r.sources.pop(name)
+        truncated = stats.rows_truncated(max_seq_len)
+        if truncated:
+            r.reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
+                             + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
+                                if train_rows < stats.train_rows else ""))
+        mean_tokens = stats.mean_length(max_seq_len)
+        seconds = estimate_seconds(model.arch, method, checkpointing, total * effective * mean_tokens, hardware)
+        r.reasons.append(duration_reason(seconds, hardware))
+
+        r.sources["model"] = model.source
+        r.sources["preset"] = preset_source
+        r.sources.pop("eval_split", None)
+        return Plan(
+            model=model.name, family=model.family, model_type=model.model_type, preset=preset.name,
+            method=method, micro_batch_size=micro, grad_accum=accum, effective_batch_size=effective,
+            max_seq_len=max_seq_len, gradient_checkpointing=bool(checkpointing),
+            mixed_precision=precision, lr=float(r.get("lr")), lr_scheduler=r.get("lr_scheduler"),
+            warmup_steps=warmup_steps, weight_decay=float(r.get("weight_decay")),
+            max_grad_norm=float(r.get("max_grad_norm")), epochs=float(epochs), steps_per_epoch=per_epoch,
+            total_steps=total, eval_every=eval_every,
+            early_stopping_patience=r.get("early_stopping_patience"), save_every=save_every,
+            keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
+            train_on_prompt=bool(r.get("train_on_prompt", False)),
+            trust_remote_code=bool(r.get("trust_remote_code", False)),
+            train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora_settings,
+            memory=memory.to_json(), estimated_seconds=seconds,
+            reasons=tuple(r.reasons), sources=r.sources,
+        )
+
+
+
+def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
+    """Forward 2N; backward 4N when every weight gets a gradient, about 2N when
+    the base is frozen (only activation gradients); checkpointing adds a forward."""
+    linear, other = parameter_counts(arch)
+    n = linear + arch.vocab_size * arch.hidden_size  # the embedding lookup is free, the head is not
+    backward = 4 * n if method == "full" else 2 * n
+    return 2 * n + backward + (2 * n if gradient_checkpointing else 0)
+
+
+def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware) -> float:
+    if hardware.has_gpu:
+        rate = hardware.peak_tflops * 1e12 * GPU_MFU
     else:
-        eval_every = r.chose("eval_every", max(1, per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else total,
-                             f"evaluate every {max(1, per_epoch // max(1, evals_per_epoch))} steps: "
-                             f"{evals_per_epoch} evaluation(s) per epoch")
-    save_every = r.get("save_every")
-    if not save_every:
-        save_every = r.chose("save_every", min(500, max(1, total // 10)),
-                             f"checkpoint every {min(500, max(1, total // 10))} steps: about 10 per run, at most 500 steps apart")
+        rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores
+    seconds = tokens * flops_per_token(arch, method, gradient_checkpointing) / rate
+    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
-    lora = None
-    if method != "full":
-        lora = LoraSettings(r=r.get("lora_r"), alpha=r.get("lora_alpha"), dropout=r.get("lora_dropout"),
-                            target_modules=model.target_modules)
-        for name in ("lora_r", "lora_alpha", "lora_dropout"):
-            r.sources[f"lora.{name.removeprefix('lora_')}"] = r.sources.pop(name)
-    truncated = stats.rows_truncated(max_seq_len)
-    if truncated:
-        r.reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
-                         + (f"; {stats.train_rows - train_rows} keep no response and will be dropped" if train_rows < stats.train_rows else ""))
 
-    r.sources["model"] = model.source
-    r.sources["preset"] = preset_source
-    r.sources.pop("eval_split", None)
-    return Plan(
-        model=model.name, family=model.family, model_type=model.model_type, preset=preset.name,
-        method=method, micro_batch_size=micro, grad_accum=accum, effective_batch_size=effective,
-        max_seq_len=max_seq_len, gradient_checkpointing=bool(r.get("gradient_checkpointing", False)),
-        mixed_precision=mixed_precision, lr=float(r.get("lr")), lr_scheduler=r.get("lr_scheduler"),
-        warmup_steps=warmup_steps, weight_decay=float(r.get("weight_decay")),
-        max_grad_norm=float(r.get("max_grad_norm")), epochs=float(epochs), steps_per_epoch=per_epoch,
-        total_steps=total, eval_every=eval_every,
-        early_stopping_patience=r.get("early_stopping_patience"), save_every=save_every,
-        keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
-        train_on_prompt=bool(r.get("train_on_prompt", False)),
-        trust_remote_code=bool(r.get("trust_remote_code", False)),
-        train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
-        reasons=tuple(r.reasons), sources=r.sources,
-    )
+def duration_reason(seconds: float, hardware: Hardware) -> str:
+    hours = seconds / 3600
+    text = f"estimated duration {_human_duration(seconds)}"
+    if not hardware.has_gpu and hours >= 1:
+        return (text + ": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
+                "minutes to an hour; on this machine try --preset highspeed, a smaller model or --max-steps")
+    return text
+
+
+def _human_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"about {max(1, round(seconds))} s"
+    if seconds < 5400:
+        return f"about {round(seconds / 60)} min"
+    return f"about {seconds / 3600:.1f} h"

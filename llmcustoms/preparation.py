@@ -1,26 +1,29 @@
 """From the user's options to a plan and tokenized data, before any weight loads.
 
 Order matters: read and validate the data (cheap, fails fast on bad rows),
-look at the model's config and tokenizer, measure token lengths, split off the
-evaluation rows, then plan. `train`, `plan` and `tune` all start here.
+split off the evaluation rows, pick or describe the model, measure token
+lengths with its tokenizer, then plan. `train`, `plan` and `tune` all start here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from llmcustoms.data import Dataset, read_dataset
-from llmcustoms.errors import ConfigError, DataError
+from llmcustoms.data import Dataset, Example, read_dataset
+from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import Hardware
-from llmcustoms.planning import DataStats, Plan, eval_fraction, make_plan
-from llmcustoms.presets import load_families, load_preset
+from llmcustoms.planning import DataStats, ModelChoice, ParameterOptimizer, Plan, eval_fraction
+from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 
 DEFAULT_PRESET = "quality"
+# Without a tokenizer (planning offline), lengths are estimated from characters.
+CHARS_PER_TOKEN = 3.6
+TEMPLATE_TOKENS_PER_MESSAGE = 6
 
 
 @dataclass
@@ -35,11 +38,14 @@ class TrainOptions:
     # field -> (value, source): plan values set by a flag or the environment
     overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
+    def override(self, name: str, default: Any) -> Any:
+        return self.overrides.get(name, (default, ""))[0]
+
 
 @dataclass
 class PreparedRun:
     plan: Plan
-    tokenizer: Any
+    tokenizer: Any  # None when planning offline without the model's tokenizer
     train: list[TokenizedExample]
     evaluation: list[TokenizedExample]
     dataset: Dataset
@@ -60,51 +66,92 @@ def split_eval(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list
     return [i for i in range(n_rows) if i not in held_out], eval_idx
 
 
-def prepare_run(options: TrainOptions, hardware: Hardware) -> PreparedRun:
+def estimated_stats(train: list[Example], eval_rows: int, fmt: str) -> DataStats:
+    """Token lengths guessed from characters, for planning without a tokenizer."""
+    def tokens(text_chars: int, messages: int) -> int:
+        return int(text_chars / CHARS_PER_TOKEN) + TEMPLATE_TOKENS_PER_MESSAGE * messages
+
+    lengths, firsts = [], []
+    for e in train:
+        if e.is_chat:
+            lengths.append(tokens(e.char_count(), len(e.messages)))
+            firsts.append(tokens(sum(len(c) for _, c in e.messages[:-1]), len(e.messages) - 1) + 2)
+        else:
+            lengths.append(tokens(e.char_count(), 1))
+            firsts.append(max(1, tokens(len(e.prompt), 0)))
+    return DataStats(lengths=tuple(lengths), first_loss_positions=tuple(firsts), eval_rows=eval_rows, format=fmt,
+                     length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
+
+
+def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[Example], list[Example], str]:
+    if options.eval_data:
+        eval_set = read_dataset(options.eval_data, skip_bad_rows=options.skip_bad_rows)
+        return dataset.examples, eval_set.examples, f"from {Path(options.eval_data).name}"
+    seed = options.override("seed", 42)
+    fraction, fraction_source = eval_fraction(preset, len(dataset.examples), options.overrides)
+    train_idx, eval_idx = split_eval(len(dataset.examples), fraction, seed)
+    train = [dataset.examples[i] for i in train_idx]
+    if not train:
+        raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
+                        "Lower --eval-split or add more rows.")
+    return train, [dataset.examples[i] for i in eval_idx], f"{fraction:.0%} split, seed {seed}, {fraction_source}"
+
+
+def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
+                tokenizer_required: bool = True) -> PreparedRun:
+    """Read, split, choose, tokenize and plan. With `tokenizer_required=False`
+    (the `plan` command) a model that is not downloaded is planned from preset
+    facts and character-based length estimates instead of failing."""
     from llmcustoms import modeling
 
     dataset = read_dataset(options.data, skip_bad_rows=options.skip_bad_rows)
-    preset_name = options.preset or DEFAULT_PRESET
-    preset = load_preset(preset_name)
+    preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
-    trust_remote_code = bool(options.overrides.get("trust_remote_code", (False, ""))[0])
-    model_name, model_source = (options.model, "flag") if options.model else (preset.default_model, f"preset {preset.name}")
-    model = modeling.describe_model(model_name, families, model_source, trust_remote_code)
-    hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
-    used_fallback = ensure_chat_template(hf_tokenizer)
-    train_on_prompt = bool(options.overrides.get("train_on_prompt", (False, ""))[0])
-    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=modeling.stop_token_ids(model_name))
-    seed = options.overrides.get("seed", (42, ""))[0]
+    catalog = tuple(spec for family in families.values() for spec in family.models)
+    optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
+    trust_remote_code = bool(options.override("trust_remote_code", False))
+    train_examples, eval_examples, eval_source = _split(options, dataset, preset)
 
-    if options.eval_data:
-        eval_set = read_dataset(options.eval_data, skip_bad_rows=options.skip_bad_rows)
-        train_examples, eval_examples = dataset.examples, eval_set.examples
-        eval_source = f"from {Path(options.eval_data).name}"
+    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in preset.models]
+    choice_reason = None
+    if options.model:
+        model = modeling.describe_model(options.model, families, "flag", trust_remote_code)
     else:
-        fraction, fraction_source = eval_fraction(preset, len(dataset.examples), options.overrides)
-        train_idx, eval_idx = split_eval(len(dataset.examples), fraction, seed)
-        train_examples = [dataset.examples[i] for i in train_idx]
-        eval_examples = [dataset.examples[i] for i in eval_idx]
-        eval_source = f"{fraction:.0%} split, seed {seed}, {fraction_source}"
-    if not train_examples:
-        raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
-                        "Lower --eval-split or add more rows.")
+        rough = estimated_stats(train_examples, len(eval_examples), dataset.format)
+        model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides)
 
-    # Tokenize untruncated first: planning picks max_seq_len from these lengths.
-    train_full = [tokenizer.encode(e) for e in train_examples]
-    eval_full = [tokenizer.encode(e) for e in eval_examples]
-    stats = DataStats(lengths=tuple(len(e.input_ids) for e in train_full),
-                      first_loss_positions=tuple(first_loss_position(e) for e in train_full),
-                      eval_rows=len(eval_full), format=dataset.format)
-    preset_source = "flag" if options.preset else "default"
-    plan = make_plan(hardware, preset, model, stats, options.overrides, preset_source=preset_source)
+    hf_tokenizer, used_fallback = None, False
+    try:
+        hf_tokenizer = modeling.load_tokenizer(model.name, trust_remote_code)
+    except ModelError:
+        if tokenizer_required:
+            raise
+    if hf_tokenizer is None:
+        stats = estimated_stats(train_examples, len(eval_examples), dataset.format)
+        train_full: list[TokenizedExample] = []
+        eval_full: list[TokenizedExample] = []
+    else:
+        used_fallback = ensure_chat_template(hf_tokenizer)
+        tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=bool(options.override("train_on_prompt", False)),
+                              stop_token_ids=modeling.stop_token_ids(model.name))
+        # Untruncated first: planning picks max_seq_len from these lengths.
+        train_full = [tokenizer.encode(e) for e in train_examples]
+        eval_full = [tokenizer.encode(e) for e in eval_examples]
+        stats = DataStats(lengths=tuple(len(e.input_ids) for e in train_full),
+                          first_loss_positions=tuple(first_loss_position(e) for e in train_full),
+                          eval_rows=len(eval_full), format=dataset.format)
+
+    plan = optimizer.plan(model, stats, options.overrides, preset_source="flag" if options.preset else "default")
+    if choice_reason:
+        plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
     train = truncate(train_full, plan.max_seq_len)
     evaluation = truncate(eval_full, plan.max_seq_len)
-    if plan.eval_rows != len(evaluation.examples):
-        plan = plan.with_changes(eval_rows=len(evaluation.examples))
-    if not train.examples:
-        raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
-                          "Raise --max-seq-len.")
+    if hf_tokenizer is not None:
+        if plan.eval_rows != len(evaluation.examples):
+            plan = plan.with_changes(eval_rows=len(evaluation.examples))
+        if not train.examples:
+            raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
+                              "Raise --max-seq-len.")
     return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
                        dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
                        dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback)

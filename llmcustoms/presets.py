@@ -74,8 +74,7 @@ class TrainingPreset:
 
     name: str
     description: str
-    families: tuple[str, ...]
-    default_model: str
+    models: tuple[str, ...]  # hub ids, best first
     method: str
     epochs: float
     lr: float
@@ -190,7 +189,7 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
 
 
 _PRESET_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "name": str, "description": str, "families": list, "default_model": str, "method": str,
+    "name": str, "description": str, "models": list, "method": str,
     "epochs": (int, float), "lr": (int, float), "lr_scheduler": str, "warmup_ratio": (int, float),
     "weight_decay": (int, float), "max_grad_norm": (int, float), "lora_r": int, "lora_alpha": int,
     "lora_dropout": (int, float), "effective_batch_size": int, "max_seq_len": int,
@@ -225,7 +224,7 @@ def validate_preset_values(values: dict[str, Any], where: str) -> list[str]:
     return problems
 
 
-def parse_preset(data: dict[str, Any], source: str, known_families: set[str]) -> TrainingPreset:
+def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> TrainingPreset:
     problems: list[str] = []
     _check_fields(data, _PRESET_FIELDS, problems, source)
     unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size"}
@@ -233,8 +232,11 @@ def parse_preset(data: dict[str, Any], source: str, known_families: set[str]) ->
     # Range-check every field whose type is right, so one pass reports everything.
     typed = {k: data[k] for k in TUNABLE_FIELDS if k in data and not any(f"'{k}'" in p for p in problems)}
     problems += validate_preset_values(typed, source)
-    if isinstance(data.get("families"), list):
-        problems += [f"{source}: unknown family '{f}'" for f in data["families"] if f not in known_families]
+    if isinstance(data.get("models"), list):
+        if not data["models"]:
+            problems.append(f"{source}: 'models' must list at least one model")
+        problems += [f"{source}: model '{m}' is not in any family file (presets/families/)"
+                     for m in data["models"] if m not in known_models]
     by_size = data.get("by_dataset_size") or {}
     if not isinstance(by_size, dict):
         problems.append(f"{source}: 'by_dataset_size' must be a mapping of small/medium/large")
@@ -252,8 +254,8 @@ def parse_preset(data: dict[str, Any], source: str, known_families: set[str]) ->
         raise ConfigError("Invalid preset:\n  " + "\n  ".join(problems),
                           "Compare it with the files in presets/ (`llmcustoms presets` lists them).")
     return TrainingPreset(
-        **{k: data[k] for k in _PRESET_FIELDS if k != "families"},
-        families=tuple(data["families"]), by_dataset_size={k: dict(v) for k, v in by_size.items()},
+        **{k: data[k] for k in _PRESET_FIELDS if k != "models"},
+        models=tuple(data["models"]), by_dataset_size={k: dict(v) for k, v in by_size.items()},
         source=source,
     )
 
@@ -272,7 +274,7 @@ def builtin_preset_names() -> list[str]:
 
 def load_preset(name_or_path: str) -> TrainingPreset:
     """A built-in preset by name, or a preset YAML file by path."""
-    families = set(load_families())
+    families = {spec.hub_id for family in load_families().values() for spec in family.models}
     builtin = presets_dir() / f"{name_or_path}.yaml"
     if "/" not in name_or_path and not name_or_path.endswith((".yaml", ".yml")) and builtin.is_file():
         return parse_preset(_read_yaml(builtin), builtin.name, families)

@@ -1,0 +1,191 @@
+"""Planning is pure: plans for machines we do not have, from `Hardware` values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.hardware import GIB, Hardware
+from llmcustoms.memory import MemoryOptimizer, parameter_counts
+from llmcustoms.modeling import choice_from_spec
+from llmcustoms.planning import DataStats, ParameterOptimizer, Plan
+from llmcustoms.presets import find_model_spec, load_families, load_preset
+
+FAMILIES = load_families()
+MACHINES = {
+    "cpu-only": Hardware.cpu_only(ram_gib=16),
+    "6GB": Hardware.with_gpu(6, name="RTX 2060", compute_capability=(7, 5)),
+    "8GB": Hardware.with_gpu(8, name="RTX 3070"),
+    "16GB": Hardware.with_gpu(16, name="RTX 4080"),
+    "24GB": Hardware.with_gpu(24, name="RTX 4090", compute_capability=(8, 9)),
+    "80GB": Hardware.with_gpu(80, name="A100 80GB", compute_capability=(8, 0)),
+}
+# One model per family, smallest first within the family is not the point:
+# the family's flagship must get a sensible plan or a clear refusal.
+FLAGSHIPS = {
+    "tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    "phi": "microsoft/Phi-3.5-mini-instruct",
+    "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
+    "qwen": "Qwen/Qwen2.5-7B-Instruct",
+}
+
+
+def stats(rows: int = 2000, length: int = 300) -> DataStats:
+    # Skewed like real instruction data: most rows short, a tail of long ones.
+    lengths = tuple(max(16, int(length * (0.3 + (i % 10) / 6))) for i in range(rows))
+    return DataStats(lengths=lengths, first_loss_positions=tuple(n // 2 for n in lengths), eval_rows=rows // 20)
+
+
+def model(hub_id: str):
+    return choice_from_spec(find_model_spec(hub_id, FAMILIES), FAMILIES, "flag")
+
+
+CATALOG = tuple(spec for family in FAMILIES.values() for spec in family.models)
+
+
+def plan_for(machine: Hardware, hub_id: str, overrides: dict | None = None, preset: str = "quality") -> Plan:
+    return ParameterOptimizer(machine, load_preset(preset), catalog=CATALOG).plan(
+        model(hub_id), stats(), {k: (v, "flag") for k, v in (overrides or {}).items()})
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+@pytest.mark.parametrize("family", list(FLAGSHIPS))
+def test_every_machine_gets_a_sensible_plan_or_a_clear_refusal(machine, family):
+    hardware = MACHINES[machine]
+    try:
+        plan = plan_for(hardware, FLAGSHIPS[family])
+    except ConfigError as error:
+        # A refusal must say how much is missing and what would work instead.
+        assert "does not fit" in error.message and "GiB" in error.message
+        assert error.hint.startswith("What would fit:")
+        assert hardware.has_gpu and hardware.gpus[0].total_bytes <= 8 * GIB, (machine, family, error.message)
+        return
+    assert plan.micro_batch_size >= 1 and plan.grad_accum >= 1
+    assert plan.memory["total_bytes"] <= plan.memory["budget_bytes"] * 0.9
+    assert plan.effective_batch_size == plan.micro_batch_size * plan.grad_accum
+    assert plan.mixed_precision == ("no" if machine == "cpu-only" else "bf16" if machine != "6GB" else "fp16")
+    assert plan.method in ("lora", "qlora")
+    assert plan.estimated_seconds and plan.estimated_seconds > 0
+    assert set(plan.sources) >= {"model", "method", "micro_batch_size", "grad_accum", "max_seq_len", "lr"}
+    assert any("estimated peak memory" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("hub_id", [spec.hub_id for family in FAMILIES.values() for spec in family.models])
+@pytest.mark.parametrize("method", [None, "lora", "qlora"])
+def test_more_memory_never_gives_a_smaller_micro_batch(hub_id, method):
+    previous = 0
+    for gib in (2, 4, 6, 8, 12, 16, 24, 32, 48, 80, 141):
+        try:
+            plan = plan_for(Hardware.with_gpu(gib), hub_id, {"method": method} if method else None)
+        except ConfigError:
+            assert previous == 0, f"{hub_id} fit at less memory but not at {gib} GiB"
+            continue
+        assert plan.micro_batch_size >= previous, (hub_id, gib)
+        previous = plan.micro_batch_size
+
+
+def test_mistral_7b_needs_qlora_on_8gb_and_lora_on_24gb():
+    small = plan_for(MACHINES["8GB"], "mistralai/Mistral-7B-Instruct-v0.3")
+    assert small.method == "qlora" and small.sources["method"] == "optimizer"
+    assert any(r.startswith("method qlora: lora does not fit") for r in small.reasons)
+    big = plan_for(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3")
+    assert big.method == "lora"
+
+
+def test_mistral_7b_is_refused_on_2gb_with_what_is_missing():
+    with pytest.raises(ConfigError) as info:
+        plan_for(Hardware.with_gpu(2), "mistralai/Mistral-7B-Instruct-v0.3")
+    message, hint = info.value.message, info.value.hint
+    assert "does not fit in 2.0 GiB" in message and "more than can be used" in message
+    suggested = hint.split("--model ")[1].split()[0]
+    assert suggested in {spec.hub_id for spec in CATALOG}
+    # The suggestion really fits: planning it on the same card succeeds.
+    length = int(hint.split("--max-seq-len ")[1].split(";")[0]) if "--max-seq-len" in hint else None
+    fitting = plan_for(Hardware.with_gpu(2), suggested, {"max_seq_len": length} if length else None)
+    assert fitting.method == "qlora"
+    assert "a machine with at least" in hint and "GiB of GPU memory" in hint
+
+
+def test_mistral_7b_v03_in_4_bit_is_about_4_1_gb():
+    spec = find_model_spec("mistralai/Mistral-7B-Instruct-v0.3", FAMILIES)
+    weights = MemoryOptimizer(spec, on_gpu=True, budget_bytes=0).weights("qlora", "bf16")
+    # First principles: 6.98e9 block weights x 4.127 bits + 2 x 32768 x 4096 bf16 embeddings/head.
+    linear, other = parameter_counts(spec)
+    assert linear == pytest.approx(6.98e9, rel=0.01)
+    assert weights == int(linear * 4.127 / 8) + other * 2
+    assert 4.0e9 < weights < 4.2e9
+
+
+def test_full_fine_tuning_of_a_small_model_on_a_big_card():
+    plan = plan_for(MACHINES["80GB"], "Qwen/Qwen2.5-0.5B-Instruct", {"method": "full"})
+    assert plan.method == "full" and plan.lora is None
+    # fp32 master weights + gradients + two AdamW moments: 16 bytes per parameter.
+    memory = plan.memory
+    params = sum(parameter_counts(find_model_spec("Qwen/Qwen2.5-0.5B-Instruct", FAMILIES)))
+    assert memory["weights_bytes"] + memory["gradients_bytes"] + memory["optimizer_bytes"] == 16 * params
+
+
+def test_gradient_checkpointing_only_when_needed():
+    roomy = plan_for(MACHINES["80GB"], "Qwen/Qwen2.5-0.5B-Instruct")
+    assert not roomy.gradient_checkpointing
+    tight = plan_for(MACHINES["8GB"], "Qwen/Qwen2.5-3B-Instruct")
+    assert tight.gradient_checkpointing and any("gradient checkpointing on" in r for r in tight.reasons)
+    forced_off = plan_for(MACHINES["8GB"], "Qwen/Qwen2.5-3B-Instruct", {"gradient_checkpointing": False})
+    assert not forced_off.gradient_checkpointing and forced_off.sources["gradient_checkpointing"] == "flag"
+
+
+def test_flags_win_and_are_recorded_as_flags():
+    plan = plan_for(MACHINES["24GB"], "Qwen/Qwen2.5-1.5B-Instruct",
+                    {"micro_batch_size": 2, "grad_accum": 3, "lr": 5e-5, "max_seq_len": 256, "method": "qlora"})
+    assert (plan.micro_batch_size, plan.grad_accum, plan.effective_batch_size) == (2, 3, 6)
+    assert plan.lr == 5e-5 and plan.max_seq_len == 256 and plan.method == "qlora"
+    for name in ("micro_batch_size", "grad_accum", "lr", "max_seq_len", "method"):
+        assert plan.sources[name] == "flag"
+
+
+def test_the_preset_adjusts_for_dataset_size():
+    small = ParameterOptimizer(MACHINES["24GB"], load_preset("quality")).plan(
+        model("Qwen/Qwen2.5-0.5B-Instruct"), DataStats(lengths=(100,) * 200, first_loss_positions=(50,) * 200, eval_rows=20), {})
+    assert small.epochs == 4 and small.sources["lr"] == "preset quality (small dataset)"
+
+
+def test_sequence_length_follows_the_data_and_the_model():
+    plan = plan_for(MACHINES["24GB"], "Qwen/Qwen2.5-0.5B-Instruct")
+    p99 = stats().percentile(99)
+    assert p99 <= plan.max_seq_len < p99 + 64 and plan.max_seq_len % 64 == 0
+    with pytest.raises(ConfigError) as info:
+        plan_for(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", {"max_seq_len": 4096})
+    assert "longer than the model's context of 2048" in info.value.message
+
+
+def test_a_cpu_plan_says_plainly_that_it_will_be_slow():
+    plan = ParameterOptimizer(MACHINES["cpu-only"], load_preset("quality")).plan(
+        model("Qwen/Qwen2.5-1.5B-Instruct"), stats(rows=20000), {})
+    assert plan.estimated_seconds > 3600
+    assert any("long, because there is no GPU" in r for r in plan.reasons)
+
+
+def test_the_model_is_chosen_by_what_fits():
+    preset = load_preset("bestaccuracy")
+    candidates = [choice_from_spec(find_model_spec(m, FAMILIES), FAMILIES, "optimizer") for m in preset.models]
+    for gib, expected in ((80, "Qwen/Qwen2.5-7B-Instruct"), (4, None)):
+        chosen, reason = ParameterOptimizer(Hardware.with_gpu(gib), preset).choose_model(candidates, stats(), {})
+        if expected:
+            assert chosen.name == expected
+        assert "fits" in reason
+    cpu_choice, reason = ParameterOptimizer(MACHINES["cpu-only"], preset).choose_model(candidates, stats(), {})
+    assert cpu_choice.name == preset.models[-1] and "no GPU" in reason
+
+
+def test_plan_json_round_trips_and_has_the_contract_keys():
+    plan = plan_for(MACHINES["24GB"], "Qwen/Qwen2.5-1.5B-Instruct")
+    data = json.loads(plan.dumps())
+    for key in ("model", "family", "preset", "method", "micro_batch_size", "grad_accum", "effective_batch_size",
+                "max_seq_len", "gradient_checkpointing", "lr", "lora", "memory", "reasons", "sources"):
+        assert key in data
+    assert set(data["lora"]) >= {"r", "alpha", "dropout", "target_modules"}
+    assert set(data["memory"]) >= {"weights_bytes", "trainable_bytes", "gradients_bytes", "optimizer_bytes",
+                                   "activations_bytes", "overhead_bytes", "total_bytes", "budget_bytes"}
+    assert Plan.from_json(data) == plan
