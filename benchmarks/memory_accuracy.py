@@ -60,6 +60,8 @@ class Config:
     seq_len: int
     gradient_checkpointing: bool = False
     lora_rank: int = 16
+    # False: not used when the constants in llmcustoms/memory.py were fitted.
+    fitted: bool = True
 
 
 CONFIGS = [
@@ -73,6 +75,11 @@ CONFIGS = [
     Config("qwen-lora-s512", QWEN, "lora", 2, 512),
     Config("phi3-lora-s512", PHI3, "lora", 4, 512),
     Config("mistral-lora-s1024", MISTRAL_DEEP, "lora", 4, 1024),
+    # Held out: shapes, batch sizes and combinations the fit never saw.
+    Config("llama-lora-r64-b8-s512", LLAMA, "lora", 8, 512, lora_rank=64, fitted=False),
+    Config("phi3-qlora-ckpt-s1024", PHI3, "qlora", 2, 1024, gradient_checkpointing=True, fitted=False),
+    Config("qwen-full-s256", QWEN, "full", 1, 256, fitted=False),
+    Config("mistral-full-ckpt-s512", MISTRAL_DEEP, "full", 2, 512, gradient_checkpointing=True, fitted=False),
 ]
 
 
@@ -163,7 +170,7 @@ def run_one(name: str, device: str) -> dict:
         model_dir = Path(tmp) / "model"
         build_model(config.arch, model_dir)
         result = measure(config, model_dir, device)
-    return {"name": name, "method": config.method, "micro_batch": config.micro_batch, "seq_len": config.seq_len,
+    return {"name": name, "fitted": config.fitted, "method": config.method, "micro_batch": config.micro_batch, "seq_len": config.seq_len,
             "gradient_checkpointing": config.gradient_checkpointing, "arch": config.arch.hub_id,
             **result, "predicted": predict(config, device)}
 
@@ -173,6 +180,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", help="run one configuration by name")
+    parser.add_argument("--held-out", action="store_true", help="run only the configurations the fit never saw")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -181,7 +189,7 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = []
     for config in CONFIGS:
-        if args.only and config.name != args.only:
+        if (args.only and config.name != args.only) or (args.held_out and config.fitted):
             continue
         out = subprocess.run([sys.executable, __file__, "--child", config.name, "--device", args.device],
                              capture_output=True, text=True, env=env)
@@ -194,7 +202,7 @@ def main() -> None:
         results.append(result)
         if not args.json:
             p = result["predicted"]
-            print(f"{config.name:24} predicted {p['total_bytes'] / 2**20:8.0f} MiB  measured "
+            print(f"{config.name:24} {'fit ' if config.fitted else 'held'} predicted {p['total_bytes'] / 2**20:6.0f} MiB  measured "
                   f"{result['measured_bytes'] / 2**20:8.0f} MiB  ratio {result['ratio']:.2f}  "
                   f"(weights {p['weights_bytes'] / 2**20:.0f}, act {p['activations_bytes'] / 2**20:.0f}, "
                   f"logits {p['logits_bytes'] / 2**20:.0f}, loaded {result['loaded_bytes'] / 2**20:.0f})", flush=True)

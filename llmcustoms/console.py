@@ -282,19 +282,23 @@ def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
 
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
     table = Table(title="Presets (llmcustoms train DATA --preset NAME)")
-    for column in ("preset", "what for", "models, best first", "LoRA r", "epochs", "lr", "batch", "max len"):
-        table.add_column(column)
+    for column in ("preset", "LoRA r", "epochs", "lr", "batch", "length"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("what for")
     for p in presets:
-        table.add_row(f"[bold]{p.name}", escape(p.description), escape("\n".join(p.models)), str(p.lora_r),
-                      f"{p.epochs:g}", f"{p.lr:g}", str(p.effective_batch_size), str(p.max_seq_len))
+        table.add_row(f"[bold]{p.name}", str(p.lora_r), f"{p.epochs:g}", f"{p.lr:.0e}", str(p.effective_batch_size),
+                      str(p.max_seq_len), escape(p.description))
     console.print(table)
+    for p in presets:
+        console.print(f"[bold]{p.name}[/] uses the first that fits: " + escape(", ".join(m.split("/")[-1] for m in p.models)))
+    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < 1,000 rows, "
+                  "medium < 10,000, large). `--preset FILE.yaml` takes your own preset of the same shape.\n")
     table = Table(title="Model families")
-    for column in ("family", "models", "LoRA targets"):
-        table.add_column(column)
+    table.add_column("family", no_wrap=True)
+    table.add_column("models")
+    table.add_column("LoRA targets")
     for family in families.values():
-        models = "\n".join(f"{m.hub_id} ({m.params / 1e9:.1f}B)" for m in family.models)
+        models = "\n".join(f"{m.hub_id.split('/')[-1]} ({m.params / 1e9:.1f}B)" for m in family.models)
         targets = "\n".join(f"{mt}: {' '.join(t)}" for mt, t in family.lora_target_modules.items())
         table.add_row(f"[bold]{family.name}", escape(models), escape(targets))
     console.print(table)
-    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < 1,000 rows, "
-                  "medium < 10,000, large). `--preset FILE.yaml` takes your own preset of the same shape.")

@@ -1,0 +1,98 @@
+"""`plan`, `hardware` and `presets` work offline on a machine with no GPU."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import DATA_FILES
+from llmcustoms.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_plan_json_is_the_plan_and_nothing_else(tiny_models):
+    result = invoke("plan", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    for key in ("model", "family", "preset", "method", "micro_batch_size", "grad_accum", "effective_batch_size",
+                "max_seq_len", "gradient_checkpointing", "lr", "lora", "memory", "reasons", "sources"):
+        assert key in plan
+    assert plan["family"] == "tinyllama" and plan["memory"]["total_bytes"] < plan["memory"]["budget_bytes"]
+    assert plan["sources"]["model"] == "flag"
+    assert any("from the tokenizer" in r for r in plan["reasons"])
+
+
+def test_plan_offline_without_the_model_downloaded_estimates_from_characters():
+    # The hub cache is empty and offline: the preset's model is planned from its
+    # architecture facts, and token lengths from characters, said so.
+    result = invoke("plan", str(DATA_FILES["sharegpt"]), "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["model"] == "Qwen/Qwen2.5-0.5B-Instruct"  # no GPU here: the preset's smallest
+    assert plan["sources"]["model"] == "optimizer"
+    assert any("characters" in r for r in plan["reasons"]) and any("no GPU" in r for r in plan["reasons"])
+
+
+def test_plan_for_a_card_we_do_not_have():
+    mistral = "mistralai/Mistral-7B-Instruct-v0.3"
+    on_8gb = json.loads(invoke("plan", str(DATA_FILES["alpaca"]), "--model", mistral, "--vram", "8", "--json").output)
+    assert on_8gb["method"] == "qlora" and on_8gb["mixed_precision"] == "bf16"
+    assert on_8gb["memory"]["budget_bytes"] == 8 * 1024 ** 3
+    on_80gb = json.loads(invoke("plan", str(DATA_FILES["alpaca"]), "--model", mistral, "--vram", "80", "--json").output)
+    assert on_80gb["method"] == "lora" and on_80gb["micro_batch_size"] >= on_8gb["micro_batch_size"]
+
+
+def test_plan_refuses_what_cannot_fit_with_exit_2():
+    result = invoke("plan", str(DATA_FILES["alpaca"]), "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--vram", "2")
+    assert result.exit_code == 2
+    message = flat(result.output)
+    assert "does not fit in 2.0 GiB of GPU memory" in message and "What would fit:" in message
+    assert "Traceback" not in result.output
+
+
+def test_plan_for_humans_shows_memory_and_reasons(tiny_models):
+    result = invoke("plan", str(DATA_FILES["messages"]), "--model", str(tiny_models["qwen2"]), "--vram", "16")
+    assert result.exit_code == 0, result.output
+    for fragment in ("Training plan", "Estimated peak memory", "total", "Why", "estimated duration"):
+        assert fragment in result.output
+
+
+def test_hardware_shows_the_machine_and_what_fits():
+    result = invoke("hardware")
+    assert result.exit_code == 0, result.output
+    assert "CPU cores" in result.output and "RAM" in result.output
+    assert "What fits" in result.output and "Mistral-7B-Instruct-v0.3" in result.output
+
+
+def test_presets_lists_presets_and_families():
+    result = invoke("presets")
+    assert result.exit_code == 0, result.output
+    for name in ("highspeed", "quality", "bestaccuracy", "tinyllama", "mistral", "qwen", "phi"):
+        assert name in result.output
+
+
+def test_train_shows_the_same_plan_before_training(tmp_path, tiny_models):
+    result = invoke("train", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--max-steps", "1",
+                    "--yes", "--output-dir", str(tmp_path), "--run-name", "r")
+    assert result.exit_code == 0, result.output
+    assert "Estimated peak memory" in result.output
+    saved = json.loads((tmp_path / "r" / "plan.json").read_text())
+    planned = json.loads(invoke("plan", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]),
+                                "--max-steps", "1", "--json").output)
+    # Free RAM moves between the two calls, and with it the memory figures.
+    def stable(plan: dict) -> dict:
+        kept = {k: v for k, v in plan.items() if k not in ("estimated_seconds", "memory")}
+        kept["reasons"] = [r for r in plan["reasons"] if not r.startswith("estimated")]
+        return kept
+
+    assert stable(saved) == stable(planned)
