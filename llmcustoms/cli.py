@@ -113,6 +113,7 @@ DropoutOpt = Annotated[Optional[float], typer.Option("--lora-dropout", min=0.0, 
 EvalSplitOpt = Annotated[Optional[float], typer.Option("--eval-split", min=0.0, max=0.9, help="Share of rows held out for evaluation.")]
 EvalDataOpt = Annotated[Optional[str], typer.Option("--eval-data", help="A separate evaluation file (replaces --eval-split).")]
 SaveEveryOpt = Annotated[Optional[int], typer.Option("--save-every", min=1, help="Checkpoint every N optimizer steps.")]
+KeepOpt = Annotated[Optional[int], typer.Option("--keep", min=1, help="Checkpoints to keep (plus the best by eval loss). Default: 3.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed: same seed, same run.")]
 PatienceOpt = Annotated[Optional[int], typer.Option("--early-stopping-patience", min=0, help="Stop after N evaluations without a better eval loss (0: never).")]
 CheckpointingOpt = Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations to save memory (slower). Default: only when needed.")]
@@ -159,6 +160,7 @@ def train(
     eval_split: EvalSplitOpt = None,
     eval_data: EvalDataOpt = None,
     save_every: SaveEveryOpt = None,
+    keep: KeepOpt = None,
     seed: SeedOpt = None,
     early_stopping_patience: PatienceOpt = None,
     gradient_checkpointing: CheckpointingOpt = None,
@@ -174,7 +176,6 @@ def train(
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui
-        from llmcustoms.finetuner import FineTuner
         from llmcustoms.hardware import detect
         from llmcustoms.preparation import prepare_run
         from llmcustoms.rundir import RunDirectory
@@ -183,7 +184,7 @@ def train(
             data, model, preset, eval_data, skip_bad_rows, method=method, epochs=epochs, max_steps=max_steps,
             batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
             warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, seed=seed,
+            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, keep_checkpoints=keep, seed=seed,
             early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
             mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
         if run_name:  # fail before any slow work, not after it
@@ -200,12 +201,56 @@ def train(
             raise typer.Exit(0)
         run_dir.create(overwrite=overwrite)
         run_dir.write_plan(plan)
-        reporter = ui.make_reporter(quiet)
-        result = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter).run()
-        if quiet:
-            print(result.output_path)
-        else:
-            ui.show_summary(result)
+        _run_training(prepared, run_dir, quiet, resume=False)
+
+
+def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool) -> None:
+    """Train (or resume), then map how it ended to what the user sees and the exit code."""
+    from llmcustoms import console as ui
+    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+
+    reporter = ui.make_reporter(quiet)
+    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter)
+    try:
+        result = tuner.run(resume=resume)
+    except TrainingInterrupted as stop:
+        ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.",
+                       f"Continue with: llmcustoms resume {run_dir.path}")
+        raise typer.Exit(128 + stop.signum) from None
+    except TrainingFailed as failed:
+        ui.show_failure(failed.report, run_dir.path)
+        if failed.__cause__ is not None:  # a bug, not a recoverable condition: show where
+            import traceback
+
+            traceback.print_exception(failed.__cause__)
+        raise typer.Exit(1) from None
+    if quiet:
+        print(result.output_path)
+    else:
+        ui.show_summary(result)
+
+
+@app.command()
+def resume(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")] = None,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where to look for runs.")] = Path("runs"),
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
+) -> None:
+    """Continue an interrupted or failed run from its last good checkpoint."""
+    with user_errors():
+        _quiet_libraries()
+        from llmcustoms import console as ui
+        from llmcustoms.preparation import prepare_resume
+        from llmcustoms.rundir import RunDirectory, find_unfinished_run
+
+        directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(output_dir)
+        plan = directory.read_plan()
+        prepared = prepare_resume(plan)
+        if not quiet:
+            ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
+                             f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
+        _run_training(prepared, directory, quiet, resume=True)
 
 
 @app.command()

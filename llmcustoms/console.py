@@ -302,3 +302,10 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
         targets = "\n".join(f"{mt}: {' '.join(t)}" for mt, t in family.lora_target_modules.items())
         table.add_row(f"[bold]{family.name}", escape(models), escape(targets))
     console.print(table)
+
+
+def show_failure(report: dict[str, Any], run_path: Any) -> None:
+    text = f"[bold red]Training stopped:[/] {escape(report['reason'])}\n"
+    text += "\n".join(f"- {escape(s)}" for s in report["suggestions"])
+    text += f"\nThe run directory is {escape(str(run_path))}; status.json holds this report."
+    err_console.print(Panel(text, expand=False))

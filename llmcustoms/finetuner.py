@@ -1,27 +1,40 @@
 """`FineTuner`: executes a `Plan` with a small, explicit training loop on accelerate.
 
 Read it top to bottom: set up (seed, model, optimizer, schedule), then for
-each optimizer step take `grad_accum` micro-batches, normalise the loss by the
-number of trained tokens in the whole window (so splitting a batch into more
-micro-batches gives the same update), clip, step, log, and now and then
-evaluate. Running on accelerate means `accelerate launch` gives data parallelism.
+each optimizer step take the step's rows in micro-batches, normalise the loss
+by the number of trained tokens in the whole step (so splitting a batch into
+more micro-batches gives the same update), check the result is finite, clip,
+step, log, evaluate now and then, checkpoint every `save_every` steps.
+
+Failures are caught in exactly one place (`_attempt`): out of memory and
+non-finite losses go to the `TrainingRecoverySystem`, which returns a changed
+plan; the loop rolls back to the last checkpoint and carries on. SIGINT and
+SIGTERM finish the current step, checkpoint, and stop.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import os
+import signal
+import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmcustoms.batching import collate, count_loss_tokens, epoch_steps, eval_batches, micro_batches
+from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
+                                    set_rng_state)
 from llmcustoms.console import Reporter
+from llmcustoms.faults import FaultInjector
 from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan
+from llmcustoms.recovery import TrainingFailed, TrainingInterrupted, TrainingRecoverySystem, create_failure_report
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.tokenization import TokenizedExample
 
@@ -69,15 +82,34 @@ def parameter_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
-                 run_dir: RunDirectory, reporter: Reporter):
+                 run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None):
         self.plan = plan
         self.tokenizer = tokenizer
         self.train_rows = train
         self.eval_rows = evaluation
         self.run_dir = run_dir
         self.reporter = reporter
+        self.faults = faults or FaultInjector.from_env()
+        # Step composition depends on these lengths; they stay fixed even if
+        # recovery later shortens the rows, so no row is seen twice in an epoch.
         self.lengths = [len(e.input_ids) for e in train]
+        self.recovery = TrainingRecoverySystem()
+        self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
+                                             warn=lambda text: reporter.message(text, warning=True))
         self.model: Any = None
+        self.stop_signal: int | None = None
+        self._reset_position()
+
+    def _reset_position(self) -> None:
+        self.step = 0  # optimizer steps done
+        self.epoch = 0
+        self.index = 0  # next step within the epoch
+        self.best_eval: float | None = None
+        self.best_step: int | None = None
+        self.last_eval: float | None = None
+        self.evals_since_best = 0
+        self.tokens = 0
+        self.final_loss: float | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -86,35 +118,43 @@ class FineTuner:
         from accelerate.utils import set_seed
 
         plan = self.plan
-        self.accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available())
+        if not hasattr(self, "accelerator"):
+            self.accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available())
         set_seed(plan.seed)  # python, numpy, torch (and CUDA): LoRA init and dropout draw from these
         device_index = self.accelerator.local_process_index if torch.cuda.is_available() else None
         model = load_model(plan, device_index)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr,
                                       fused=torch.cuda.is_available())
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, plan))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, self.plan))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.device = self.accelerator.device
+        # Out-of-memory injection happens inside the forward pass, after the embeddings.
+        self.accelerator.unwrap_model(self.model).get_input_embeddings().register_forward_hook(
+            lambda *_: self.faults.raise_oom_if_due(self.step + 1))
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.pad_multiple = 8 if torch.cuda.is_available() else 1
+        self._build_eval_batches()
+
+    def _build_eval_batches(self) -> None:
         self.eval_micro_batches = [
             collate([self.eval_rows[i] for i in batch], self.tokenizer.pad_token_id, self.pad_multiple)
-            for batch in eval_batches([len(e.input_ids) for e in self.eval_rows], plan.micro_batch_size)
+            for batch in eval_batches([len(e.input_ids) for e in self.eval_rows], self.plan.micro_batch_size)
         ]
 
-    # ------------------------------------------------------------------- loop
+    # ----------------------------------------------------------- one step
 
     def _epoch_steps(self, epoch: int) -> list[list[int]]:
         """The optimizer steps of one epoch, each a list of row indices."""
         return epoch_steps(self.lengths, self.plan.effective_batch_size, self.plan.seed, epoch)
 
-    def _train_step(self, rows: list[int]) -> dict[str, float]:
-        """One optimizer step over `rows`, in micro-batches of the planned size."""
+    def _forward_backward(self, rows: list[int]) -> dict[str, float]:
+        """Gradients for one optimizer step over `rows`, in micro-batches of the planned size."""
         started = time.perf_counter()
         batches = [collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple)
                    for b in micro_batches(rows, self.lengths, self.plan.micro_batch_size)]
-        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in batches)
+        loss_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in batches))
         input_tokens = sum(int(mb["attention_mask"].sum()) for mb in batches)
         normaliser = torch.tensor(loss_tokens, device=self.device)
         self.model.train()
@@ -127,23 +167,51 @@ class FineTuner:
                 # num_items_in_batch: the loss is summed over tokens and divided by
                 # the step's token count, not averaged per micro-batch.
                 loss = self.model(**mb, num_items_in_batch=normaliser, use_cache=False).loss
+                if self.faults.due("nan", self.step + 1):
+                    loss = loss * float("nan")
                 self.accelerator.backward(loss)
             loss_sum += loss.detach()
         max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.trainable, max_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        return {"loss": loss_sum.item(),  # the one host sync per step, needed for logging
+                "grad_norm": float(grad_norm), "tokens": input_tokens, "started": started}
+
+    def _attempt(self, rows: list[int]) -> tuple[dict[str, float] | None, str | None]:
+        """One optimizer step, or the kind of failure that prevented it.
+
+        The only place a step's failure is caught. The exception is dropped
+        before memory is freed: its traceback holds the step's tensors.
+        """
+        failure = None
+        try:
+            metrics = self._forward_backward(rows)
+        except torch.OutOfMemoryError:
+            failure = "oom"
+        if failure is not None:
+            self._free_memory()
+            return None, failure
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            self.optimizer.zero_grad(set_to_none=True)  # skip the update
+            return None, "nan"
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = loss_sum.item()  # the one host sync per step, needed for logging
-        elapsed = time.perf_counter() - started
-        return {"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens_per_s": input_tokens / elapsed, "tokens": input_tokens, "seconds": elapsed}
+        elapsed = time.perf_counter() - metrics.pop("started")
+        metrics["tokens_per_s"] = metrics["tokens"] / elapsed
+        return metrics, None
+
+    def _free_memory(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss per trained token over the whole evaluation set."""
-        total_tokens = sum(count_loss_tokens(mb["labels"]) for mb in self.eval_micro_batches)
+        total_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.eval_micro_batches))
         normaliser = torch.tensor(total_tokens, device=self.device)
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
@@ -153,54 +221,213 @@ class FineTuner:
         self.model.train()
         return loss_sum.item()
 
-    def run(self) -> TrainResult:
+    # ------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self) -> Checkpoint:
+        model = self.accelerator.unwrap_model(self.model)
+        weights = {name: param for name, param in model.named_parameters() if param.requires_grad}
+        optimizer_tensors, groups = optimizer_state(self.optimizer)
+        rng_tensors, rng_json = rng_state()
+        state = {
+            "step": self.step, "epoch": self.epoch, "index": self.index, "tokens": self.tokens,
+            "final_loss": self.final_loss, "best_eval": self.best_eval, "best_step": self.best_step,
+            "last_eval": self.last_eval, "evals_since_best": self.evals_since_best,
+            "scheduler": self.scheduler.state_dict(), "optimizer_groups": groups, "rng": rng_json,
+            "micro_batch_size": self.plan.micro_batch_size,
+        }
+        checkpoint = self.checkpoints.save(self.step, {"model.safetensors": weights,
+                                                       "optimizer.safetensors": optimizer_tensors,
+                                                       "rng.safetensors": rng_tensors}, state)
+        self.checkpoints.prune(self._best_checkpoint_step())
+        return checkpoint
+
+    def _best_checkpoint_step(self) -> int | None:
+        """The checkpoint saved with the lowest eval loss so far; pruning keeps it."""
+        scored = [(c.state().get("last_eval"), c.step) for c in self.checkpoints.all()]
+        scored = [pair for pair in scored if pair[0] is not None]
+        return min(scored)[1] if scored else None
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Put model, optimizer, schedule, RNG and data position back as they were."""
+        state = checkpoint.state()
+        weights = checkpoint.tensors("model.safetensors")
+        model = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    param.copy_(weights[name].to(param.device, param.dtype))
+        for key in ("step", "epoch", "index", "tokens", "final_loss", "best_eval", "best_step", "last_eval",
+                    "evals_since_best"):
+            setattr(self, key, state[key])
+        load_optimizer_state(self.optimizer, checkpoint.tensors("optimizer.safetensors"), state["optimizer_groups"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_learning_rate()  # needs the restored step
+        set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
+        self.run_dir.truncate_metrics(self.step)
+
+    def _rollback(self) -> None:
+        """Back to the last good checkpoint, or to a fresh start if there is none."""
+        checkpoint = self.checkpoints.latest()
+        if checkpoint is not None:
+            self._restore(checkpoint)
+            return
+        self.model = self.optimizer = None
+        self.accelerator.free_memory()  # drops accelerate's references to the old model
+        self._free_memory()
+        self._reset_position()
+        self._setup()
+        self.run_dir.truncate_metrics(0)
+
+    def _apply_learning_rate(self) -> None:
+        """Make the optimizer follow the plan's peak lr (recovery may have lowered it)."""
+        self.scheduler.base_lrs = [self.plan.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.plan.lr
+            group["lr"] = self.plan.lr * lr_multiplier(self.step, self.plan)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _apply_plan(self, plan: Plan) -> None:
+        old, self.plan = self.plan, plan
+        if plan.gradient_checkpointing and not old.gradient_checkpointing:
+            model = self.accelerator.unwrap_model(self.model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        if plan.max_seq_len < old.max_seq_len:
+            cut = plan.max_seq_len
+            self.train_rows = [replace(e, input_ids=e.input_ids[:cut], labels=e.labels[:cut]) for e in self.train_rows]
+            self.eval_rows = [replace(e, input_ids=e.input_ids[:cut], labels=e.labels[:cut]) for e in self.eval_rows]
+        if plan.lr != old.lr:
+            self._apply_learning_rate()
+        if plan.micro_batch_size != old.micro_batch_size or plan.max_seq_len != old.max_seq_len:
+            self._build_eval_batches()
+        self.run_dir.write_plan(plan)
+
+    def _recover(self, failure: str) -> None:
+        attempted = self.step + 1
+        if failure == "oom":
+            plan, recovery = self.recovery.after_oom(self.plan, attempted)
+        else:
+            plan, recovery = self.recovery.after_nan(self.plan, attempted)
+        self._rollback()
+        self._apply_plan(plan)
+        self.run_dir.add_recovery(recovery.to_json())
+        self.reporter.message(f"step {attempted}: {'out of memory' if failure == 'oom' else 'NaN loss'}; "
+                              f"{recovery.action}; continuing from step {self.step}", warning=True)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:  # a second signal: stop at once
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                os._exit(128 + signum)
+            self.stop_signal = signum
+            self.reporter.message("stopping after this step and saving a checkpoint "
+                                  "(press Ctrl-C again to quit at once)", warning=True)
+
+        return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    # ---------------------------------------------------------------- run
+
+    def run(self, resume: bool = False) -> TrainResult:
         plan = self.plan
         self._setup()
-        self.run_dir.write_status("running", step=0, total_steps=plan.total_steps, reason=None)
-        self._status_written = time.monotonic()
-        self.reporter.training_started(plan.total_steps)
+        if resume:
+            checkpoint = self.checkpoints.latest()
+            if checkpoint is not None:
+                self._restore(checkpoint)
+                self.reporter.message(f"resuming from checkpoint {checkpoint.path.name} (step {self.step})")
+            else:
+                self.reporter.message("no usable checkpoint: starting from step 0", warning=True)
+                self.run_dir.truncate_metrics(0)
+        self.run_dir.write_status("running", step=self.step, total_steps=plan.total_steps, reason=None)
+        previous_handlers = self._install_signal_handlers()
+        self.reporter.training_started(plan.total_steps, self.step)
         started = time.perf_counter()
-        step, tokens, final_loss = 0, 0, None
-        best_eval, best_step, evals_since_best, stop_reason = None, None, 0, None
-        epoch = 0
-        while step < plan.total_steps and stop_reason is None:
-            steps = self._epoch_steps(epoch)
-            for index, rows in enumerate(steps):
-                if step >= plan.total_steps or stop_reason is not None:
-                    break
-                metrics = self._train_step(rows)
-                step += 1
-                tokens += metrics["tokens"]
-                final_loss = metrics["loss"]
-                row = {"step": step, "epoch": round(epoch + (index + 1) / len(steps), 4),
+        tokens_at_start = self.tokens
+        status_written = time.monotonic()
+        stop_reason = None
+        try:
+            while self.step < self.plan.total_steps and stop_reason is None:
+                steps = self._epoch_steps(self.epoch)
+                if self.index >= len(steps):
+                    self.epoch, self.index = self.epoch + 1, 0
+                    continue
+                metrics, failure = self._attempt(steps[self.index])
+                if failure is not None:
+                    self._recover(failure)
+                    continue
+                self.index += 1
+                self.step += 1
+                self.tokens += metrics["tokens"]
+                self.final_loss = metrics["loss"]
+                row = {"step": self.step, "epoch": round(self.epoch + self.index / len(steps), 4),
                        **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}}
                 self.run_dir.append_metrics(row)
                 self.reporter.step(row)
-                last_step = step == plan.total_steps
-                if self.eval_micro_batches and plan.eval_every and (step % plan.eval_every == 0 or last_step):
-                    eval_loss = self.evaluate()
-                    eval_row = {"step": step, "eval_loss": eval_loss}
-                    self.run_dir.append_metrics(eval_row)
-                    self.reporter.evaluated(eval_row)
-                    if best_eval is None or eval_loss < best_eval:
-                        best_eval, best_step, evals_since_best = eval_loss, step, 0
-                    else:
-                        evals_since_best += 1
-                        if plan.early_stopping_patience and evals_since_best >= plan.early_stopping_patience:
-                            stop_reason = (f"early stopping: eval loss has not improved for {evals_since_best} "
-                                           f"evaluations since step {best_step}")
-                if time.monotonic() - self._status_written > STATUS_INTERVAL_S:
-                    self.run_dir.write_status("running", step=step)
-                    self._status_written = time.monotonic()
-            epoch += 1
-        self.reporter.training_finished()
+                stop_reason = self._maybe_evaluate()
+                last = self.step == self.plan.total_steps or stop_reason is not None
+                saved = self.step % self.plan.save_every == 0 or last
+                if saved:
+                    self._save_checkpoint()
+                self.faults.send_signal_if_due(self.step)
+                if self.stop_signal is not None and not last:
+                    if not saved:
+                        self._save_checkpoint()
+                    self.run_dir.write_status("interrupted", step=self.step,
+                                              reason=f"stopped by {signal.Signals(self.stop_signal).name}")
+                    raise TrainingInterrupted(self.stop_signal, self.step)
+                if time.monotonic() - status_written > STATUS_INTERVAL_S:
+                    self.run_dir.write_status("running", step=self.step)
+                    status_written = time.monotonic()
+        except TrainingFailed as failed:
+            self.run_dir.write_status("failed", step=self.step, reason=failed.report["reason"],
+                                      suggestions=failed.report["suggestions"])
+            raise
+        except (TrainingInterrupted, KeyboardInterrupt):
+            raise
+        except Exception as error:  # a bug: keep what can be kept, then report
+            report = create_failure_report("error", self.plan, self.step + 1, f"{type(error).__name__}: {error}")
+            self.run_dir.write_status("failed", step=self.step, reason=report["reason"], suggestions=report["suggestions"])
+            raise TrainingFailed(report) from error
+        finally:
+            self.reporter.training_finished()
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+
         seconds = time.perf_counter() - started
-        output = self.run_dir.output_path(plan.method)
+        output = self.run_dir.output_path(self.plan.method)
         save_trained(self.accelerator.unwrap_model(self.model), self.tokenizer, output)
-        self.run_dir.write_status("completed", step=step, reason=stop_reason, final_loss=final_loss,
-                                  best_eval_loss=best_eval, best_eval_step=best_step)
+        self.run_dir.write_status("completed", step=self.step, reason=stop_reason, final_loss=self.final_loss,
+                                  best_eval_loss=self.best_eval, best_eval_step=self.best_step)
         if stop_reason:
             self.reporter.message(stop_reason)
-        return TrainResult(status="completed", steps=step, final_loss=final_loss, best_eval_loss=best_eval,
-                           best_eval_step=best_step, seconds=seconds, tokens_per_s=tokens / max(seconds, 1e-9),
-                           output_path=output, stop_reason=stop_reason)
+        return TrainResult(status="completed", steps=self.step, final_loss=self.final_loss,
+                           best_eval_loss=self.best_eval, best_eval_step=self.best_step, seconds=seconds,
+                           tokens_per_s=(self.tokens - tokens_at_start) / max(seconds, 1e-9), output_path=output,
+                           stop_reason=stop_reason)
+
+    def _maybe_evaluate(self) -> str | None:
+        """Evaluate when due; returns an early-stopping reason when it is time to stop."""
+        plan = self.plan
+        due = plan.eval_every and (self.step % plan.eval_every == 0 or self.step == plan.total_steps)
+        if not (self.eval_micro_batches and due):
+            return None
+        eval_loss = self.evaluate()
+        self.last_eval = eval_loss
+        row = {"step": self.step, "eval_loss": eval_loss}
+        self.run_dir.append_metrics(row)
+        self.reporter.evaluated(row)
+        if self.best_eval is None or eval_loss < self.best_eval:
+            self.best_eval, self.best_step, self.evals_since_best = eval_loss, self.step, 0
+            return None
+        self.evals_since_best += 1
+        if plan.early_stopping_patience and self.evals_since_best >= plan.early_stopping_patience:
+            return (f"early stopping: eval loss has not improved for {self.evals_since_best} "
+                    f"evaluations since step {self.best_step}")
+        return None

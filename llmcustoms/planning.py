@@ -119,6 +119,11 @@ class Plan:
     lora: LoraSettings | None
     memory: dict[str, int] | None = None
     estimated_seconds: float | None = None
+    # Where the rows came from, so `resume` rebuilds exactly the same ones.
+    data: str = ""
+    eval_data: str | None = None
+    eval_split: float = 0.0
+    skip_bad_rows: bool = False
     reasons: tuple[str, ...] = ()
     sources: dict[str, str] = field(default_factory=dict)
 

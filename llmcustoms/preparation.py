@@ -83,10 +83,11 @@ def estimated_stats(train: list[Example], eval_rows: int, fmt: str) -> DataStats
                      length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
 
 
-def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[Example], list[Example], str]:
+def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[Example], list[Example], str, float]:
+    """Training and evaluation examples, a description of the split, and the fraction held out."""
     if options.eval_data:
         eval_set = read_dataset(options.eval_data, skip_bad_rows=options.skip_bad_rows)
-        return dataset.examples, eval_set.examples, f"from {Path(options.eval_data).name}"
+        return dataset.examples, eval_set.examples, f"from {Path(options.eval_data).name}", 0.0
     seed = options.override("seed", 42)
     fraction, fraction_source = eval_fraction(preset, len(dataset.examples), options.overrides)
     train_idx, eval_idx = split_eval(len(dataset.examples), fraction, seed)
@@ -94,7 +95,19 @@ def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[E
     if not train:
         raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
                         "Lower --eval-split or add more rows.")
-    return train, [dataset.examples[i] for i in eval_idx], f"{fraction:.0%} split, seed {seed}, {fraction_source}"
+    return (train, [dataset.examples[i] for i in eval_idx], f"{fraction:.0%} split, seed {seed}, {fraction_source}",
+            fraction)
+
+
+def _tokenize(model_name: str, train: list[Example], evaluation: list[Example], train_on_prompt: bool,
+              trust_remote_code: bool) -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
+    """(tokenizer, used the fallback template, train rows, eval rows), untruncated."""
+    from llmcustoms import modeling
+
+    hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
+    used_fallback = ensure_chat_template(hf_tokenizer)
+    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=modeling.stop_token_ids(model_name))
+    return hf_tokenizer, used_fallback, [tokenizer.encode(e) for e in train], [tokenizer.encode(e) for e in evaluation]
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
@@ -110,7 +123,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     catalog = tuple(spec for family in families.values() for spec in family.models)
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
-    train_examples, eval_examples, eval_source = _split(options, dataset, preset)
+    train_examples, eval_examples, eval_source, fraction = _split(options, dataset, preset)
 
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in preset.models]
     choice_reason = None
@@ -121,22 +134,18 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides)
 
     hf_tokenizer, used_fallback = None, False
+    train_full: list[TokenizedExample] = []
+    eval_full: list[TokenizedExample] = []
     try:
-        hf_tokenizer = modeling.load_tokenizer(model.name, trust_remote_code)
+        # Untruncated first: planning picks max_seq_len from these lengths.
+        hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
+            model.name, train_examples, eval_examples, bool(options.override("train_on_prompt", False)), trust_remote_code)
     except ModelError:
         if tokenizer_required:
             raise
     if hf_tokenizer is None:
         stats = estimated_stats(train_examples, len(eval_examples), dataset.format)
-        train_full: list[TokenizedExample] = []
-        eval_full: list[TokenizedExample] = []
     else:
-        used_fallback = ensure_chat_template(hf_tokenizer)
-        tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=bool(options.override("train_on_prompt", False)),
-                              stop_token_ids=modeling.stop_token_ids(model.name))
-        # Untruncated first: planning picks max_seq_len from these lengths.
-        train_full = [tokenizer.encode(e) for e in train_examples]
-        eval_full = [tokenizer.encode(e) for e in eval_examples]
         stats = DataStats(lengths=tuple(len(e.input_ids) for e in train_full),
                           first_loss_positions=tuple(first_loss_position(e) for e in train_full),
                           eval_rows=len(eval_full), format=dataset.format)
@@ -144,6 +153,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     plan = optimizer.plan(model, stats, options.overrides, preset_source="flag" if options.preset else "default")
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
+    plan = replace(plan, data=str(Path(options.data).resolve()), skip_bad_rows=options.skip_bad_rows,
+                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None, eval_split=fraction)
     train = truncate(train_full, plan.max_seq_len)
     evaluation = truncate(eval_full, plan.max_seq_len)
     if hf_tokenizer is not None:
@@ -152,6 +163,26 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         if not train.examples:
             raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
                               "Raise --max-seq-len.")
+    return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
+                       dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
+                       dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback)
+
+
+def prepare_resume(plan: Plan) -> PreparedRun:
+    """The same rows, in the same split, tokenized the same way as when the run
+    began: everything comes from the run's plan.json."""
+    options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data, skip_bad_rows=plan.skip_bad_rows,
+                           overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan")})
+    dataset = read_dataset(plan.data, skip_bad_rows=plan.skip_bad_rows)
+    train_examples, eval_examples, eval_source, _ = _split(options, dataset, preset=None)
+    hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
+        plan.model, train_examples, eval_examples, plan.train_on_prompt, plan.trust_remote_code)
+    train = truncate(train_full, plan.max_seq_len)
+    evaluation = truncate(eval_full, plan.max_seq_len)
+    if len(train.examples) != plan.train_rows:
+        raise DataError(f"{Path(plan.data).name} has changed since the run started: it now gives "
+                        f"{len(train.examples)} training rows, the run was planned for {plan.train_rows}.",
+                        "Restore the original data file, or start a new run with `llmcustoms train`.")
     return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
                        dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
                        dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback)

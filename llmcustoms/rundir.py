@@ -74,11 +74,27 @@ class RunDirectory:
         write_json_atomic(self.plan_path, plan.to_json())
 
     def read_plan(self) -> Plan:
-        return Plan.from_json(json.loads(self.plan_path.read_text()))
+        try:
+            return Plan.from_json(json.loads(self.plan_path.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(f"{self.path} is not a readable llmcustoms run ({type(exc).__name__} reading plan.json).",
+                              "Pass a directory made by `llmcustoms train`.") from None
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Forget rows after `step`: after a rollback or resume they are trained
+        again, and the file keeps one row per optimizer step."""
+        rows = [r for r in self.read_metrics() if r.get("step", 0) <= step]
+        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.metrics_path)
+
+    def add_recovery(self, recovery: dict[str, Any]) -> None:
+        status = self.read_status()
+        write_json_atomic(self.status_path, {**status, "recoveries": status.get("recoveries", []) + [recovery]})
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -106,3 +122,18 @@ class RunDirectory:
         current.setdefault("recoveries", [])
         write_json_atomic(self.status_path, current)
         return current
+
+
+def find_unfinished_run(output_dir: Path) -> RunDirectory:
+    """The most recently updated run under `output_dir` that has not completed."""
+    candidates = []
+    for path in Path(output_dir).glob("*/plan.json"):
+        run = RunDirectory(path.parent)
+        status = run.read_status()
+        if status.get("status") != "completed":
+            updated = run.status_path.stat().st_mtime if run.status_path.exists() else path.stat().st_mtime
+            candidates.append((updated, run))
+    if not candidates:
+        raise ConfigError(f"No unfinished run under {output_dir}.",
+                          "Pass the run directory (`llmcustoms resume runs/NAME`), or --output-dir where your runs are.")
+    return max(candidates, key=lambda pair: pair[0])[1]

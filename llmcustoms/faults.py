@@ -1,0 +1,69 @@
+"""Fault injection for black-box tests: `LLMCUSTOMS_FAULT_INJECT`.
+
+A testing aid, off unless the variable is set. A comma-separated list of
+`KIND@STEP`, each firing once, at optimizer step STEP (1-based):
+
+    oom@5       a real torch.OutOfMemoryError inside step 5's forward pass
+    nan@7       step 7's loss becomes NaN (so do its gradients)
+    sigint@4    SIGINT to this process after step 4 (and its checkpoint, if any)
+    sigterm@4   SIGTERM, likewise
+    sigkill@4   SIGKILL, likewise: the process dies on the spot
+
+An optional `:rank=R` suffix limits a fault to one process of a distributed run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from llmcustoms.errors import ConfigError
+
+ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
+KINDS = ("oom", "nan", "sigint", "sigterm", "sigkill")
+SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
+SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: int | None
+
+
+class FaultInjector:
+    def __init__(self, spec: str | None, rank: int = 0):
+        self.rank = rank
+        self.pending: list[Fault] = []
+        for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+            match = SPEC.match(part)
+            if not match or match["kind"] not in KINDS:
+                raise ConfigError(f"{ENV_VAR} has an invalid entry '{part}'.",
+                                  f"Use KIND@STEP[:rank=R] with KIND one of {', '.join(KINDS)}, e.g. oom@5.")
+            self.pending.append(Fault(match["kind"], int(match["step"]), int(match["rank"]) if match["rank"] else None))
+
+    @classmethod
+    def from_env(cls, rank: int = 0) -> "FaultInjector":
+        return cls(os.environ.get(ENV_VAR), rank)
+
+    def due(self, kind: str, step: int) -> bool:
+        """True once for each matching fault; it is then spent."""
+        for fault in self.pending:
+            if fault.kind == kind and fault.step == step and fault.rank in (None, self.rank):
+                self.pending.remove(fault)
+                return True
+        return False
+
+    def raise_oom_if_due(self, step: int) -> None:
+        if self.due("oom", step):
+            import torch
+
+            raise torch.OutOfMemoryError(f"out of memory (injected at step {step} by {ENV_VAR})")
+
+    def send_signal_if_due(self, step: int) -> None:
+        for kind, signum in SIGNALS.items():
+            if self.due(kind, step):
+                os.kill(os.getpid(), signum)

@@ -1,0 +1,108 @@
+"""`TrainingRecoverySystem`: what to do when a training step fails.
+
+The trainer catches failures in one place around the step and asks this
+module for an action, which is a changed plan to continue with, or a report
+to stop with:
+
+  out of memory   halve the micro-batch and double accumulation (the effective
+                  batch, and with per-token loss normalisation the update,
+                  stay the same); at micro-batch 1 turn on gradient
+                  checkpointing; then halve the sequence length; then stop
+  NaN / inf       lower the learning rate; stop after a few repeats
+
+Either way the trainer rolls back to the last good checkpoint first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmcustoms.planning import Plan
+
+MAX_NAN_RECOVERIES = 3
+NAN_LR_FACTOR = 0.5
+MIN_SEQ_LEN = 64
+
+
+@dataclass(frozen=True)
+class Recovery:
+    kind: str  # oom | nan
+    step: int
+    action: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TrainingFailed(Exception):
+    """Training cannot go on; `report` says why and what to try."""
+
+    def __init__(self, report: dict[str, Any]):
+        super().__init__(report["reason"])
+        self.report = report
+
+
+class TrainingInterrupted(Exception):
+    """Stopped by SIGINT / SIGTERM after writing a checkpoint."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"interrupted by signal {signum} at step {step}")
+        self.signum = signum
+        self.step = step
+
+
+def create_failure_report(kind: str, plan: Plan, step: int, detail: str = "") -> dict[str, Any]:
+    """Why the run stopped, and concrete things to try next."""
+    if kind == "oom":
+        reason = (f"out of memory at step {step} even with micro-batch 1, gradient checkpointing and "
+                  f"{plan.max_seq_len}-token sequences")
+        suggestions = ["use --method qlora (a 4-bit base needs about a quarter of the weight memory)",
+                       "use a smaller model (`llmcustoms hardware` lists what fits)",
+                       f"lower --max-seq-len below {plan.max_seq_len}",
+                       "close other programs that use the GPU"]
+    elif kind == "nan":
+        reason = f"the loss became NaN or infinite at step {step}, {MAX_NAN_RECOVERIES} times, even at lr {plan.lr:.2e}"
+        suggestions = [f"lower --lr (for example --lr {plan.lr / 10:.1e})",
+                       "check the data for empty or garbled rows",
+                       "use --mixed-precision bf16 or no instead of fp16"]
+    else:
+        reason = f"unexpected error at step {step}: {detail}"
+        suggestions = ["resume with `llmcustoms resume` (the last checkpoint is kept)",
+                       "if it happens again, report it with the traceback shown"]
+    return {"kind": kind, "step": step, "reason": reason, "suggestions": suggestions}
+
+
+class TrainingRecoverySystem:
+    def __init__(self) -> None:
+        self.nan_recoveries = 0
+
+    def after_oom(self, plan: Plan, step: int) -> tuple[Plan, Recovery]:
+        if plan.micro_batch_size > 1:
+            micro = plan.micro_batch_size // 2
+            accum = -(-plan.effective_batch_size // micro)
+            new = plan.with_changes(f"out of memory at step {step}: micro-batch {plan.micro_batch_size} -> {micro}, "
+                                    f"accumulation {plan.grad_accum} -> {accum}",
+                                    micro_batch_size=micro, grad_accum=accum)
+            return new, Recovery("oom", step, "halved micro-batch",
+                                 {"micro_batch_size": [plan.micro_batch_size, micro], "grad_accum": [plan.grad_accum, accum]})
+        if not plan.gradient_checkpointing:
+            new = plan.with_changes(f"out of memory at step {step} at micro-batch 1: gradient checkpointing on",
+                                    gradient_checkpointing=True)
+            return new, Recovery("oom", step, "enabled gradient checkpointing", {})
+        if plan.max_seq_len // 2 >= MIN_SEQ_LEN:
+            shorter = plan.max_seq_len // 2
+            new = plan.with_changes(f"out of memory at step {step} with checkpointing: sequences {plan.max_seq_len} "
+                                    f"-> {shorter} tokens", max_seq_len=shorter)
+            return new, Recovery("oom", step, "shortened sequences", {"max_seq_len": [plan.max_seq_len, shorter]})
+        raise TrainingFailed(create_failure_report("oom", plan, step))
+
+    def after_nan(self, plan: Plan, step: int) -> tuple[Plan, Recovery]:
+        if self.nan_recoveries >= MAX_NAN_RECOVERIES:
+            raise TrainingFailed(create_failure_report("nan", plan, step))
+        self.nan_recoveries += 1
+        lr = plan.lr * NAN_LR_FACTOR
+        new = plan.with_changes(f"NaN loss at step {step}: learning rate {plan.lr:.2e} -> {lr:.2e}", lr=lr)
+        return new, Recovery("nan", step, "lowered learning rate",
+                             {"lr": [plan.lr, lr], "factor": NAN_LR_FACTOR})
