@@ -231,6 +231,71 @@ def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool) -> Non
         ui.show_summary(result)
 
 
+class Sampler(str, Enum):
+    tpe = "tpe"
+    random = "random"
+    grid = "grid"
+
+
+@app.command()
+def tune(
+    data: Data,
+    trials: Annotated[int, typer.Option("--trials", "-n", min=1, help="Trials to run now (added to the study's earlier ones).")] = 20,
+    model: ModelOpt = None,
+    preset: PresetOpt = None,
+    method: MethodOpt = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")] = None,
+    budget_tokens: Annotated[Optional[int], typer.Option("--budget-tokens", min=1, help="Training tokens per trial (instead of --max-steps).")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=1, help="Stop starting new trials after this many seconds.")] = None,
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")] = None,
+    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")] = None,
+    sampler: Annotated[Sampler, typer.Option("--sampler", help="tpe (default), random or grid.")] = Sampler.tpe,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where the study directory goes.")] = Path("runs"),
+    batch_size: BatchOpt = None,
+    grad_accum: AccumOpt = None,
+    max_seq_len: SeqOpt = None,
+    eval_split: EvalSplitOpt = None,
+    eval_data: EvalDataOpt = None,
+    seed: SeedOpt = None,
+    gradient_checkpointing: CheckpointingOpt = None,
+    mixed_precision: PrecisionOpt = None,
+    train_on_prompt: PromptOpt = False,
+    skip_bad_rows: SkipOpt = False,
+    trust_remote_code: RemoteOpt = False,
+) -> None:
+    """Search learning rate and LoRA shape with Optuna; write the best as a preset `train` accepts."""
+    if max_steps and budget_tokens:
+        print_error("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
+        raise typer.Exit(2)
+    with user_errors():
+        _quiet_libraries()
+        from llmcustoms import console as ui
+        from llmcustoms.hardware import detect
+        from llmcustoms.preparation import prepare_run
+        from llmcustoms.presets import load_preset
+        from llmcustoms.tuning import TuneSettings, run_study, search_space, trial_steps
+
+        options = _train_options(
+            data, model, preset, eval_data, skip_bad_rows, method=method, batch_size=batch_size, grad_accum=grad_accum,
+            max_seq_len=max_seq_len, eval_split=eval_split, seed=seed, gradient_checkpointing=gradient_checkpointing,
+            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        hardware = detect()
+        prepared = prepare_run(options, hardware)
+        base = prepared.plan
+        mean_tokens = sum(len(e.input_ids) for e in prepared.train) / max(1, len(prepared.train))
+        steps = trial_steps(base, max_steps, budget_tokens, mean_tokens)
+        name = study_name or re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(data).stem}-{Path(base.model.rstrip('/')).name}").lower()
+        settings = TuneSettings(trials=trials, steps=steps, study_name=name, study_dir=output_dir / f"tune-{name}",
+                                storage=storage, sampler=sampler.value, timeout=timeout, seed=base.seed)
+        ui.show_prepared(prepared, data)
+        ui.show_search(search_space(base, hardware), base, settings, round(steps * base.effective_batch_size * mean_tokens))
+        with ui.TrialsDisplay() as display:
+            outcome = run_study(prepared, load_preset(preset or "quality"), hardware, settings, on_update=display.update)
+        ui.show_study_outcome(outcome, data, model)
+        if outcome.interrupted:
+            raise typer.Exit(130)
+
+
 @app.command()
 def resume(
     run_dir: Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")] = None,

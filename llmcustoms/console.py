@@ -309,3 +309,84 @@ def show_failure(report: dict[str, Any], run_path: Any) -> None:
     text += "\n".join(f"- {escape(s)}" for s in report["suggestions"])
     text += f"\nThe run directory is {escape(str(run_path))}; status.json holds this report."
     err_console.print(Panel(text, expand=False))
+
+
+def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> None:
+    table = Table(title=f"Search space (study {escape(settings.study_name)})", show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for name, values in space.describe():
+        table.add_row(name, escape(values))
+    table.add_row("fixed", escape(f"{base.model}, {base.method}, micro-batch {base.micro_batch_size} x "
+                                  f"{base.grad_accum}, {base.max_seq_len} tokens"))
+    table.add_row("budget per trial", f"{settings.steps} optimizer steps (about {tokens_per_trial:,} tokens), "
+                                      f"eval loss on {base.eval_rows} held-out rows")
+    table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}, median pruner"
+                            + (f", timeout {settings.timeout:g} s" if settings.timeout else ""))
+    table.add_row("stored in", escape(settings.storage or str(settings.study_dir / "study.db")))
+    console.print(table)
+
+
+def trials_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Trials")
+    for column in ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time", "note"):
+        table.add_column(column, no_wrap=column != "note")
+    finished = [r["eval_loss"] for r in rows if r["state"] == "complete" and r["eval_loss"] is not None]
+    best = min(finished) if finished else None
+    colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan"}
+    for r in rows[-30:]:  # the newest, so a long study still fits the screen
+        loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        if best is not None and r["eval_loss"] == best and r["state"] == "complete":
+            loss = f"[bold green]{loss}[/]"
+        table.add_row(str(r["trial"]), f"[{colours.get(r['state'], 'white')}]{r['state']}[/]", loss,
+                      "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
+                      _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), _blank(r["steps"]),
+                      "" if r["seconds"] is None else f"{r['seconds']:.0f}s", escape(r["reason"] or ""))
+    return table
+
+
+def _blank(value: Any) -> str:
+    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class TrialsDisplay:
+    """A live table of the study's trials, redrawn as trials report."""
+
+    def __enter__(self) -> "TrialsDisplay":
+        from rich.live import Live
+
+        self.live = Live(Table(title="Trials"), console=console, refresh_per_second=4, transient=False)
+        self.live.__enter__()
+        return self
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        self.live.update(trials_table(rows))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.live.__exit__(*exc)
+        console.print()
+
+
+def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
+    rows = outcome.rows
+    counts = {state: sum(1 for r in rows if r["state"] == state) for state in ("complete", "pruned", "fail")}
+    console.print(f"Study: {len(rows)} trials in all ({counts['complete']} complete, {counts['pruned']} pruned, "
+                  f"{counts['fail']} failed); {outcome.trials_this_run} ran now.")
+    if outcome.steps_budgeted:
+        saved = 1 - outcome.steps_run / outcome.steps_budgeted
+        console.print(f"Pruning: {outcome.steps_run:,} of {outcome.steps_budgeted:,} budgeted steps ran "
+                      f"({saved:.0%} saved).")
+    if outcome.interrupted:
+        console.print("[yellow]Interrupted.[/] The study is saved; run the same command again to continue it.")
+    if outcome.best_preset_path is None:
+        console.print("No trial completed yet, so there is no best preset.")
+        return
+    best = min((r for r in rows if r["state"] == "complete" and r["eval_loss"] is not None), key=lambda r: r["eval_loss"])
+    console.print(f"Best: trial {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
+                  + (f", r {best['lora_r']}, alpha/r {best['alpha_ratio']:g}, dropout {best['lora_dropout']:g}"
+                     if best["lora_r"] is not None else "") + f", warmup {best['warmup_ratio']:g}).")
+    console.print(f"Wrote {escape(str(outcome.best_preset_path))} and "
+                  f"{escape(str(outcome.best_preset_path.parent / 'trials.csv'))}.")
+    command = f"llmcustoms train {data_path} --preset {outcome.best_preset_path}" + (f" --model {model}" if model else "")
+    console.print("Train with the best settings:")
+    console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied

@@ -23,7 +23,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,8 +82,13 @@ def parameter_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
-                 run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None):
+                 run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
+                 on_evaluate: Callable[[int, float], bool] | None = None, save_artifacts: bool = True):
+        """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes this
+        way); `save_artifacts=False` writes no checkpoints and no adapter."""
         self.plan = plan
+        self.on_evaluate = on_evaluate
+        self.save_artifacts = save_artifacts
         self.tokenizer = tokenizer
         self.train_rows = train
         self.eval_rows = evaluation
@@ -130,9 +135,10 @@ class FineTuner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, self.plan))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.device = self.accelerator.device
-        # Out-of-memory injection happens inside the forward pass, after the embeddings.
+        # Out-of-memory injection happens inside a training step's forward pass,
+        # after the embeddings (never during evaluation).
         self.accelerator.unwrap_model(self.model).get_input_embeddings().register_forward_hook(
-            lambda *_: self.faults.raise_oom_if_due(self.step + 1))
+            lambda module, *_: self.faults.raise_oom_if_due(self.step + 1) if module.training else None)
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.pad_multiple = 8 if torch.cuda.is_available() else 1
         self._build_eval_batches()
@@ -372,12 +378,12 @@ class FineTuner:
                 self.reporter.step(row)
                 stop_reason = self._maybe_evaluate()
                 last = self.step == self.plan.total_steps or stop_reason is not None
-                saved = self.step % self.plan.save_every == 0 or last
+                saved = self.save_artifacts and (self.step % self.plan.save_every == 0 or last)
                 if saved:
                     self._save_checkpoint()
                 self.faults.send_signal_if_due(self.step)
                 if self.stop_signal is not None and not last:
-                    if not saved:
+                    if not saved and self.save_artifacts:
                         self._save_checkpoint()
                     self.run_dir.write_status("interrupted", step=self.step,
                                               reason=f"stopped by {signal.Signals(self.stop_signal).name}")
@@ -402,7 +408,8 @@ class FineTuner:
 
         seconds = time.perf_counter() - started
         output = self.run_dir.output_path(self.plan.method)
-        save_trained(self.accelerator.unwrap_model(self.model), self.tokenizer, output)
+        if self.save_artifacts:
+            save_trained(self.accelerator.unwrap_model(self.model), self.tokenizer, output)
         self.run_dir.write_status("completed", step=self.step, reason=stop_reason, final_loss=self.final_loss,
                                   best_eval_loss=self.best_eval, best_eval_step=self.best_step)
         if stop_reason:
@@ -423,6 +430,8 @@ class FineTuner:
         row = {"step": self.step, "eval_loss": eval_loss}
         self.run_dir.append_metrics(row)
         self.reporter.evaluated(row)
+        if self.on_evaluate is not None and self.on_evaluate(self.step, eval_loss):
+            return f"stopped at step {self.step} by the caller (eval loss {eval_loss:.4f})"
         if self.best_eval is None or eval_loss < self.best_eval:
             self.best_eval, self.best_step, self.evals_since_best = eval_loss, self.step, 0
             return None
