@@ -119,23 +119,35 @@ PatienceOpt = Annotated[Optional[int], typer.Option("--early-stopping-patience",
 CheckpointingOpt = Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations to save memory (slower). Default: only when needed.")]
 PrecisionOpt = Annotated[Optional[Precision], typer.Option("--mixed-precision", help="Autocast precision. Default: bf16 or fp16 on a GPU, none on CPU.")]
 PromptOpt = Annotated[bool, typer.Option("--train-on-prompt", help="Also compute the loss on prompts, not only on responses.")]
+EnvFileOpt = Annotated[Optional[Path], typer.Option("--env-file", help="Read settings from this file instead of ./.env.")]
+ReportToOpt = Annotated[Optional[str], typer.Option("--report-to", help="Also send metrics to tensorboard or wandb (optional extras). Default: none.")]
+OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Where run directories go. Default: runs.")]
 SkipOpt = Annotated[bool, typer.Option("--skip-bad-rows", help="Skip rows that fail validation instead of stopping.")]
 RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model repository to run its own code.")]
 
 
 def _train_options(data: str, model: Optional[str], preset: Optional[str], eval_data: Optional[str],
-                   skip_bad_rows: bool, **flags: Any) -> Any:
-    """TrainOptions from parsed flags; flags left at None are the plan's to decide."""
+                   skip_bad_rows: bool, settings: Any, **flags: Any) -> Any:
+    """TrainOptions from parsed flags and settings: flag > environment > preset > default.
+    Values left unset are the plan's to decide."""
     from llmcustoms.preparation import TrainOptions
 
     names = {"batch_size": "micro_batch_size"}
     for switch in ("train_on_prompt", "trust_remote_code"):  # plain switches: off means "not given"
         if flags.get(switch) is False:
             flags[switch] = None
-    overrides = {names.get(k, k): (v.value if isinstance(v, Enum) else v, "flag")
-                 for k, v in flags.items() if v is not None}
-    return TrainOptions(data=data, model=model, preset=preset, eval_data=eval_data,
-                        skip_bad_rows=skip_bad_rows, overrides=overrides)
+    overrides = dict(settings.plan_overrides())
+    overrides.update({names.get(k, k): (v.value if isinstance(v, Enum) else v, "flag")
+                      for k, v in flags.items() if v is not None})
+    model_source = "flag" if model else "env LLMCUSTOMS_MODEL"
+    preset_source = "flag" if preset else "env LLMCUSTOMS_PRESET" if settings.get("preset") else "default"
+    return TrainOptions(data=data, model=model or settings.get("model"), preset=preset or settings.get("preset"),
+                        eval_data=eval_data, skip_bad_rows=skip_bad_rows, overrides=overrides,
+                        model_source=model_source, preset_source=preset_source)
+
+
+def _output_dir(flag: Optional[Path], settings: Any) -> Path:
+    return flag or Path(settings.get("output_dir") or "runs")
 
 
 @app.command()
@@ -144,7 +156,7 @@ def train(
     model: ModelOpt = None,
     preset: PresetOpt = None,
     method: MethodOpt = None,
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where run directories go.")] = Path("runs"),
+    output_dir: OutputDirOpt = None,
     run_name: Annotated[Optional[str], typer.Option("--run-name", help="Name of this run's directory. Default: model-preset-time.")] = None,
     epochs: EpochsOpt = None,
     max_steps: MaxStepsOpt = None,
@@ -168,6 +180,8 @@ def train(
     train_on_prompt: PromptOpt = False,
     skip_bad_rows: SkipOpt = False,
     trust_remote_code: RemoteOpt = False,
+    report_to: ReportToOpt = None,
+    env_file: EnvFileOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
@@ -179,9 +193,14 @@ def train(
         from llmcustoms.hardware import detect
         from llmcustoms.preparation import prepare_run
         from llmcustoms.rundir import RunDirectory
+        from llmcustoms.settings import load_settings
+        from llmcustoms.tracking import check_tracker
 
+        settings = load_settings(env_file)
+        output_dir = _output_dir(output_dir, settings)
+        tracker = check_tracker(report_to or settings.get("report_to") or "none")
         options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, method=method, epochs=epochs, max_steps=max_steps,
+            data, model, preset, eval_data, skip_bad_rows, settings, method=method, epochs=epochs, max_steps=max_steps,
             batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
             warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
             lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, keep_checkpoints=keep, seed=seed,
@@ -201,16 +220,17 @@ def train(
             raise typer.Exit(0)
         run_dir.create(overwrite=overwrite)
         run_dir.write_plan(plan)
-        _run_training(prepared, run_dir, quiet, resume=False)
+        _run_training(prepared, run_dir, quiet, resume=False, tracker=tracker)
 
 
-def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool) -> None:
+def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none") -> None:
     """Train (or resume), then map how it ended to what the user sees and the exit code."""
     from llmcustoms import console as ui
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+    from llmcustoms.tracking import TrackingReporter
 
-    reporter = ui.make_reporter(quiet)
+    reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker, run_dir, prepared.plan)
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter)
     try:
         result = tuner.run(resume=resume)
@@ -250,7 +270,7 @@ def tune(
     storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")] = None,
     study_name: Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")] = None,
     sampler: Annotated[Sampler, typer.Option("--sampler", help="tpe (default), random or grid.")] = Sampler.tpe,
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where the study directory goes.")] = Path("runs"),
+    output_dir: OutputDirOpt = None,
     batch_size: BatchOpt = None,
     grad_accum: AccumOpt = None,
     max_seq_len: SeqOpt = None,
@@ -262,6 +282,7 @@ def tune(
     train_on_prompt: PromptOpt = False,
     skip_bad_rows: SkipOpt = False,
     trust_remote_code: RemoteOpt = False,
+    env_file: EnvFileOpt = None,
 ) -> None:
     """Search learning rate and LoRA shape with Optuna; write the best as a preset `train` accepts."""
     if max_steps and budget_tokens:
@@ -273,10 +294,13 @@ def tune(
         from llmcustoms.hardware import detect
         from llmcustoms.preparation import prepare_run
         from llmcustoms.presets import load_preset
+        from llmcustoms.settings import load_settings
         from llmcustoms.tuning import TuneSettings, run_study, search_space, trial_steps
 
+        env_settings = load_settings(env_file)
+        output_dir = _output_dir(output_dir, env_settings)
         options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, method=method, batch_size=batch_size, grad_accum=grad_accum,
+            data, model, preset, eval_data, skip_bad_rows, env_settings, method=method, batch_size=batch_size, grad_accum=grad_accum,
             max_seq_len=max_seq_len, eval_split=eval_split, seed=seed, gradient_checkpointing=gradient_checkpointing,
             mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
         hardware = detect()
@@ -290,8 +314,9 @@ def tune(
         ui.show_prepared(prepared, data)
         ui.show_search(search_space(base, hardware), base, settings, round(steps * base.effective_batch_size * mean_tokens))
         with ui.TrialsDisplay() as display:
-            outcome = run_study(prepared, load_preset(preset or "quality"), hardware, settings, on_update=display.update)
-        ui.show_study_outcome(outcome, data, model)
+            outcome = run_study(prepared, load_preset(options.preset or "quality"), hardware, settings,
+                                on_update=display.update)
+        ui.show_study_outcome(outcome, data, options.model)
         if outcome.interrupted:
             raise typer.Exit(130)
 
@@ -299,8 +324,9 @@ def tune(
 @app.command()
 def resume(
     run_dir: Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")] = None,
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where to look for runs.")] = Path("runs"),
+    output_dir: OutputDirOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
+    env_file: EnvFileOpt = None,
 ) -> None:
     """Continue an interrupted or failed run from its last good checkpoint."""
     with user_errors():
@@ -308,14 +334,16 @@ def resume(
         from llmcustoms import console as ui
         from llmcustoms.preparation import prepare_resume
         from llmcustoms.rundir import RunDirectory, find_unfinished_run
+        from llmcustoms.settings import load_settings
 
-        directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(output_dir)
+        settings = load_settings(env_file)
+        directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, settings))
         plan = directory.read_plan()
         prepared = prepare_resume(plan)
         if not quiet:
             ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                              f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
-        _run_training(prepared, directory, quiet, resume=True)
+        _run_training(prepared, directory, quiet, resume=True, tracker=settings.get("report_to") or "none")
 
 
 @app.command()
@@ -347,6 +375,7 @@ def plan(
     train_on_prompt: PromptOpt = False,
     skip_bad_rows: SkipOpt = False,
     trust_remote_code: RemoteOpt = False,
+    env_file: EnvFileOpt = None,
 ) -> None:
     """Show what `train` would do with DATA, and whether it fits, without training."""
     with user_errors():
@@ -354,9 +383,10 @@ def plan(
         from llmcustoms import console as ui
         from llmcustoms.hardware import GIB, Hardware, detect
         from llmcustoms.preparation import prepare_run
+        from llmcustoms.settings import load_settings
 
         options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, method=method, epochs=epochs, max_steps=max_steps,
+            data, model, preset, eval_data, skip_bad_rows, load_settings(env_file), method=method, epochs=epochs, max_steps=max_steps,
             batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
             warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
             lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, seed=seed,
@@ -397,17 +427,154 @@ def presets() -> None:
         ui.show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
 
 
-def load_env_file(path: Path = Path(".env")) -> None:
-    """Variables from ./.env (HF_TOKEN, HF_HOME, ...) for this process. The
-    real environment wins over the file, so a one-off `VAR=x llmcustoms ...` works."""
-    if path.is_file():
-        from dotenv import load_dotenv
+@app.command()
+def setup(
+    data: Annotated[Optional[str], typer.Option("--data", help="Your training data (asked for if not given).")] = None,
+    env_file: Annotated[Path, typer.Option("--env-file", help="The settings file to write.")] = Path(".env"),
+) -> None:
+    """Interactive set-up: checks your data, picks a goal and a model that fits, writes .env."""
+    with user_errors():
+        from llmcustoms.hardware import detect
+        from llmcustoms.wizard import run_wizard
 
-        load_dotenv(path, override=False)
+        try:
+            command = run_wizard(detect(), env_file, data)
+        except KeyboardInterrupt:
+            print_error("Setup cancelled; nothing was written.", None)
+            raise typer.Exit(130) from None
+        if command:
+            console.print("Next, train with:")
+            console.print("  " + " ".join(command), soft_wrap=True)
+
+
+@app.command()
+def runs(output_dir: OutputDirOpt = None, env_file: EnvFileOpt = None) -> None:
+    """List the runs under the output directory: model, method, status, steps, best eval loss."""
+    with user_errors():
+        from llmcustoms import console as ui
+        from llmcustoms.settings import load_settings
+
+        ui.show_runs(_output_dir(output_dir, load_settings(env_file)))
+
+
+RunArg = Annotated[Path, typer.Argument(help="A run directory, e.g. runs/my-run.")]
+
+
+def _run_directory(path: Path) -> Any:
+    from llmcustoms.errors import ConfigError
+    from llmcustoms.rundir import RunDirectory
+
+    if not (path / "plan.json").is_file():
+        raise ConfigError(f"{path} is not an llmcustoms run directory (no plan.json).",
+                          "`llmcustoms runs` lists the runs under ./runs.")
+    return RunDirectory(path)
+
+
+@app.command()
+def report(
+    run: RunArg,
+    plot: Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")] = False,
+) -> None:
+    """Analyse a run: convergence, overfitting, learning rate, throughput, recoveries, and what to change."""
+    with user_errors():
+        from llmcustoms import console as ui
+        from llmcustoms.report import analyse
+        from llmcustoms.report import plot as draw
+
+        directory = _run_directory(run)
+        ui.show_report(analyse(directory))
+        if plot:
+            console.print(f"Wrote {draw(directory)}")
+
+
+MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest reply in tokens.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", min=0.0, help="0 for greedy; higher is more varied.")]
+
+
+@app.command()
+def generate(
+    run: RunArg,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="What to ask the model.")],
+    max_new_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.7,
+    seed: SeedOpt = None,
+) -> None:
+    """Generate a reply to one prompt with the run's model."""
+    with user_errors():
+        _quiet_libraries()
+        import sys
+
+        from llmcustoms.generation import generate as reply
+        from llmcustoms.generation import load_trained
+
+        if seed is not None:
+            from transformers import set_seed
+
+            set_seed(seed)
+        model, tokenizer, plan = load_trained(_run_directory(run))
+        reply(model, tokenizer, plan, [{"role": "user", "content": prompt}], max_new_tokens, temperature,
+              on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        sys.stdout.write("\n")
+
+
+@app.command()
+def chat(
+    run: RunArg,
+    max_new_tokens: MaxTokensOpt = 512,
+    temperature: TemperatureOpt = 0.7,
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")] = None,
+) -> None:
+    """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
+    with user_errors():
+        _quiet_libraries()
+        import sys
+
+        from llmcustoms.generation import generate as reply
+        from llmcustoms.generation import load_trained
+
+        model, tokenizer, plan = load_trained(_run_directory(run))
+        start = [{"role": "system", "content": system}] if system else []
+        messages = list(start)
+        console.print(f"Chatting with [bold]{run}[/] ({plan.model} + adapter). /exit or Ctrl-D to quit, /reset to start over.")
+        while True:
+            try:
+                text = console.input("[bold green]you>[/] ")
+            except (EOFError, KeyboardInterrupt):
+                console.print()
+                break
+            if text.strip() in ("/exit", "/quit"):
+                break
+            if text.strip() == "/reset":
+                messages = list(start)
+                continue
+            if not text.strip():
+                continue
+            messages.append({"role": "user", "content": text})
+            console.print("[bold blue]model>[/] ", end="")
+            answer = reply(model, tokenizer, plan, messages, max_new_tokens, temperature,
+                           on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": answer})
+
+
+@app.command()
+def export(
+    run: RunArg,
+    output: Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")],
+    merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone 16-bit model.")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")] = "auto",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")] = False,
+) -> None:
+    """Copy the adapter (with tokenizer and a model card), or merge it into a standalone model."""
+    with user_errors():
+        _quiet_libraries()
+        from llmcustoms.export import export_run
+
+        written = export_run(_run_directory(run), output, merge, dtype, overwrite)
+        console.print(f"Exported {'a merged model' if merge else 'the adapter'} to {written}")
 
 
 def main() -> None:
-    load_env_file()
     try:
         app()
     except KeyboardInterrupt:

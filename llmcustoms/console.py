@@ -390,3 +390,52 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
     command = f"llmcustoms train {data_path} --preset {outcome.best_preset_path}" + (f" --model {model}" if model else "")
     console.print("Train with the best settings:")
     console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied
+
+
+def show_runs(output_dir: Any) -> None:
+    import datetime
+    import json
+    from pathlib import Path
+
+    from llmcustoms.rundir import RunDirectory
+
+    rows = []
+    for plan_path in sorted(Path(output_dir).glob("*/plan.json")):
+        run = RunDirectory(plan_path.parent)
+        try:
+            plan = json.loads(plan_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        status = run.read_status()
+        started, updated = status.get("started_at"), status.get("updated_at")
+        duration = ""
+        if started and updated:
+            parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%S%z")  # noqa: E731
+            duration = _duration((parse(updated) - parse(started)).total_seconds())
+        best = status.get("best_eval_loss")
+        rows.append((run.path.name, Path(str(plan.get("model", ""))).name, plan.get("method", ""),
+                     status.get("status", "unknown"), f"{status.get('step', 0)}/{plan.get('total_steps', '?')}",
+                     "" if best is None else f"{best:.4f}", (started or "")[:16].replace("T", " "), duration))
+    if not rows:
+        console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
+        return
+    colours = {"completed": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+    table = Table(title=f"Runs in {escape(str(output_dir))}")
+    for column in ("run", "model", "method", "status", "steps", "best eval", "started", "duration"):
+        table.add_column(column, no_wrap=column != "run")
+    for row in rows:
+        table.add_row(escape(row[0]), escape(row[1]), row[2], f"[{colours.get(row[3], 'white')}]{row[3]}[/]", *row[4:])
+    console.print(table)
+
+
+def show_report(report: Any) -> None:
+    table = Table(title=f"Report: {escape(report.name)} ({report.status}, {report.steps}/{report.total_steps} steps)",
+                  show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column()
+    for finding in report.findings:
+        table.add_row(finding.topic, finding.verdict, escape(finding.detail))
+    console.print(table)
+    console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
+                        expand=False))

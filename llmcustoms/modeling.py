@@ -61,7 +61,7 @@ def _explain(name: str, exc: Exception) -> ModelError:
                       "Check that the directory is complete, or pass another --model.")
 
 
-def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
+def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
     """Try the local cache first (instant and offline), then the Hub."""
     location = model_location(name)
     try:
@@ -78,7 +78,7 @@ def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
 def load_config(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
+    return from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
 
 
 def spec_from_config(name: str, config: Any, family: str) -> ModelSpec:
@@ -124,7 +124,7 @@ def describe_model(name: str, families: dict[str, Family], source: str, trust_re
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out of attention and loss, so any token
         # will do; EOS is the one every causal LM tokenizer has.
@@ -172,7 +172,7 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
         )
         if device_index is not None:
             kwargs["device_map"] = {"": device_index}
-    model = _from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
+    model = from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory here
     if plan.method == "qlora":
         _keep_4bit_layout_trainable(model)

@@ -121,6 +121,7 @@ class Plan:
     estimated_seconds: float | None = None
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
+    data_format: str = ""
     eval_data: str | None = None
     eval_split: float = 0.0
     skip_bad_rows: bool = False

@@ -37,6 +37,8 @@ class TrainOptions:
     skip_bad_rows: bool = False
     # field -> (value, source): plan values set by a flag or the environment
     overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    model_source: str = "flag"
+    preset_source: str = "default"
 
     def override(self, name: str, default: Any) -> Any:
         return self.overrides.get(name, (default, ""))[0]
@@ -128,7 +130,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in preset.models]
     choice_reason = None
     if options.model:
-        model = modeling.describe_model(options.model, families, "flag", trust_remote_code)
+        model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
     else:
         rough = estimated_stats(train_examples, len(eval_examples), dataset.format)
         model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides)
@@ -150,10 +152,11 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                           first_loss_positions=tuple(first_loss_position(e) for e in train_full),
                           eval_rows=len(eval_full), format=dataset.format)
 
-    plan = optimizer.plan(model, stats, options.overrides, preset_source="flag" if options.preset else "default")
+    plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source)
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
-    plan = replace(plan, data=str(Path(options.data).resolve()), skip_bad_rows=options.skip_bad_rows,
+    plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
+                   skip_bad_rows=options.skip_bad_rows,
                    eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None, eval_split=fraction)
     train = truncate(train_full, plan.max_seq_len)
     evaluation = truncate(eval_full, plan.max_seq_len)

@@ -1,0 +1,82 @@
+"""Take a trained model elsewhere: `llmcustoms export RUN --output DIR [--merge]`.
+
+Without --merge: the PEFT adapter, tokenizer and chat template, and a model
+card. With --merge: the base is reloaded in 16-bit (its own saved dtype by
+default, never the 4-bit weights QLoRA trained on, since merging into those
+loses quality), the adapter is merged in, and a standalone model is written
+that `AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.generation import trained_output
+from llmcustoms.rundir import RunDirectory
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
+    status = run.read_status()
+    lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
+            f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
+    best = status.get("best_eval_loss")
+    how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
+           if merged or plan.method == "full" else
+           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           f"base = AutoModelForCausalLM.from_pretrained(\"{plan.model}\")\n"
+           "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
+    return "\n".join([
+        "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
+        f"base_model: {plan.model}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
+        f"# {run.path.name}", "",
+        f"Fine-tuned from `{plan.model}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
+        f"({plan.method}{', merged into the base' if merged else ''}).", "",
+        "| | |", "|---|---|",
+        f"| method | {lora} |", f"| preset | {plan.preset} |",
+        f"| data | {Path(plan.data).name} ({plan.data_format or 'unknown format'}), {plan.train_rows} training rows, "
+        f"{plan.eval_rows} evaluation rows |",
+        f"| training | {status.get('step', 0)} optimizer steps, effective batch {plan.effective_batch_size}, "
+        f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
+        f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
+        f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}) |" if best is not None else "",
+        "", "## Use", "", how, "",
+    ])
+
+
+def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False) -> Path:
+    plan, trained = trained_output(run)
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"{output} already exists and is not empty.", "Choose another --output, or pass --overwrite.")
+        shutil.rmtree(output)
+    if not merge or plan.method == "full":
+        shutil.copytree(trained, output, dirs_exist_ok=True)
+    else:
+        _merge(plan, trained, output, dtype)
+    (output / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
+    return output
+
+
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcustoms import modeling
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
+    # "auto": the dtype the base model was saved in (bf16 for the models in the
+    # presets). Never 4-bit, even for a QLoRA run.
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype,
+                                     trust_remote_code=plan.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(output, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used
