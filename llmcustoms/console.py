@@ -415,14 +415,19 @@ def show_runs(output_dir: Any) -> None:
         best = status.get("best_eval_loss")
         rows.append((run.path.name, Path(str(plan.get("model", ""))).name, plan.get("method", ""),
                      status.get("status", "unknown"), f"{status.get('step', 0)}/{plan.get('total_steps', '?')}",
-                     "" if best is None else f"{best:.4f}", (started or "")[:16].replace("T", " "), duration))
+                     "" if best is None else f"{best:.4f}", (started or "")[5:16].replace("T", " "), duration))
     if not rows:
         console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
         return
     colours = {"completed": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
-    table = Table(title=f"Runs in {escape(str(output_dir))}")
-    for column in ("run", "model", "method", "status", "steps", "best eval", "started", "duration"):
-        table.add_column(column, no_wrap=column != "run")
+    from rich import box
+
+    # No vertical rules: eight columns must fit an 80-column terminal.
+    table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("run", no_wrap=True)
+    table.add_column("model", max_width=28, overflow="fold")  # the column that gives way on narrow terminals
+    for column in ("method", "status", "steps", "best eval", "started", "duration"):
+        table.add_column(column, no_wrap=True)
     for row in rows:
         table.add_row(escape(row[0]), escape(row[1]), row[2], f"[{colours.get(row[3], 'white')}]{row[3]}[/]", *row[4:])
     console.print(table)

@@ -10,6 +10,7 @@ file that the wizard does not set (HF_TOKEN, say) are kept.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,10 @@ def ask(question: str, default: str | None = None, choices: list[str] | None = N
         answer = Prompt.ask(question, default=default, choices=choices, console=console, show_choices=bool(choices))
     except EOFError:
         answer = default
-    return (answer or "").strip() if answer is not None else ""
+    answer = (answer or "").strip()
+    if not sys.stdin.isatty():
+        console.print(answer)  # piped input is not echoed; keep the transcript readable
+    return answer
 
 
 def ask_data(default: str | None) -> tuple[str, Any]:
