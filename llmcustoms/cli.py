@@ -206,12 +206,15 @@ def train(
             lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, keep_checkpoints=keep, seed=seed,
             early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
             mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
-        if run_name:  # fail before any slow work, not after it
-            RunDirectory(output_dir / run_name).check_available(overwrite)
+        # Fail before any slow work, not after it.
+        if run_name:
+            RunDirectory.inside(output_dir, run_name).check_available(overwrite)
+        else:
+            RunDirectory(output_dir).check_available(overwrite=True)
         hardware = detect()
         prepared = prepare_run(options, hardware)
         plan = prepared.plan
-        run_dir = RunDirectory(output_dir / (run_name or default_run_name(plan.model, plan.preset)))
+        run_dir = RunDirectory.inside(output_dir, run_name or default_run_name(plan.model, plan.preset))
 
         if not quiet:
             ui.show_prepared(prepared, data)
@@ -339,6 +342,13 @@ def resume(
         settings = load_settings(env_file)
         directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, settings))
         plan = directory.read_plan()
+        status = directory.read_status()
+        if status.get("status") == "completed":
+            raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
+                                  "Start a new run with `llmcustoms train`, or use this one (`report`, `chat`, `export`).")
+        if directory.running_pid() is not None:
+            raise LlmcustomsError(f"{directory.path} is being trained right now (process {directory.running_pid()}).",
+                                  "Wait for it, or stop it with Ctrl-C first; then resume.")
         prepared = prepare_resume(plan)
         if not quiet:
             ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "

@@ -17,6 +17,7 @@ never the row's content: the data may be private. This module needs no torch.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 from collections import Counter
@@ -183,6 +184,9 @@ def _read_json(path: Path, raw: bytes) -> Iterator[RawRow]:
     pos = skip_space(pos)
     if pos < len(text) and text[pos] == "]":
         return
+    # Line numbers are counted on from the previous row, not from the start of
+    # the file each time (that was quadratic in the file size).
+    line, counted = 1, 0
     while True:
         pos = skip_space(pos)
         try:
@@ -190,7 +194,9 @@ def _read_json(path: Path, raw: bytes) -> Iterator[RawRow]:
         except json.JSONDecodeError as exc:
             raise fail(exc.pos, exc.msg) from None
         row += 1
-        yield RawRow(row, text.count("\n", 0, pos) + 1, value=value)
+        line += text.count("\n", counted, pos)
+        counted = pos
+        yield RawRow(row, line, value=value)
         pos = skip_space(end)
         if pos < len(text) and text[pos] == ",":
             pos += 1
@@ -206,11 +212,20 @@ def _read_csv(path: Path, raw: bytes) -> Iterator[RawRow]:
     text = _decode(path, raw)
     # csv.reader, not DictReader: DictReader skips blank lines without saying
     # so, and the line numbers of every later row would be off.
+    # The csv module refuses cells over 128 KiB by default; long documents are normal here.
+    csv.field_size_limit(2 ** 31 - 1)
     reader = csv.reader(io.StringIO(text, newline=""))
     header: list[str] | None = None
     row = 0
     start_line = 1
-    for cells in reader:
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            raise DataError(f"{path.name}, line {start_line}: not valid CSV ({exc}).",
+                            "Check the quoting on that line; a cell with commas or line breaks needs double quotes.") from None
         line, start_line = start_line, reader.line_num + 1
         if not cells:
             continue
@@ -288,7 +303,7 @@ def read_rows(path: Path) -> Iterator[RawRow]:
     except OSError as exc:
         raise DataError(f"Cannot read {path}: {exc.strerror}.") from None
     if not raw.strip() or raw.strip() == b"\xef\xbb\xbf":
-        raise DataError(f"{path.name} is empty.", "Add at least one row of training data.")
+        raise DataError(f"{path.name} is empty.", "Add at least one row of data.")
     reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}[suffix]
     yield from reader(path, raw)
 
@@ -316,7 +331,9 @@ def detect_format(rows: list[RawRow], path: Path) -> str:
         raise DataError(f"{path.name}: the rows are empty objects.", "Each row needs fields such as instruction and output.")
     accepted = "; ".join(FORMAT_DESCRIPTIONS.values())
     raise DataError(
-        f"{path.name}: cannot tell the data format from the fields found ({', '.join(map(str, seen_fields[:20]))}).",
+        # Field names only, shortened: in odd files the keys themselves could be content.
+        f"{path.name}: cannot tell the data format from the fields found "
+        f"({', '.join(str(f)[:30] for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
         f"Accepted formats: {accepted}. Rename your columns to one of these.",
     )
 
@@ -344,7 +361,7 @@ def _chat_turns(turns: Any, field_name: str, role_key: str, content_key: str, ro
         # ShareGPT exports sometimes use role/content; accept either spelling.
         role = turn.get(role_key, turn.get("role", turn.get("from")))
         content = turn.get(content_key, turn.get("content", turn.get("value")))
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:
             raise RowProblem(f"{field_name}[{i}] has an unknown role (accepted: {', '.join(sorted(roles))})")
         if not isinstance(content, str):
             raise RowProblem(f"{field_name}[{i}] content must be text, found {type(content).__name__}")
@@ -390,7 +407,7 @@ def read_dataset(path: str | Path, skip_bad_rows: bool = False) -> Dataset:
     path = Path(path)
     rows = list(read_rows(path))
     if not rows:
-        raise DataError(f"{path.name} has no rows.", "Add at least one row of training data.")
+        raise DataError(f"{path.name} has no rows.", "Add at least one row of data.")
     fmt = detect_format(rows, path)
     dataset = Dataset(path=path, format=fmt, examples=[])
     for raw in rows:
@@ -413,3 +430,17 @@ def read_dataset(path: str | Path, skip_bad_rows: bool = False) -> Dataset:
 def _reason_kind(problem: str) -> str:
     """A short category for the skip summary ('not valid JSON', 'missing field ...')."""
     return problem.split(" (")[0]
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 over a data file (or every file of a saved dataset directory), so
+    `resume` can tell that the data it trains on is the data the run began with."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

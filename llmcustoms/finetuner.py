@@ -98,6 +98,7 @@ class FineTuner:
         # Step composition depends on these lengths; they stay fixed even if
         # recovery later shortens the rows, so no row is seen twice in an epoch.
         self.lengths = [len(e.input_ids) for e in train]
+        self._cut_rows(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
         self.recovery = TrainingRecoverySystem()
         self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
                                              warn=lambda text: reporter.message(text, warning=True))
@@ -299,14 +300,21 @@ class FineTuner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         if plan.max_seq_len < old.max_seq_len:
-            cut = plan.max_seq_len
-            self.train_rows = [replace(e, input_ids=e.input_ids[:cut], labels=e.labels[:cut]) for e in self.train_rows]
-            self.eval_rows = [replace(e, input_ids=e.input_ids[:cut], labels=e.labels[:cut]) for e in self.eval_rows]
+            self._cut_rows(plan.max_seq_len)
         if plan.lr != old.lr:
             self._apply_learning_rate()
         if plan.micro_batch_size != old.micro_batch_size or plan.max_seq_len != old.max_seq_len:
             self._build_eval_batches()
         self.run_dir.write_plan(plan)
+
+    def _cut_rows(self, max_len: int) -> None:
+        """Shorten rows to max_len without dropping any: step composition (self.lengths)
+        stays as it was, so no row is skipped or seen twice in an epoch."""
+        def cut(rows: list[TokenizedExample]) -> list[TokenizedExample]:
+            return [e if len(e.input_ids) <= max_len else replace(e, input_ids=e.input_ids[:max_len], labels=e.labels[:max_len])
+                    for e in rows]
+
+        self.train_rows, self.eval_rows = cut(self.train_rows), cut(self.eval_rows)
 
     def _recover(self, failure: str) -> None:
         attempted = self.step + 1

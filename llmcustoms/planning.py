@@ -122,6 +122,11 @@ class Plan:
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
     data_format: str = ""
+    data_sha256: str = ""
+    eval_data_sha256: str = ""
+    # The length rows were cut to when the run began (recovery may shorten
+    # max_seq_len later; resume rebuilds the rows at this length first).
+    row_max_len: int = 0
     eval_data: str | None = None
     eval_split: float = 0.0
     skip_bad_rows: bool = False
@@ -438,6 +443,13 @@ class ParameterOptimizer:
         else:
             every = max(1, per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else total
             eval_every = r.chose("eval_every", every, f"evaluate every {every} steps: {evals_per_epoch} evaluation(s) per epoch")
+        patience = r.get("early_stopping_patience")
+        if patience and not eval_every:
+            if r.given("early_stopping_patience"):
+                raise ConfigError("Early stopping needs evaluation rows, and this plan has none.",
+                                  "Pass --eval-split 0.1 (or --eval-data FILE), or drop --early-stopping-patience.")
+            r.reasons.append("early stopping off: there are no evaluation rows to watch")
+            patience = 0
         save_every = r.get("save_every")
         if not save_every:
             every = min(500, max(1, total // 10))
@@ -469,7 +481,7 @@ class ParameterOptimizer:
             warmup_steps=warmup_steps, weight_decay=float(r.get("weight_decay")),
             max_grad_norm=float(r.get("max_grad_norm")), epochs=float(epochs), steps_per_epoch=per_epoch,
             total_steps=total, eval_every=eval_every,
-            early_stopping_patience=r.get("early_stopping_patience"), save_every=save_every,
+            early_stopping_patience=patience, save_every=save_every,
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from llmcustoms.data import Dataset, Example, read_dataset
+from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import Hardware
 from llmcustoms.planning import DataStats, ModelChoice, ParameterOptimizer, Plan, eval_fraction
@@ -156,6 +156,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
     plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
+                   data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
+                   eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",
                    skip_bad_rows=options.skip_bad_rows,
                    eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None, eval_split=fraction)
     train = truncate(train_full, plan.max_seq_len)
@@ -174,14 +176,22 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
 def prepare_resume(plan: Plan) -> PreparedRun:
     """The same rows, in the same split, tokenized the same way as when the run
     began: everything comes from the run's plan.json."""
+    for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
+        if path and expected:
+            if not Path(path).exists():
+                raise DataError(f"The run's data file {path} is gone.", "Put it back where it was to resume this run.")
+            if fingerprint(path) != expected:
+                raise DataError(f"{Path(path).name} has changed since the run started (its checksum differs).",
+                                "Restore the original data file, or start a new run with `llmcustoms train`.")
     options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data, skip_bad_rows=plan.skip_bad_rows,
                            overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan")})
     dataset = read_dataset(plan.data, skip_bad_rows=plan.skip_bad_rows)
     train_examples, eval_examples, eval_source, _ = _split(options, dataset, preset=None)
     hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
         plan.model, train_examples, eval_examples, plan.train_on_prompt, plan.trust_remote_code)
-    train = truncate(train_full, plan.max_seq_len)
-    evaluation = truncate(eval_full, plan.max_seq_len)
+    # The rows as the run began; FineTuner cuts them further if recovery shortened them.
+    train = truncate(train_full, plan.row_max_len or plan.max_seq_len)
+    evaluation = truncate(eval_full, plan.row_max_len or plan.max_seq_len)
     if len(train.examples) != plan.train_rows:
         raise DataError(f"{Path(plan.data).name} has changed since the run started: it now gives "
                         f"{len(train.examples)} training rows, the run was planned for {plan.train_rows}.",

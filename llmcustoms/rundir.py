@@ -58,25 +58,46 @@ class RunDirectory:
     def output_path(self, method: str) -> Path:
         return self.path / ("model" if method == "full" else "adapter")
 
+    @classmethod
+    def inside(cls, output_dir: Path, run_name: str) -> "RunDirectory":
+        """The run directory `output_dir/run_name`; a name that would point anywhere
+        else (".", "..", a path) is refused, since --overwrite deletes the target."""
+        if run_name in ("", ".", "..") or any(sep in run_name for sep in ("/", "\\")) or Path(run_name).is_absolute():
+            raise ConfigError(f"--run-name '{run_name}' is not a plain name.",
+                              "Use a name without slashes, such as my-run; --output-dir says where it goes.")
+        return cls(Path(output_dir) / run_name)
+
     def check_available(self, overwrite: bool = False) -> None:
-        """Refuse to reuse a run directory that holds a run, unless told to."""
+        """Refuse to reuse a run directory that holds a run (unless told to), or a
+        path where a file is in the way."""
+        for parent in [self.path, *self.path.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise ConfigError(f"{parent} is a file, so the run directory {self.path} cannot be made there.",
+                                  "Choose another --output-dir or --run-name.")
         if self.path.exists() and any(self.path.iterdir()) and not overwrite:
             raise ConfigError(f"The run directory {self.path} already exists.",
                               "Continue it with `llmcustoms resume`, pick another --run-name, or pass --overwrite to start over.")
 
     def create(self, overwrite: bool = False) -> None:
         self.check_available(overwrite)
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
+        try:
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            self.path.mkdir(parents=True)
+        except OSError as exc:
+            raise ConfigError(f"Cannot create the run directory {self.path}: {exc.strerror}.",
+                              "Check the permissions of --output-dir, or choose another.") from None
 
     def write_plan(self, plan: Plan) -> None:
         write_json_atomic(self.plan_path, plan.to_json())
 
     def read_plan(self) -> Plan:
         try:
-            return Plan.from_json(json.loads(self.plan_path.read_text()))
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            data = json.loads(self.plan_path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("plan.json does not hold an object")
+            return Plan.from_json(data)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"{self.path} is not a readable llmcustoms run ({type(exc).__name__} reading plan.json).",
                               "Pass a directory made by `llmcustoms train`.") from None
 
@@ -110,13 +131,33 @@ class RunDirectory:
     def read_status(self) -> dict[str, Any]:
         if not self.status_path.exists():
             return {}
-        return json.loads(self.status_path.read_text())
+        try:
+            status = json.loads(self.status_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{self.status_path} is damaged ({type(exc).__name__}).",
+                              "Delete status.json; `llmcustoms resume` works from the checkpoints alone.") from None
+        return status if isinstance(status, dict) else {}
+
+    def running_pid(self) -> int | None:
+        """The pid of a live process training this run, if there is one."""
+        status = self.read_status()
+        pid = status.get("pid")
+        if status.get("status") != "running" or not isinstance(pid, int) or pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None  # died without a word (kill -9, power loss): resumable
+        except PermissionError:
+            pass  # alive, another user's
+        return pid
 
     def write_status(self, status: str, **fields: Any) -> dict[str, Any]:
         assert status in STATUSES, status
         current = self.read_status()
         current.update(fields)
         current["status"] = status
+        current["pid"] = os.getpid()
         current["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         current.setdefault("started_at", current["updated_at"])
         current.setdefault("recoveries", [])
@@ -129,8 +170,11 @@ def find_unfinished_run(output_dir: Path) -> RunDirectory:
     candidates = []
     for path in Path(output_dir).glob("*/plan.json"):
         run = RunDirectory(path.parent)
-        status = run.read_status()
-        if status.get("status") != "completed":
+        try:
+            status = run.read_status()
+        except ConfigError:
+            status = {}
+        if status.get("status") != "completed" and run.running_pid() is None:
             updated = run.status_path.stat().st_mtime if run.status_path.exists() else path.stat().st_mtime
             candidates.append((updated, run))
     if not candidates:

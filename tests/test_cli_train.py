@@ -161,3 +161,50 @@ def test_dot_env_in_the_working_directory_is_read(tmp_path, cli):
     assert result.returncode == 2
     assert "not in the local Hugging Face cache" in flat(result.stderr)
     assert "offline mode is on (HF_HUB_OFFLINE=1)" in flat(result.stderr)
+
+
+@pytest.mark.parametrize("name", [".", "..", "a/b", "/tmp/elsewhere"])
+def test_a_run_name_must_stay_inside_the_output_directory(tmp_path, tiny_models, name):
+    keep = tmp_path / "runs" / "precious"
+    keep.mkdir(parents=True)
+    (keep / "plan.json").write_text("{}")
+    result = invoke("train", str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--max-steps", "1", "--yes",
+                    "--output-dir", str(tmp_path / "runs"), "--run-name", name, "--overwrite")
+    assert result.exit_code == 2 and "not a plain name" in flat(result.output)
+    assert (keep / "plan.json").exists()
+
+
+def test_a_file_where_the_run_directory_would_go_is_a_clear_error(tmp_path, tiny_models):
+    (tmp_path / "afile").write_text("x")
+    for extra in (["--output-dir", str(tmp_path), "--run-name", "afile"], ["--output-dir", str(tmp_path / "afile")]):
+        result = invoke("train", str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--max-steps", "1",
+                        "--yes", *extra)
+        assert result.exit_code == 2 and "is a file" in flat(result.output), result.output
+
+
+@pytest.mark.parametrize("plan_text,status_text", [("[]", None), ("null", None), ("{bad", None), (None, "{bad")])
+def test_resume_of_a_damaged_run_is_a_clear_error(tmp_path, tiny_models, plan_text, status_text):
+    assert invoke("train", str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--max-steps", "1", "--yes",
+                  "--output-dir", str(tmp_path), "--run-name", "r").exit_code == 0
+    run = tmp_path / "r"
+    (run / "status.json").write_text('{"status": "interrupted", "step": 0}')
+    if plan_text is not None:
+        (run / "plan.json").write_text(plan_text)
+    if status_text is not None:
+        (run / "status.json").write_text(status_text)
+    result = invoke("resume", str(run))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "damaged" in flat(result.output) or "not a readable llmcustoms run" in flat(result.output)
+
+
+def test_resume_refuses_a_completed_run(tmp_path, tiny_models):
+    assert invoke("train", str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--max-steps", "1", "--yes",
+                  "--output-dir", str(tmp_path), "--run-name", "r").exit_code == 0
+    result = invoke("resume", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "already completed" in flat(result.output)
+
+
+def test_early_stopping_without_evaluation_rows_is_refused(tmp_path, tiny_models):
+    result = invoke("plan", str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--eval-split", "0",
+                    "--early-stopping-patience", "2")
+    assert result.exit_code == 2 and "Early stopping needs evaluation rows" in flat(result.output)

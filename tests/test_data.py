@@ -461,3 +461,29 @@ def test_skip_bad_rows_all_bad_still_raises(tmp_path):
     err = bad_input(write(tmp_path, "bad.jsonl", jsonl(*rows)), skip_bad_rows=True)
     assert err.message == "bad.jsonl: no usable rows (2 skipped as bad)."
     assert SECRET not in str(err)
+
+
+# --- regressions found in review
+
+def test_a_csv_cell_longer_than_128_kib_is_read(tmp_path):
+    long_text = "word " * 50_000  # 250 KB in one cell
+    path = write(tmp_path, "big.csv", f'prompt,completion\nshort,"{long_text}"\n'.encode())
+    dataset = read_dataset(path)
+    assert dataset.examples[0].completion == long_text
+
+
+def test_a_role_that_is_not_text_is_a_row_problem(tmp_path):
+    data = b'{"messages": [{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]}\n'
+    err = bad_input(write(tmp_path, "role.jsonl", data))
+    assert "line 1" in err.message and "unknown role" in err.message
+    sharegpt = b'{"conversations": [{"from": {"a": 1}, "value": "x"}, {"from": "gpt", "value": "y"}]}\n' * 2
+    assert read_dataset(write(tmp_path, "s.jsonl", sharegpt + b'{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}\n'),
+                        skip_bad_rows=True).skipped == 2
+
+
+def test_line_numbers_deep_into_a_json_array_are_exact(tmp_path):
+    rows = [json.dumps({"text": f"row {i}"}, indent=1) for i in range(3000)]  # 3 lines per row
+    rows[2500] = '{"text": ""}'
+    text = "[\n" + ",\n".join(rows) + "\n]"
+    err = bad_input(write(tmp_path, "big.json", text.encode()))
+    assert err.message.startswith(f"big.json, row 2501 (line {2 + 2500 * 3}): field 'text' is empty")

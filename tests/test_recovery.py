@@ -164,3 +164,33 @@ def test_no_module_unpickles_anything():
                 assert owner not in ("torch", "pickle", "np", "numpy"), f"{path}: {owner}.{node.attr}"
             elif isinstance(node, ast.keyword) and node.arg in ("allow_pickle", "weights_only"):
                 assert False, f"{path}: {node.arg}="
+
+
+def test_resume_after_recovery_shortened_the_sequences_matches(tmp_path, tiny_models, cli):
+    # Rows long enough that halving max_seq_len changes them; at micro-batch 1 with
+    # checkpointing already on, an OOM shortens the sequences.
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"instruction": ("Tell me about bees and honey. " * 8) + str(i),
+                                        "output": "Bees make honey from nectar."}) + "\n" for i in range(16)))
+    args = ["train", str(data), "--model", str(tiny_models["llama"]), "--eval-split", "0", "--max-seq-len", "128",
+            "--batch-size", "1", "--grad-accum", "2", "--gradient-checkpointing", "--max-steps", "6", "--save-every", "1",
+            "--lora-dropout", "0", "--output-dir", str(tmp_path), "--yes", "--quiet"]
+    whole = cli(*args, "--run-name", "whole", env={"LLMCUSTOMS_FAULT_INJECT": "oom@2"})
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads((tmp_path / "whole" / "plan.json").read_text())["max_seq_len"] == 64
+    stopped = cli(*args, "--run-name", "split", env={"LLMCUSTOMS_FAULT_INJECT": "oom@2,sigint@3"})
+    assert stopped.returncode == 130
+    resumed = cli("resume", str(tmp_path / "split"), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert max_difference(adapter(tmp_path / "split"), adapter(tmp_path / "whole")) <= 1e-5
+
+
+def test_resume_refuses_data_that_changed_but_kept_its_row_count(tmp_path, tiny_models, cli):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(DATA_FILES["alpaca"].read_text())
+    stopped = cli("train", str(data), "--model", str(tiny_models["llama"]), "--max-steps", "6", "--output-dir",
+                  str(tmp_path), "--run-name", "chg", "--yes", "--quiet", env={"LLMCUSTOMS_FAULT_INJECT": "sigint@2"})
+    assert stopped.returncode == 130
+    data.write_text(data.read_text().replace("Paris", "Lyon"))
+    resumed = cli("resume", str(tmp_path / "chg"))
+    assert resumed.returncode == 2 and "has changed since the run started" in " ".join(resumed.stderr.split())
