@@ -132,6 +132,8 @@ def show_prepared(prepared: Any, data_path: str) -> None:
     if prepared.truncated:
         console.print(f"{prepared.truncated} rows truncated to {prepared.plan.max_seq_len} tokens"
                       + (f", {prepared.dropped} dropped (no response left)" if prepared.dropped else "") + ".")
+    if prepared.seconds:
+        console.print(f"Data prepared in {prepared.seconds:.1f} s (tokenized rows are cached for the next run).")
 
 
 MEMORY_PARTS = (("weights", "weights_bytes"), ("LoRA adapters", "trainable_bytes"), ("gradients", "gradients_bytes"),

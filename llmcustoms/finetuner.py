@@ -36,7 +36,7 @@ from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan
 from llmcustoms.recovery import TrainingFailed, TrainingInterrupted, TrainingRecoverySystem, create_failure_report
 from llmcustoms.rundir import RunDirectory
-from llmcustoms.tokenization import TokenizedExample
+from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 
 # status.json is rewritten (with fsync) at most this often while training runs.
 STATUS_INTERVAL_S = 5.0
@@ -136,6 +136,7 @@ class FineTuner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, self.plan))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.device = self.accelerator.device
+        self._install_selective_head()
         # Out-of-memory injection happens inside a training step's forward pass,
         # after the embeddings (never during evaluation).
         self.accelerator.unwrap_model(self.model).get_input_embeddings().register_forward_hook(
@@ -143,6 +144,42 @@ class FineTuner:
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.pad_multiple = 8 if torch.cuda.is_available() else 1
         self._build_eval_batches()
+
+    def _install_selective_head(self) -> None:
+        """Make the LM head compute logits only where the loss needs them.
+
+        The loss uses the logits of positions whose next token is trained: the
+        replies, not prompts or padding. For a big vocabulary the head is a
+        large share of the compute, and its fp32 logits a large share of the
+        memory. The head's forward is patched (not replaced) so every call
+        still goes through the top-level model (as DDP requires) and the state
+        dict is unchanged; with no selection set it behaves as before.
+        """
+        self._selection: torch.Tensor | None = None
+        head = self.accelerator.unwrap_model(self.model).get_output_embeddings()
+        original = head.forward
+
+        def selective_forward(hidden: torch.Tensor) -> torch.Tensor:
+            if self._selection is not None:
+                hidden = hidden[self._selection]
+            return original(hidden)
+
+        head.forward = selective_forward
+
+    def _loss(self, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy over the trained tokens of `batch`, divided by
+        `normaliser` (the token count of the whole step or evaluation)."""
+        labels = batch["labels"]
+        selection = torch.zeros_like(labels, dtype=torch.bool)
+        selection[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position i predicts token i + 1
+        self._selection = selection
+        try:
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                use_cache=False).logits
+        finally:
+            self._selection = None
+        targets = labels[:, 1:][selection[:, :-1]]
+        return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser
 
     def _build_eval_batches(self) -> None:
         self.eval_micro_batches = [
@@ -171,17 +208,18 @@ class FineTuner:
             # Gradients are only all-reduced on the last micro-batch of the step.
             sync = nullcontext() if j == len(batches) - 1 else self.accelerator.no_sync(self.model)
             with sync:
-                # num_items_in_batch: the loss is summed over tokens and divided by
-                # the step's token count, not averaged per micro-batch.
-                loss = self.model(**mb, num_items_in_batch=normaliser, use_cache=False).loss
+                # Summed over tokens and divided by the step's token count, not
+                # averaged per micro-batch: any split gives the same update.
+                loss = self._loss(mb, normaliser)
                 if self.faults.due("nan", self.step + 1):
                     loss = loss * float("nan")
                 self.accelerator.backward(loss)
             loss_sum += loss.detach()
         max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.trainable, max_norm)
-        return {"loss": loss_sum.item(),  # the one host sync per step, needed for logging
-                "grad_norm": float(grad_norm), "tokens": input_tokens, "started": started}
+        # The one host sync per step: loss and gradient norm come back together.
+        loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+        return {"loss": loss_value, "grad_norm": norm_value, "tokens": input_tokens, "started": started}
 
     def _attempt(self, rows: list[int]) -> tuple[dict[str, float] | None, str | None]:
         """One optimizer step, or the kind of failure that prevented it.
@@ -224,7 +262,7 @@ class FineTuner:
         loss_sum = torch.zeros((), device=self.device)
         for mb in self.eval_micro_batches:
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            loss_sum += self.model(**mb, num_items_in_batch=normaliser, use_cache=False).loss
+            loss_sum += self._loss(mb, normaliser)
         self.model.train()
         return loss_sum.item()
 

@@ -33,6 +33,7 @@ predicted against measured. Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from llmcustoms.presets import ModelSpec
 
@@ -161,12 +162,14 @@ class MemoryOptimizer:
 
     def estimate(self, method: str, micro_batch: int, seq_len: int, mixed_precision: str,
                  gradient_checkpointing: bool, lora_rank: int = 16, lora_targets: tuple[str, ...] = ("all-linear",),
-                 optimizer: str = "adamw") -> MemoryEstimate:
+                 optimizer: str = "adamw", trained_fraction: float = 1.0) -> MemoryEstimate:
+        """`trained_fraction`: share of positions whose next token is trained; the
+        LM head computes logits only there (prompts and padding get none)."""
         linear, other = parameter_counts(self.arch)
         trained = linear + other if method == "full" else lora_parameters(self.arch, lora_rank, lora_targets)
         tokens = micro_batch * seq_len
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
-        logits = int(tokens * self.arch.vocab_size * 4 * LOGIT_COPIES)
+        logits = int(tokens * trained_fraction * self.arch.vocab_size * 4 * LOGIT_COPIES)
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
         return MemoryEstimate(
             weights_bytes=self.weights(method, mixed_precision),
@@ -180,7 +183,7 @@ class MemoryOptimizer:
         )
 
     def largest_micro_batch(self, method: str, seq_len: int, mixed_precision: str, gradient_checkpointing: bool,
-                            limit: int, **lora: object) -> int:
+                            limit: int, **lora: Any) -> int:
         """The largest micro-batch <= limit that fits; 0 if not even one row fits."""
         best = 0
         for batch in (1, 2, 4, 8, 16, 32, 64, 128):

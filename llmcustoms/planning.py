@@ -72,6 +72,14 @@ class DataStats:
     def rows_truncated(self, max_seq_len: int) -> int:
         return sum(1 for n in self.lengths if n > max_seq_len)
 
+    def trained_fraction(self, max_seq_len: int) -> float:
+        """Share of a row's positions that get logits (those predicting a trained
+        token), at the 90th percentile over rows: the memory peak comes from the
+        batch with the most, not the average one."""
+        shares = sorted(max(0.0, (min(n, max_seq_len) - p) / max(1, min(n, max_seq_len)))
+                        for n, p in zip(self.lengths, self.first_loss_positions) if p < max_seq_len)
+        return shares[min(len(shares) - 1, int(0.9 * len(shares)))] if shares else 1.0
+
     def mean_length(self, max_seq_len: int) -> float:
         """Mean tokens per kept row after truncation: what a step really computes."""
         kept = [min(n, max_seq_len) for n, p in zip(self.lengths, self.first_loss_positions) if p < max_seq_len]
@@ -378,7 +386,8 @@ class ParameterOptimizer:
             raise ConfigError(f"No row has a response token within max_seq_len {max_seq_len}.",
                               "Raise --max-seq-len, or shorten the prompts in the data.")
         target = max(1, min(r.get("effective_batch_size"), train_rows))
-        lora = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules}
+        trained_share = 1.0 if r.get("train_on_prompt", False) else stats.trained_fraction(max_seq_len)
+        lora = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share}
 
         preferred = r.get("method")
         methods = [preferred] if r.given("method") or preferred == "full" else [preferred, "qlora"]

@@ -7,6 +7,7 @@ lengths with its tokenizer, then plan. `train`, `plan` and `tune` all start here
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 
 DEFAULT_PRESET = "quality"
+# Bump when the tokenized format or masking rules change, to ignore older cache files.
+CACHE_FORMAT = "tokenized-v1"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
 CHARS_PER_TOKEN = 3.6
 TEMPLATE_TOKENS_PER_MESSAGE = 6
@@ -55,6 +58,7 @@ class PreparedRun:
     truncated: int
     dropped: int
     used_fallback_template: bool
+    seconds: float = 0.0  # time from reading the data to the plan: the wait before the first step
 
 
 def split_eval(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -102,14 +106,90 @@ def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[E
 
 
 def _tokenize(model_name: str, train: list[Example], evaluation: list[Example], train_on_prompt: bool,
-              trust_remote_code: bool) -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
-    """(tokenizer, used the fallback template, train rows, eval rows), untruncated."""
+              trust_remote_code: bool, data_key: str = "") -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
+    """(tokenizer, used the fallback template, train rows, eval rows), untruncated.
+    With a `data_key` (the data's checksum and split), results are cached."""
     from llmcustoms import modeling
 
     hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
     used_fallback = ensure_chat_template(hf_tokenizer)
-    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=modeling.stop_token_ids(model_name))
-    return hf_tokenizer, used_fallback, [tokenizer.encode(e) for e in train], [tokenizer.encode(e) for e in evaluation]
+    stop_ids = modeling.stop_token_ids(model_name)
+    key = tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, data_key) if data_key else None
+    cached = read_tokenization_cache(key) if key else None
+    if cached is not None:
+        return hf_tokenizer, used_fallback, cached[0], cached[1]
+    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids)
+    rows = [tokenizer.encode(e) for e in train], [tokenizer.encode(e) for e in evaluation]
+    if key:
+        write_tokenization_cache(key, *rows)
+    return hf_tokenizer, used_fallback, rows[0], rows[1]
+
+
+def cache_dir() -> Path:
+    """Where prepared data is cached: $LLMCUSTOMS_CACHE_DIR, else $XDG_CACHE_HOME/llmcustoms."""
+    import os
+
+    explicit = os.environ.get("LLMCUSTOMS_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcustoms"
+
+
+def tokenization_cache_key(hf_tokenizer: Any, stop_ids: set[int], train_on_prompt: bool, data_key: str) -> str:
+    """Everything the token ids and labels depend on: the data and split, the whole
+    tokenizer definition, its chat template and special tokens, the masking rule."""
+    import hashlib
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else repr(sorted(hf_tokenizer.get_vocab().items()))
+    parts = [CACHE_FORMAT, data_key, definition, str(hf_tokenizer.chat_template), str(hf_tokenizer.eos_token_id),
+             str(hf_tokenizer.bos_token_id), str(sorted(stop_ids)), str(train_on_prompt)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _flatten(rows: list[TokenizedExample], prefix: str) -> dict[str, Any]:
+    import torch
+
+    offsets = np.cumsum([0] + [len(r.input_ids) for r in rows])
+    flat_ids = [i for r in rows for i in r.input_ids]
+    flat_labels = [i for r in rows for i in r.labels]
+    return {f"{prefix}_ids": torch.tensor(flat_ids, dtype=torch.int64), f"{prefix}_labels": torch.tensor(flat_labels, dtype=torch.int64),
+            f"{prefix}_offsets": torch.tensor(offsets, dtype=torch.int64),
+            f"{prefix}_rows": torch.tensor([r.row for r in rows], dtype=torch.int64)}
+
+
+def _unflatten(tensors: dict[str, Any], prefix: str) -> list[TokenizedExample]:
+    ids, labels = tensors[f"{prefix}_ids"].tolist(), tensors[f"{prefix}_labels"].tolist()
+    offsets, rows = tensors[f"{prefix}_offsets"].tolist(), tensors[f"{prefix}_rows"].tolist()
+    return [TokenizedExample(row, ids[a:b], labels[a:b]) for row, a, b in zip(rows, offsets, offsets[1:])]
+
+
+def write_tokenization_cache(key: str, train: list[TokenizedExample], evaluation: list[TokenizedExample]) -> None:
+    import os
+
+    from safetensors.torch import save_file
+
+    try:
+        directory = cache_dir() / "tokenized"
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{key}.{os.getpid()}.tmp"
+        save_file({**_flatten(train, "train"), **_flatten(evaluation, "eval")}, str(tmp))
+        os.replace(tmp, directory / f"{key}.safetensors")
+    except OSError:
+        pass  # a cache that cannot be written only costs time next run
+
+
+def read_tokenization_cache(key: str) -> tuple[list[TokenizedExample], list[TokenizedExample]] | None:
+    from safetensors.torch import load_file
+
+    path = cache_dir() / "tokenized" / f"{key}.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        tensors = load_file(str(path))
+        return _unflatten(tensors, "train"), _unflatten(tensors, "eval")
+    except Exception:  # a damaged cache file is ignored: safetensors raises several types
+        return None
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
@@ -119,6 +199,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     facts and character-based length estimates instead of failing."""
     from llmcustoms import modeling
 
+    started = time.perf_counter()
     dataset = read_dataset(options.data, skip_bad_rows=options.skip_bad_rows)
     preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
@@ -126,6 +207,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
     train_examples, eval_examples, eval_source, fraction = _split(options, dataset, preset)
+    data_sha = fingerprint(options.data)
+    eval_sha = fingerprint(options.eval_data) if options.eval_data else ""
 
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in preset.models]
     choice_reason = None
@@ -140,8 +223,10 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     eval_full: list[TokenizedExample] = []
     try:
         # Untruncated first: planning picks max_seq_len from these lengths.
+        data_key = f"{data_sha}:{eval_sha or fraction}:{options.override('seed', 42)}:{options.skip_bad_rows}"
         hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
-            model.name, train_examples, eval_examples, bool(options.override("train_on_prompt", False)), trust_remote_code)
+            model.name, train_examples, eval_examples, bool(options.override("train_on_prompt", False)), trust_remote_code,
+            data_key)
     except ModelError:
         if tokenizer_required:
             raise
@@ -156,8 +241,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
     plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
-                   data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
-                   eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",
+                   data_sha256=data_sha, row_max_len=plan.max_seq_len, eval_data_sha256=eval_sha,
                    skip_bad_rows=options.skip_bad_rows,
                    eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None, eval_split=fraction)
     train = truncate(train_full, plan.max_seq_len)
@@ -170,7 +254,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                               "Raise --max-seq-len.")
     return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
                        dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
-                       dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback)
+                       dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback,
+                       seconds=time.perf_counter() - started)
 
 
 def prepare_resume(plan: Plan) -> PreparedRun:

@@ -165,7 +165,7 @@ def load_settings(env_file: Path | None = None) -> Settings:
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
     unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_NAME
-                     and n not in ("LLMCUSTOMS_FAULT_INJECT",))
+                     and n not in ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR"))
     problems += [f"unknown setting {n}" for n in unknown]
     if problems:
         raise ConfigError("Invalid setting(s):\n  " + "\n  ".join(problems),
@@ -181,7 +181,9 @@ def example_file() -> str:
              "", "# --- llmcustoms settings (each is the default for the flag of the same name) ---"]
     for setting in SETTINGS:
         lines += [f"# {setting.help[0].upper()}{setting.help[1:]}.", f"# {PREFIX}{setting.name}="]
-    lines += ["", "# --- read by the libraries llmcustoms uses ---",
+    lines += ["", "# Where prepared (tokenized) data is cached (default: ~/.cache/llmcustoms).",
+              f"# {PREFIX}CACHE_DIR=",
+              "", "# --- read by the libraries llmcustoms uses ---",
               "# Access token for gated models (Mistral, some Llama checkpoints). llmcustoms never",
               "# prints, logs or saves it. Never commit your .env.",
               "# HF_TOKEN=hf_...",

@@ -30,8 +30,9 @@ DATA_FILES = {
 @pytest.fixture(scope="session", autouse=True)
 def offline_hub(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf_home")
-    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cache = tmp_path_factory.mktemp("llmcustoms_cache")
+    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LLMCUSTOMS_CACHE_DIR")}
+    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LLMCUSTOMS_CACHE_DIR=str(cache))
     yield
     for key, value in saved.items():
         if value is None:

@@ -131,3 +131,19 @@ def test_truncation_counts_truncated_and_drops_rows_without_a_reply(tiny_models)
     assert gone.truncated == 1 and gone.dropped == 1 and gone.examples == []
     untouched = truncate([long], len(long.input_ids))
     assert untouched.truncated == 0 and untouched.examples == [long]
+
+
+def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path, tiny_models, monkeypatch):
+    from llmcustoms.hardware import Hardware
+    from llmcustoms.preparation import TrainOptions, prepare_run
+
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
+    options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))
+    fresh = prepare_run(options, Hardware.cpu_only())
+    assert len(list((tmp_path / "tokenized").glob("*.safetensors"))) == 1
+    cached = prepare_run(options, Hardware.cpu_only())
+    assert cached.train == fresh.train and cached.evaluation == fresh.evaluation
+    prompts_too = TrainOptions(data=options.data, model=options.model, overrides={"train_on_prompt": (True, "flag")})
+    other = prepare_run(prompts_too, Hardware.cpu_only())
+    assert len(list((tmp_path / "tokenized").glob("*.safetensors"))) == 2
+    assert all(e.labels == e.input_ids for e in other.train)
