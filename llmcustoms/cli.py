@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from contextlib import contextmanager
 from enum import Enum
@@ -122,6 +123,11 @@ PromptOpt = Annotated[bool, typer.Option("--train-on-prompt", help="Also compute
 EnvFileOpt = Annotated[Optional[Path], typer.Option("--env-file", help="Read settings from this file instead of ./.env.")]
 ReportToOpt = Annotated[Optional[str], typer.Option("--report-to", help="Also send metrics to tensorboard or wandb (optional extras). Default: none.")]
 OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Where run directories go. Default: runs.")]
+ProcessesOpt = Annotated[Optional[int], typer.Option("--num-processes", min=1, help="Processes per machine (one per GPU), launched through accelerate.")]
+MachinesOpt = Annotated[Optional[int], typer.Option("--num-machines", min=1, help="Machines training together (run the same command on each).")]
+MachineRankOpt = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's index, 0 on the main one.")]
+MainIpOpt = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
+MainPortOpt = Annotated[Optional[int], typer.Option("--main-process-port", help="Port on machine 0 for the processes to meet.")]
 SkipOpt = Annotated[bool, typer.Option("--skip-bad-rows", help="Skip rows that fail validation instead of stopping.")]
 RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model repository to run its own code.")]
 
@@ -182,11 +188,33 @@ def train(
     trust_remote_code: RemoteOpt = False,
     report_to: ReportToOpt = None,
     env_file: EnvFileOpt = None,
+    num_processes: ProcessesOpt = None,
+    num_machines: MachinesOpt = None,
+    machine_rank: MachineRankOpt = 0,
+    main_process_ip: MainIpOpt = None,
+    main_process_port: MainPortOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
 ) -> None:
     """Fine-tune a model on DATA and save a LoRA adapter (or full model) into a run directory."""
+    from llmcustoms import launching
+
+    if (num_processes or 1) * (num_machines or 1) > 1 and not launching.inside_launch():
+        with user_errors():
+            from llmcustoms.rundir import RunDirectory
+            from llmcustoms.settings import load_settings
+
+            settings = load_settings(env_file)
+            # Every process must write to the same run: name it once, here.
+            name = run_name or default_run_name(model or settings.get("model") or "auto",
+                                                preset or settings.get("preset") or "quality")
+            RunDirectory.inside(_output_dir(output_dir, settings), name).check_available(overwrite)
+            argv = launching.strip_launch_options(sys.argv[1:])
+            argv += [] if run_name else ["--run-name", name]
+            argv += [] if yes else ["--yes"]  # the processes cannot ask
+        raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
+                                            main_process_ip, main_process_port))
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui
@@ -206,13 +234,15 @@ def train(
             lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, keep_checkpoints=keep, seed=seed,
             early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
             mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        world = launching.world_size()
+        quiet = quiet or not launching.is_main_process()  # one display, from the main process
         # Fail before any slow work, not after it.
         if run_name:
-            RunDirectory.inside(output_dir, run_name).check_available(overwrite)
+            RunDirectory.inside(output_dir, run_name).check_available(overwrite or world > 1)
         else:
             RunDirectory(output_dir).check_available(overwrite=True)
         hardware = detect()
-        prepared = prepare_run(options, hardware)
+        prepared = prepare_run(options, hardware, world_size=world)
         plan = prepared.plan
         run_dir = RunDirectory.inside(output_dir, run_name or default_run_name(plan.model, plan.preset))
 
@@ -221,9 +251,21 @@ def train(
             ui.show_plan(plan, hardware)
         if not yes and not quiet and not ui.confirm("Start training?"):
             raise typer.Exit(0)
-        run_dir.create(overwrite=overwrite)
-        run_dir.write_plan(plan)
-        _run_training(prepared, run_dir, quiet, resume=False, tracker=tracker)
+        if launching.is_main_process():
+            run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
+            run_dir.write_plan(plan)
+        _wait_for_all_processes(world)
+        _run_training(prepared, run_dir, quiet, resume=False, tracker=tracker if launching.is_main_process() else "none")
+
+
+def _wait_for_all_processes(world: int) -> None:
+    """A barrier between the processes of a distributed run (nothing with one process)."""
+    if world > 1:
+        import torch
+        from accelerate import PartialState
+
+        # The same cpu= as the trainer's Accelerator: the first state made is the one kept.
+        PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
 
 
 def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none") -> None:
@@ -248,6 +290,10 @@ def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracke
 
             traceback.print_exception(failed.__cause__)
         raise typer.Exit(1) from None
+    from llmcustoms.launching import is_main_process
+
+    if not is_main_process():
+        return
     if quiet:
         print(result.output_path)
     else:
@@ -330,8 +376,26 @@ def resume(
     output_dir: OutputDirOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
     env_file: EnvFileOpt = None,
+    num_processes: ProcessesOpt = None,
+    num_machines: MachinesOpt = None,
+    machine_rank: MachineRankOpt = 0,
+    main_process_ip: MainIpOpt = None,
+    main_process_port: MainPortOpt = None,
 ) -> None:
-    """Continue an interrupted or failed run from its last good checkpoint."""
+    """Continue an interrupted or failed run from its last good checkpoint (with any number of processes)."""
+    from llmcustoms import launching
+
+    if (num_processes or 1) * (num_machines or 1) > 1 and not launching.inside_launch():
+        with user_errors():
+            from llmcustoms.rundir import RunDirectory, find_unfinished_run
+            from llmcustoms.settings import load_settings
+
+            target = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, load_settings(env_file)))
+            target.read_plan()  # a damaged run fails here, once, not in every process
+            argv = ["resume", str(target.path)] + (["--quiet"] if quiet else []) + \
+                   (["--env-file", str(env_file)] if env_file else [])
+        raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
+                                            main_process_ip, main_process_port))
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui
@@ -346,10 +410,15 @@ def resume(
         if status.get("status") == "completed":
             raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
                                   "Start a new run with `llmcustoms train`, or use this one (`report`, `chat`, `export`).")
-        if directory.running_pid() is not None:
+        if directory.running_pid() is not None and launching.world_size() == 1:
             raise LlmcustomsError(f"{directory.path} is being trained right now (process {directory.running_pid()}).",
                                   "Wait for it, or stop it with Ctrl-C first; then resume.")
-        prepared = prepare_resume(plan)
+        world = launching.world_size()
+        quiet = quiet or not launching.is_main_process()
+        prepared = prepare_resume(plan, world_size=world)
+        if launching.is_main_process() and prepared.plan != plan:
+            directory.write_plan(prepared.plan)  # accumulation recomputed for the new world size
+        _wait_for_all_processes(world)
         if not quiet:
             ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                              f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")

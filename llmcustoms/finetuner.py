@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +29,7 @@ import torch
 from llmcustoms.batching import collate, count_loss_tokens, epoch_steps, eval_batches, micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
-from llmcustoms.console import Reporter
+from llmcustoms.console import Reporter, SilentReporter
 from llmcustoms.faults import FaultInjector
 from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan
@@ -125,16 +124,31 @@ class FineTuner:
 
         plan = self.plan
         if not hasattr(self, "accelerator"):
+            # cpu=True without CUDA: it is what gives several CPU processes a gloo group.
             self.accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available())
-        set_seed(plan.seed)  # python, numpy, torch (and CUDA): LoRA init and dropout draw from these
+            self.world = self.accelerator.num_processes
+            self.rank = self.accelerator.process_index
+            self.is_main = self.accelerator.is_main_process
+            if self.world > 1:
+                self.faults.rank = self.rank
+            if not self.is_main:
+                self.run_dir = RunDirectory(self.run_dir.path, writable=False)
+                self.reporter = SilentReporter()  # one progress display, from the main process
+        set_seed(plan.seed)  # the same LoRA init on every rank; dropout draws from these too
         device_index = self.accelerator.local_process_index if torch.cuda.is_available() else None
         model = load_model(plan, device_index)
+        if plan.method != "qlora" or device_index is None:  # 4-bit models are placed by their device_map
+            model = model.to(self.accelerator.device)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr,
                                       fused=torch.cuda.is_available())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, self.plan))
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # The model is not wrapped in DDP: ranks first agree that the step
+        # succeeded everywhere, then all-reduce gradients themselves (see
+        # _attempt). With DDP's in-backward all-reduce, one rank's out-of-memory
+        # error would leave the others waiting in a collective forever.
+        self.model = model
+        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.device = self.accelerator.device
         self._install_selective_head()
         # Out-of-memory injection happens inside a training step's forward pass,
@@ -174,8 +188,9 @@ class FineTuner:
         selection[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position i predicts token i + 1
         self._selection = selection
         try:
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                use_cache=False).logits
+            with self.accelerator.autocast():
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    use_cache=False).logits
         finally:
             self._selection = None
         targets = labels[:, 1:][selection[:, :-1]]
@@ -193,33 +208,64 @@ class FineTuner:
         """The optimizer steps of one epoch, each a list of row indices."""
         return epoch_steps(self.lengths, self.plan.effective_batch_size, self.plan.seed, epoch)
 
-    def _forward_backward(self, rows: list[int]) -> dict[str, float]:
-        """Gradients for one optimizer step over `rows`, in micro-batches of the planned size."""
-        started = time.perf_counter()
+    def _local_rows(self, rows: list[int]) -> list[int]:
+        """This rank's share of a step: every world-th row by length, so ranks get
+        similar lengths. With one process, all of them."""
+        ordered = sorted(rows, key=lambda i: -self.lengths[i])
+        return ordered[self.rank::self.world]
+
+    def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int]:
+        """Local gradients of this rank's share of a step; (summed loss, input tokens of the whole step)."""
+        local = self._local_rows(rows)
         batches = [collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple)
-                   for b in micro_batches(rows, self.lengths, self.plan.micro_batch_size)]
-        loss_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in batches))
-        input_tokens = sum(int(mb["attention_mask"].sum()) for mb in batches)
+                   for b in micro_batches(local, self.lengths, self.plan.micro_batch_size)]
+        # The whole step's trained tokens, over every rank: each rank knows all rows.
+        loss_tokens = max(1, sum(self.train_rows[i].trainable_tokens for i in rows))
+        input_tokens = sum(len(self.train_rows[i].input_ids) for i in rows)
         normaliser = torch.tensor(loss_tokens, device=self.device)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for j, mb in enumerate(batches):
+        for mb in batches:
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-            # Gradients are only all-reduced on the last micro-batch of the step.
-            sync = nullcontext() if j == len(batches) - 1 else self.accelerator.no_sync(self.model)
-            with sync:
-                # Summed over tokens and divided by the step's token count, not
-                # averaged per micro-batch: any split gives the same update.
-                loss = self._loss(mb, normaliser)
-                if self.faults.due("nan", self.step + 1):
-                    loss = loss * float("nan")
-                self.accelerator.backward(loss)
+            # Summed over tokens and divided by the step's token count, not
+            # averaged per micro-batch: any split, over micro-batches or ranks,
+            # gives the same update.
+            loss = self._loss(mb, normaliser)
+            if self.faults.due("nan", self.step + 1):
+                loss = loss * float("nan")
+            self.accelerator.backward(loss)
             loss_sum += loss.detach()
-        max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
-        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, max_norm)
-        # The one host sync per step: loss and gradient norm come back together.
-        loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
-        return {"loss": loss_value, "grad_norm": norm_value, "tokens": input_tokens, "started": started}
+        return loss_sum, input_tokens
+
+    def _agree(self, failure: str | None) -> str | None:
+        """Every rank learns whether any rank failed or was asked to stop, before
+        any gradient collective, so no rank waits for one that will not come."""
+        if self.world == 1:
+            return failure
+        import torch.distributed as dist
+
+        codes = {None: 0, "nan": 1, "oom": 2}
+        flags = torch.tensor([codes[failure], self.stop_signal or 0], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1] and self.stop_signal is None:
+            self.stop_signal = int(flags[1])  # another rank got the signal: stop together
+        return {v: k for k, v in codes.items()}[int(flags[0])]
+
+    def _sum_over_ranks(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """All-reduce the gradients (and the loss, in the same buffer): the sum over
+        ranks of per-rank losses normalised by the global token count is the loss."""
+        if self.world == 1:
+            return loss_sum
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trainable]
+        flat = _flatten_dense_tensors(grads + [loss_sum.reshape(1).to(grads[0].dtype)])
+        dist.all_reduce(flat)
+        *synced, total = _unflatten_dense_tensors(flat, grads + [loss_sum.reshape(1)])
+        for param, grad in zip(self.trainable, synced):
+            param.grad = grad
+        return total.reshape(())
 
     def _attempt(self, rows: list[int]) -> tuple[dict[str, float] | None, str | None]:
         """One optimizer step, or the kind of failure that prevented it.
@@ -227,24 +273,34 @@ class FineTuner:
         The only place a step's failure is caught. The exception is dropped
         before memory is freed: its traceback holds the step's tensors.
         """
+        started = time.perf_counter()
         failure = None
         try:
-            metrics = self._forward_backward(rows)
+            loss_sum, tokens = self._forward_backward(rows)
         except torch.OutOfMemoryError:
             failure = "oom"
         if failure is not None:
             self._free_memory()
+        failure = self._agree(failure)
+        if failure == "oom":
+            self._free_memory()  # also on the ranks that did not run out themselves
             return None, failure
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        loss_sum = self._sum_over_ranks(loss_sum)
+        max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
+        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, max_norm)
+        # The one host sync per step: loss and gradient norm come back together.
+        # Both are the same on every rank, so every rank takes the same decision.
+        loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update
             return None, "nan"
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - metrics.pop("started")
-        metrics["tokens_per_s"] = metrics["tokens"] / elapsed
-        return metrics, None
+        elapsed = time.perf_counter() - started
+        return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens,
+                "tokens_per_s": tokens / elapsed}, None
 
     def _free_memory(self) -> None:
         if self.optimizer is not None:
@@ -260,15 +316,19 @@ class FineTuner:
         normaliser = torch.tensor(total_tokens, device=self.device)
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
-        for mb in self.eval_micro_batches:
+        for mb in self.eval_micro_batches[self.rank::self.world]:  # each rank a share
             mb = {k: v.to(self.device) for k, v in mb.items()}
             loss_sum += self._loss(mb, normaliser)
         self.model.train()
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(loss_sum)
         return loss_sum.item()
 
     # ------------------------------------------------------- checkpoints
 
-    def _save_checkpoint(self) -> Checkpoint:
+    def _save_checkpoint(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
         weights = {name: param for name, param in model.named_parameters() if param.requires_grad}
         optimizer_tensors, groups = optimizer_state(self.optimizer)
@@ -280,11 +340,12 @@ class FineTuner:
             "scheduler": self.scheduler.state_dict(), "optimizer_groups": groups, "rng": rng_json,
             "micro_batch_size": self.plan.micro_batch_size,
         }
-        checkpoint = self.checkpoints.save(self.step, {"model.safetensors": weights,
-                                                       "optimizer.safetensors": optimizer_tensors,
-                                                       "rng.safetensors": rng_tensors}, state)
-        self.checkpoints.prune(self._best_checkpoint_step())
-        return checkpoint
+        if self.is_main:  # the weights and optimizer are the same on every rank: one writer
+            self.checkpoints.save(self.step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
+                                              "rng.safetensors": rng_tensors}, state)
+            self.checkpoints.prune(self._best_checkpoint_step())
+        # No rank goes on (and might roll back to it) before the checkpoint is whole.
+        self.accelerator.wait_for_everyone()
 
     def _best_checkpoint_step(self) -> int | None:
         """The checkpoint saved with the lowest eval loss so far; pruning keeps it."""
@@ -312,6 +373,7 @@ class FineTuner:
 
     def _rollback(self) -> None:
         """Back to the last good checkpoint, or to a fresh start if there is none."""
+        self.accelerator.wait_for_everyone()
         checkpoint = self.checkpoints.latest()
         if checkpoint is not None:
             self._restore(checkpoint)

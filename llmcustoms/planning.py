@@ -127,6 +127,8 @@ class Plan:
     lora: LoraSettings | None
     memory: dict[str, int] | None = None
     estimated_seconds: float | None = None
+    # Processes training together; effective batch = micro x accumulation x world size.
+    world_size: int = 1
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
     data_format: str = ""
@@ -363,9 +365,13 @@ class ParameterOptimizer:
                                  self.hardware.mixed_precision, {})
 
     def plan(self, model: ModelChoice, stats: DataStats, overrides: dict[str, tuple[Any, str]],
-             preset_source: str = "default") -> Plan:
-        """The plan in force for these inputs. Raises `ConfigError` naming every bad value at once."""
+             preset_source: str = "default", world_size: int = 1) -> Plan:
+        """The plan in force for these inputs. Raises `ConfigError` naming every bad value at once.
+        With several processes the micro-batch is per process, and accumulation
+        shrinks as the world grows so the preset's effective batch is kept."""
         hardware, preset = self.hardware, self.preset
+        if world_size > 1 and not hardware.has_gpu:
+            self.budget = self.budget // world_size  # CPU processes share the machine's RAM
         preset_values, bucket = preset.for_dataset_size(stats.train_rows + stats.eval_rows)
         r = _Resolver(overrides, preset_values, f"preset {preset.name} ({bucket} dataset)")
         problems = validate_preset_values({k: v for k, (v, _) in overrides.items() if k in preset_values}, "flag")
@@ -392,7 +398,7 @@ class ParameterOptimizer:
         preferred = r.get("method")
         methods = [preferred] if r.given("method") or preferred == "full" else [preferred, "qlora"]
         methods = list(dict.fromkeys(methods))
-        cap = min(MICRO_BATCH_CAP, target)
+        cap = min(MICRO_BATCH_CAP, -(-target // world_size))
         if r.given("micro_batch_size"):
             cap = r.overrides["micro_batch_size"][0]
         fit = self._fit(r, model, methods, max_seq_len, precision, cap, lora)
@@ -422,10 +428,11 @@ class ParameterOptimizer:
         if r.given("grad_accum"):
             accum = r.get("grad_accum")
         else:
-            accum = max(1, -(-target // micro))
-            r.chose("grad_accum", accum, f"gradient accumulation {accum}: {micro} x {accum} reaches the "
+            accum = max(1, -(-target // (micro * world_size)))
+            world = f" x {world_size} processes" if world_size > 1 else ""
+            r.chose("grad_accum", accum, f"gradient accumulation {accum}: {micro} x {accum}{world} reaches the "
                                          f"effective batch of {target}")
-        effective = micro * accum
+        effective = micro * accum * world_size
         r.sources["effective_batch_size"] = "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "optimizer"
         memory = MemoryOptimizer(model.arch, hardware.has_gpu, self.budget).estimate(
             method, micro, max_seq_len, precision, checkpointing, optimizer="adamw", **lora)
@@ -435,7 +442,7 @@ class ParameterOptimizer:
         else:
             r.reasons.append(f"estimated peak memory {_memory_summary(memory)}")
 
-        per_epoch = steps_per_epoch(train_rows, micro, accum)
+        per_epoch = steps_per_epoch(train_rows, micro, accum * world_size)
         epochs = r.get("epochs")
         max_steps = r.get("max_steps")
         total = max_steps if max_steps else max(1, math.ceil(epochs * per_epoch))
@@ -495,7 +502,7 @@ class ParameterOptimizer:
             train_on_prompt=bool(r.get("train_on_prompt", False)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora_settings,
-            memory=memory.to_json(), estimated_seconds=seconds,
+            memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
             reasons=tuple(r.reasons), sources=r.sources,
         )
 

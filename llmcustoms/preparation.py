@@ -193,7 +193,7 @@ def read_tokenization_cache(key: str) -> tuple[list[TokenizedExample], list[Toke
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
-                tokenizer_required: bool = True) -> PreparedRun:
+                tokenizer_required: bool = True, world_size: int = 1) -> PreparedRun:
     """Read, split, choose, tokenize and plan. With `tokenizer_required=False`
     (the `plan` command) a model that is not downloaded is planned from preset
     facts and character-based length estimates instead of failing."""
@@ -237,7 +237,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                           first_loss_positions=tuple(first_loss_position(e) for e in train_full),
                           eval_rows=len(eval_full), format=dataset.format)
 
-    plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source)
+    plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source, world_size=world_size)
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
     plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
@@ -258,9 +258,15 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                        seconds=time.perf_counter() - started)
 
 
-def prepare_resume(plan: Plan) -> PreparedRun:
+def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     """The same rows, in the same split, tokenized the same way as when the run
-    began: everything comes from the run's plan.json."""
+    began: everything comes from the run's plan.json. With another number of
+    processes, accumulation is recomputed so the effective batch (and so every
+    step's rows) stays the same."""
+    if world_size != plan.world_size:
+        accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
+        plan = plan.with_changes(f"resumed with {world_size} process(es) instead of {plan.world_size}: "
+                                 f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum)
     for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
         if path and expected:
             if not Path(path).exists():

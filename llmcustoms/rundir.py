@@ -36,8 +36,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 class RunDirectory:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, writable: bool = True):
+        """`writable=False`: reads work, writes are skipped. Every process of a
+        distributed run reads the run directory; only the main one writes it."""
         self.path = Path(path)
+        self.writable = writable
 
     @property
     def plan_path(self) -> Path:
@@ -89,6 +92,8 @@ class RunDirectory:
                               "Check the permissions of --output-dir, or choose another.") from None
 
     def write_plan(self, plan: Plan) -> None:
+        if not self.writable:
+            return
         write_json_atomic(self.plan_path, plan.to_json())
 
     def read_plan(self) -> Plan:
@@ -102,18 +107,24 @@ class RunDirectory:
                               "Pass a directory made by `llmcustoms train`.") from None
 
     def append_metrics(self, row: dict[str, Any]) -> None:
+        if not self.writable:
+            return
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     def truncate_metrics(self, step: int) -> None:
         """Forget rows after `step`: after a rollback or resume they are trained
         again, and the file keeps one row per optimizer step."""
+        if not self.writable:
+            return
         rows = [r for r in self.read_metrics() if r.get("step", 0) <= step]
         tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, self.metrics_path)
 
     def add_recovery(self, recovery: dict[str, Any]) -> None:
+        if not self.writable:
+            return
         status = self.read_status()
         write_json_atomic(self.status_path, {**status, "recoveries": status.get("recoveries", []) + [recovery]})
 
@@ -155,6 +166,8 @@ class RunDirectory:
     def write_status(self, status: str, **fields: Any) -> dict[str, Any]:
         assert status in STATUSES, status
         current = self.read_status()
+        if not self.writable:
+            return current
         current.update(fields)
         current["status"] = status
         current["pid"] = os.getpid()

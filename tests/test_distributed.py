@@ -1,0 +1,103 @@
+"""Past one process: data-parallel training through accelerate's launcher, on CPU
+with the gloo backend, as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import DATA_FILES
+
+pytestmark = pytest.mark.slow
+
+
+def args(model: Path, output: Path, name: str, micro: int, accum: int, steps: int = 6) -> list[str]:
+    return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--max-steps", str(steps), "--save-every", "2",
+            "--batch-size", str(micro), "--grad-accum", str(accum), "--lora-dropout", "0", "--lr", "1e-2",
+            "--output-dir", str(output), "--run-name", name, "--yes", "--quiet"]
+
+
+def adapter(run: Path) -> dict:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_models, tmp_path_factory):
+    """One process, micro-batch 4 x accumulation 2: effective batch 8."""
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("single")
+    result = run_cli(*args(tiny_models["llama"], root, "one", 4, 2))
+    assert result.returncode == 0, result.stderr
+    return root / "one"
+
+
+def test_two_processes_match_one_with_the_same_effective_batch(tmp_path, tiny_models, single, cli):
+    result = cli(*args(tiny_models["llama"], tmp_path, "two", 4, 1), "--num-processes", "2", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "two"
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["world_size"], plan["micro_batch_size"], plan["grad_accum"], plan["effective_batch_size"]) == (2, 4, 1, 8)
+    assert result.stdout.strip() == str(run / "adapter")  # one process speaks
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    assert steps == [1, 2, 3, 4, 5, 6]  # one writer
+    assert max_difference(adapter(run), adapter(single)) <= 1e-4
+
+
+def test_a_two_process_run_killed_after_a_checkpoint_resumes_with_one_process(tmp_path, tiny_models, single, cli):
+    killed = cli(*args(tiny_models["llama"], tmp_path, "run", 4, 1), "--num-processes", "2",
+                 env={"LLMCUSTOMS_FAULT_INJECT": "sigkill@4:rank=0"}, timeout=600)
+    assert killed.returncode != 0
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "step-000004" / "manifest.json").exists()
+    assert not (run / "adapter").exists()
+    resumed = cli("resume", str(run), "--quiet", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["world_size"], plan["grad_accum"], plan["effective_batch_size"]) == (1, 2, 8)
+    assert any("resumed with 1 process(es) instead of 2" in r for r in plan["reasons"])
+    assert json.loads((run / "status.json").read_text())["status"] == "completed"
+    assert max_difference(adapter(run), adapter(single)) <= 1e-4
+
+
+def test_out_of_memory_on_one_rank_is_recovered_by_both_without_a_hang(tmp_path, tiny_models, single, cli):
+    started = time.time()
+    result = cli(*args(tiny_models["llama"], tmp_path, "run", 4, 1), "--num-processes", "2",
+                 env={"LLMCUSTOMS_FAULT_INJECT": "oom@5:rank=1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.time() - started < 300
+    run = tmp_path / "run"
+    [recovery] = json.loads((run / "status.json").read_text())["recoveries"]
+    assert recovery["kind"] == "oom" and recovery["step"] == 5
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["micro_batch_size"], plan["effective_batch_size"]) == (2, 8)
+    assert max_difference(adapter(run), adapter(single)) <= 1e-4
+
+
+def test_sigterm_to_the_launcher_checkpoints_once_and_stops_every_process(tmp_path, tiny_models):
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *args(tiny_models["llama"], tmp_path, "run", 4, 1, 400),
+                                "--num-processes", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "step-000002").exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode != 0
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "interrupted", err[-3000:]
+    assert (run / "checkpoints" / f"step-{status['step']:06d}" / "manifest.json").exists()
+    leftover = subprocess.run(["pgrep", "-f", f"--run-name run .*{tmp_path}|{tmp_path}.*--run-name run"],
+                              capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""  # no rank left behind
