@@ -132,13 +132,22 @@ SkipOpt = Annotated[bool, typer.Option("--skip-bad-rows", help="Skip rows that f
 RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model repository to run its own code.")]
 
 
-def _train_options(data: str, model: Optional[str], preset: Optional[str], eval_data: Optional[str],
-                   skip_bad_rows: bool, settings: Any, **flags: Any) -> Any:
-    """TrainOptions from parsed flags and settings: flag > environment > preset > default.
-    Values left unset are the plan's to decide."""
+# Command parameters that become plan values (by parameter name).
+PLAN_FLAGS = ("method", "epochs", "max_steps", "batch_size", "grad_accum", "lr", "lr_scheduler", "warmup_ratio",
+              "max_seq_len", "lora_r", "lora_alpha", "lora_dropout", "eval_split", "save_every", "keep", "seed",
+              "early_stopping_patience", "gradient_checkpointing", "mixed_precision", "train_on_prompt",
+              "trust_remote_code")
+
+
+def _train_options(arguments: dict[str, Any], settings: Any) -> Any:
+    """TrainOptions from a command's parsed arguments (its `locals()`) and the
+    settings: flag > environment > preset > default. Unset values are the plan's."""
     from llmcustoms.preparation import TrainOptions
 
-    names = {"batch_size": "micro_batch_size"}
+    flags = {name: arguments[name] for name in PLAN_FLAGS if name in arguments}
+    data, model, preset = arguments["data"], arguments["model"], arguments["preset"]
+    eval_data, skip_bad_rows = arguments["eval_data"], arguments["skip_bad_rows"]
+    names = {"batch_size": "micro_batch_size", "keep": "keep_checkpoints"}
     for switch in ("train_on_prompt", "trust_remote_code"):  # plain switches: off means "not given"
         if flags.get(switch) is False:
             flags[switch] = None
@@ -227,13 +236,7 @@ def train(
         settings = load_settings(env_file)
         output_dir = _output_dir(output_dir, settings)
         tracker = check_tracker(report_to or settings.get("report_to") or "none")
-        options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, settings, method=method, epochs=epochs, max_steps=max_steps,
-            batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
-            warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, keep_checkpoints=keep, seed=seed,
-            early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
-            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        options = _train_options(locals(), settings)
         world = launching.world_size()
         quiet = quiet or not launching.is_main_process()  # one display, from the main process
         # Fail before any slow work, not after it.
@@ -348,10 +351,7 @@ def tune(
 
         env_settings = load_settings(env_file)
         output_dir = _output_dir(output_dir, env_settings)
-        options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, env_settings, method=method, batch_size=batch_size, grad_accum=grad_accum,
-            max_seq_len=max_seq_len, eval_split=eval_split, seed=seed, gradient_checkpointing=gradient_checkpointing,
-            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        options = _train_options({**locals(), "max_steps": None}, env_settings)  # --max-steps is per trial here
         hardware = detect()
         prepared = prepare_run(options, hardware)
         base = prepared.plan
@@ -464,13 +464,7 @@ def plan(
         from llmcustoms.preparation import prepare_run
         from llmcustoms.settings import load_settings
 
-        options = _train_options(
-            data, model, preset, eval_data, skip_bad_rows, load_settings(env_file), method=method, epochs=epochs, max_steps=max_steps,
-            batch_size=batch_size, grad_accum=grad_accum, lr=lr, lr_scheduler=lr_scheduler,
-            warmup_ratio=warmup_ratio, max_seq_len=max_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout, eval_split=eval_split, save_every=save_every, seed=seed,
-            early_stopping_patience=early_stopping_patience, gradient_checkpointing=gradient_checkpointing,
-            mixed_precision=mixed_precision, train_on_prompt=train_on_prompt, trust_remote_code=trust_remote_code)
+        options = _train_options(locals(), load_settings(env_file))
         hardware = detect()
         if vram is not None:
             machine = hardware
