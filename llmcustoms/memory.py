@@ -9,7 +9,8 @@ The estimate is a sum of parts, each from first principles:
                LM head and norms stay in the compute dtype
   trainable    LoRA adapters in fp32 (full fine-tuning: already in weights)
   gradients    one fp32 gradient per trained parameter
-  optimizer    AdamW: two fp32 moments (8 bytes / parameter); 8-bit AdamW: 2
+  optimizer    AdamW: two fp32 moments (8 bytes / parameter); 8-bit AdamW: 2;
+               paged variants the same bytes (they can spill to CPU RAM)
   activations  what autograd keeps per layer for backward, per token, as a
                function of hidden, intermediate and key/value widths
                (Korthikanti et al. 2022, restated for Llama-style blocks with
@@ -55,6 +56,11 @@ ACTIVATION_COEFFICIENTS = {
 # Copies of the fp32 logits alive at the peak (logits, log-softmax kept for
 # backward, their gradient, partly overlapping): fitted 2.85.
 LOGIT_COPIES = 2.85
+# Optimizer state per trained parameter: AdamW keeps two fp32 moments; the
+# bitsandbytes 8-bit variants keep two 8-bit ones (plus small block scales).
+# Paged variants hold the same bytes but can spill them to CPU RAM under
+# pressure, so the budget must still allow for them.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
 # Autograd bookkeeping, batch tensors, kernel workspaces: fitted ~106 MiB.
 RUNTIME_OVERHEAD_BYTES = 100 * 1024 ** 2
 
@@ -175,7 +181,7 @@ class MemoryOptimizer:
             weights_bytes=self.weights(method, mixed_precision),
             trainable_bytes=0 if method == "full" else trained * 4,
             gradients_bytes=trained * 4,
-            optimizer_bytes=trained * (2 if optimizer == "adamw_8bit" else 8),
+            optimizer_bytes=trained * OPTIMIZER_STATE_BYTES[optimizer],
             activations_bytes=activations,
             logits_bytes=logits,
             overhead_bytes=overhead,

@@ -189,3 +189,11 @@ def test_plan_json_round_trips_and_has_the_contract_keys():
     assert set(data["memory"]) >= {"weights_bytes", "trainable_bytes", "gradients_bytes", "optimizer_bytes",
                                    "activations_bytes", "overhead_bytes", "total_bytes", "budget_bytes"}
     assert Plan.from_json(data) == plan
+
+
+def test_optimizer_state_by_variant():
+    spec = find_model_spec("Qwen/Qwen2.5-0.5B-Instruct", FAMILIES)
+    memory = MemoryOptimizer(spec, on_gpu=True, budget_bytes=0)
+    full = sum(parameter_counts(spec))
+    for optimizer, per_param in (("adamw", 8), ("paged_adamw", 8), ("adamw_8bit", 2), ("paged_adamw_8bit", 2)):
+        assert memory.estimate("full", 1, 256, "bf16", False, optimizer=optimizer).optimizer_bytes == per_param * full
