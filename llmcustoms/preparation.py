@@ -17,7 +17,7 @@ import numpy as np
 from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import Hardware
-from llmcustoms.planning import DataStats, ModelChoice, ParameterOptimizer, Plan, eval_fraction
+from llmcustoms.planning import DataStats, ParameterOptimizer, Plan, eval_fraction
 from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 

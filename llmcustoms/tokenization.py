@@ -117,9 +117,6 @@ class TokenizedData:
     truncated: int = 0
     dropped: int = 0
 
-    def lengths(self) -> list[int]:
-        return [len(e.input_ids) for e in self.examples]
-
 
 class Tokenizer:
     """Binds a Hugging Face tokenizer to the masking rules of one run."""

@@ -33,7 +33,7 @@ def test_train_every_family_on_every_format(tmp_path, tiny_models, family, data_
                     "--max-steps", "2", "--batch-size", "4", "--grad-accum", "1", "--yes",
                     "--output-dir", str(tmp_path), "--run-name", "run")
     assert result.exit_code == 0, result.output
-    assert f"detected format" in result.output
+    assert "detected format" in result.output
     run = tmp_path / "run"
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "completed" and status["step"] == 2

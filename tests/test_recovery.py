@@ -94,7 +94,7 @@ def test_sigint_exits_130_interrupted_and_resume_matches(tmp_path, tiny_models, 
     assert (run / "checkpoints" / f"step-{state['step']:06d}" / "manifest.json").exists()
     resumed = cli("resume", str(run), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
-    reference = cli(*train_args(tiny_models["llama"], tmp_path, "reference", 0.1, 300))
+    cli(*train_args(tiny_models["llama"], tmp_path, "reference", 0.1, 300))
     assert max_difference(adapter(run), adapter(tmp_path / "reference")) <= 1e-5
 
 

@@ -12,9 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import DATA_FILES
 from llmcustoms.cli import app
-from llmcustoms.console import SilentReporter
 from llmcustoms.hardware import Hardware
-from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.preparation import TrainOptions, prepare_run
 from llmcustoms.presets import load_preset
 from llmcustoms.tuning import TuneSettings, run_study, search_space
