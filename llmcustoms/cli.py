@@ -34,6 +34,11 @@ class Scheduler(str, Enum):
     constant = "constant"
 
 
+class Distributed(str, Enum):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
 class Precision(str, Enum):
     no = "no"
     bf16 = "bf16"
@@ -124,6 +129,7 @@ EnvFileOpt = Annotated[Optional[Path], typer.Option("--env-file", help="Read set
 ReportToOpt = Annotated[Optional[str], typer.Option("--report-to", help="Also send metrics to tensorboard or wandb (optional extras). Default: none.")]
 OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Where run directories go. Default: runs.")]
 ProcessesOpt = Annotated[Optional[int], typer.Option("--num-processes", min=1, help="Processes per machine (one per GPU), launched through accelerate.")]
+DistributedOpt = Annotated[Optional[Distributed], typer.Option("--distributed", help="With several processes: ddp (each holds the model; default) or fsdp (full fine-tuning sharded over the processes).")]
 MachinesOpt = Annotated[Optional[int], typer.Option("--num-machines", min=1, help="Machines training together (run the same command on each).")]
 MachineRankOpt = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's index, 0 on the main one.")]
 MainIpOpt = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
@@ -136,7 +142,7 @@ RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the 
 PLAN_FLAGS = ("method", "epochs", "max_steps", "batch_size", "grad_accum", "lr", "lr_scheduler", "warmup_ratio",
               "max_seq_len", "lora_r", "lora_alpha", "lora_dropout", "eval_split", "save_every", "keep", "seed",
               "early_stopping_patience", "gradient_checkpointing", "mixed_precision", "train_on_prompt",
-              "trust_remote_code")
+              "trust_remote_code", "distributed")
 
 
 def _train_options(arguments: dict[str, Any], settings: Any) -> Any:
@@ -202,6 +208,7 @@ def train(
     machine_rank: MachineRankOpt = 0,
     main_process_ip: MainIpOpt = None,
     main_process_port: MainPortOpt = None,
+    distributed: DistributedOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
@@ -455,6 +462,9 @@ def plan(
     skip_bad_rows: SkipOpt = False,
     trust_remote_code: RemoteOpt = False,
     env_file: EnvFileOpt = None,
+    num_processes: ProcessesOpt = None,
+    num_machines: MachinesOpt = None,
+    distributed: DistributedOpt = None,
 ) -> None:
     """Show what `train` would do with DATA, and whether it fits, without training."""
     with user_errors():
@@ -471,7 +481,8 @@ def plan(
             # Cards sold as "24 GB" have 24 GiB.
             hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=machine.ram_bytes / GIB,
                                          cores=machine.cpu_cores)
-        prepared = prepare_run(options, hardware, tokenizer_required=False)
+        prepared = prepare_run(options, hardware, tokenizer_required=False,
+                               world_size=(num_processes or 1) * (num_machines or 1))
         if json_output:
             print(prepared.plan.dumps())
             return

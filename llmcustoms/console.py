@@ -138,7 +138,8 @@ def show_prepared(prepared: Any, data_path: str) -> None:
 
 MEMORY_PARTS = (("weights", "weights_bytes"), ("LoRA adapters", "trainable_bytes"), ("gradients", "gradients_bytes"),
                 ("optimizer state", "optimizer_bytes"), ("activations", "activations_bytes"),
-                ("logits", "logits_bytes"), ("overhead", "overhead_bytes"))
+                ("logits", "logits_bytes"), ("gathered from other shards", "gathered_bytes"),
+                ("overhead", "overhead_bytes"))
 
 
 def memory_table(memory: dict[str, int], where: str) -> Table:
@@ -163,6 +164,10 @@ def _gib(n: int) -> str:
     return f"{n / 1024 ** 3:.2f} GiB"
 
 
+DISTRIBUTED_LABELS = {"ddp": "data-parallel (each holds the whole model)",
+                      "fsdp": "FSDP (weights, gradients and optimizer state sharded)"}
+
+
 def plan_table(plan: Any) -> Table:
     table = Table(title="Training plan", show_header=True, header_style="bold")
     table.add_column("setting", no_wrap=True)
@@ -174,7 +179,10 @@ def plan_table(plan: Any) -> Table:
         ("family", plan.family, None),
         ("method", plan.method, "method"),
         ("preset", plan.preset, "preset"),
-        ("micro-batch x accumulation", f"{plan.micro_batch_size} x {plan.grad_accum} = {plan.effective_batch_size}", "micro_batch_size"),
+        ("micro-batch x accumulation", f"{plan.micro_batch_size} x {plan.grad_accum} = {plan.effective_batch_size}", "micro_batch_size")
+        if plan.world_size == 1 else
+        ("micro-batch x accumulation x processes", f"{plan.micro_batch_size} per process x {plan.grad_accum} x "
+                                                    f"{plan.world_size} = {plan.effective_batch_size}", "micro_batch_size"),
         ("max sequence length", str(plan.max_seq_len), "max_seq_len"),
         ("learning rate", f"{plan.lr:.2e} ({plan.lr_scheduler}, {plan.warmup_steps} warmup steps)", "lr"),
         ("steps", f"{plan.total_steps} ({plan.steps_per_epoch}/epoch)", "total_steps"),
@@ -184,6 +192,9 @@ def plan_table(plan: Any) -> Table:
         ("checkpoint every", f"{plan.save_every} steps", "save_every"),
         ("seed", str(plan.seed), "seed"),
     ]
+    if plan.world_size > 1:
+        rows.insert(3, ("processes", f"{plan.world_size}, " + DISTRIBUTED_LABELS.get(plan.distributed, plan.distributed),
+                        "distributed"))
     if plan.lora is not None:
         rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout}", "lora.r"))
         rows.insert(4, ("LoRA targets", " ".join(plan.lora.target_modules), None))
@@ -201,7 +212,7 @@ def show_plan(plan: Any, hardware: Any = None) -> None:
     console.print(plan_table(plan))
     if plan.memory:
         where = "RAM" if hardware is None or not hardware.has_gpu else f"GPU: {hardware.gpus[0].name}"
-        console.print(memory_table(plan.memory, where))
+        console.print(memory_table(plan.memory, where + (", per process" if plan.world_size > 1 else "")))
     if plan.reasons:
         console.print(Panel("\n".join(f"- {escape(r)}" for r in plan.reasons), title="Why", expand=False))
 

@@ -21,6 +21,12 @@ The estimate is a sum of parts, each from first principles:
                large for Qwen's 152k vocabulary
   overhead     runtime bookkeeping, plus the CUDA context on a GPU
 
+With FSDP (`shards` > 1) each process keeps 1/shards of the weights, gradients
+and optimizer state, plus what it gathers to compute: the root unit
+(embeddings, head, norms) for the whole step and two blocks at a time (the one
+running and the one prefetched), and one block's unsharded gradient before it
+is reduce-scattered.
+
 The peak is not the plain sum: backward writes the gradients while it frees
 the activations, so the peak holds weights, adapters and optimizer state plus
 the larger of (gradients) and (activations + logits). That matters for full
@@ -116,12 +122,15 @@ class MemoryEstimate:
     overhead_bytes: int
     budget_bytes: int
 
+    gathered_bytes: int = 0  # FSDP: parameters gathered from the other shards to compute
+
     @property
     def total_bytes(self) -> int:
         """Estimated peak. Gradients are written while activations are freed, so
         the two overlap in time rather than add up."""
         in_backward = max(self.gradients_bytes, self.activations_bytes + self.logits_bytes)
-        return self.weights_bytes + self.trainable_bytes + self.optimizer_bytes + in_backward + self.overhead_bytes
+        return (self.weights_bytes + self.trainable_bytes + self.optimizer_bytes + in_backward + self.overhead_bytes
+                + self.gathered_bytes)
 
     @property
     def fits(self) -> bool:
@@ -168,34 +177,41 @@ class MemoryOptimizer:
 
     def estimate(self, method: str, micro_batch: int, seq_len: int, mixed_precision: str,
                  gradient_checkpointing: bool, lora_rank: int = 16, lora_targets: tuple[str, ...] = ("all-linear",),
-                 optimizer: str = "adamw", trained_fraction: float = 1.0) -> MemoryEstimate:
+                 optimizer: str = "adamw", trained_fraction: float = 1.0, shards: int = 1) -> MemoryEstimate:
         """`trained_fraction`: share of positions whose next token is trained; the
-        LM head computes logits only there (prompts and padding get none)."""
+        LM head computes logits only there (prompts and padding get none).
+        `shards`: processes an FSDP run shards the model over (1: no sharding)."""
         linear, other = parameter_counts(self.arch)
         trained = linear + other if method == "full" else lora_parameters(self.arch, lora_rank, lora_targets)
         tokens = micro_batch * seq_len
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
         logits = int(tokens * trained_fraction * self.arch.vocab_size * 4 * LOGIT_COPIES)
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
+        gathered = 0
+        if shards > 1:
+            per_param = self.weight_bytes_per_param(method, mixed_precision)
+            block = linear // self.arch.num_layers
+            gathered = (other + 2 * block) * per_param + (block * 4 if method == "full" else 0)
         return MemoryEstimate(
-            weights_bytes=self.weights(method, mixed_precision),
-            trainable_bytes=0 if method == "full" else trained * 4,
-            gradients_bytes=trained * 4,
-            optimizer_bytes=trained * OPTIMIZER_STATE_BYTES[optimizer],
+            weights_bytes=self.weights(method, mixed_precision) // shards,
+            trainable_bytes=0 if method == "full" else trained * 4 // shards,
+            gradients_bytes=trained * 4 // shards,
+            optimizer_bytes=trained * OPTIMIZER_STATE_BYTES[optimizer] // shards,
             activations_bytes=activations,
             logits_bytes=logits,
             overhead_bytes=overhead,
             budget_bytes=self.budget_bytes,
+            gathered_bytes=gathered,
         )
 
     def largest_micro_batch(self, method: str, seq_len: int, mixed_precision: str, gradient_checkpointing: bool,
-                            limit: int, **lora: Any) -> int:
+                            limit: int, **options: Any) -> int:
         """The largest micro-batch <= limit that fits; 0 if not even one row fits."""
         best = 0
         for batch in (1, 2, 4, 8, 16, 32, 64, 128):
             if batch > limit:
                 break
-            if self.estimate(method, batch, seq_len, mixed_precision, gradient_checkpointing, **lora).fits:
+            if self.estimate(method, batch, seq_len, mixed_precision, gradient_checkpointing, **options).fits:
                 best = batch
             else:
                 break

@@ -129,6 +129,9 @@ class Plan:
     estimated_seconds: float | None = None
     # Processes training together; effective batch = micro x accumulation x world size.
     world_size: int = 1
+    # How the processes share the work: "none" (one process), "ddp" (each holds
+    # the whole model) or "fsdp" (weights, gradients and optimizer state sharded).
+    distributed: str = "none"
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
     data_format: str = ""
@@ -178,7 +181,7 @@ OVERRIDABLE = (
     "mixed_precision", "lr", "lr_scheduler", "warmup_ratio", "weight_decay", "max_grad_norm",
     "epochs", "max_steps", "eval_every", "early_stopping_patience", "save_every",
     "keep_checkpoints", "seed", "train_on_prompt", "trust_remote_code", "lora_r",
-    "lora_alpha", "lora_dropout", "eval_split",
+    "lora_alpha", "lora_dropout", "eval_split", "distributed",
 )
 
 
@@ -189,7 +192,7 @@ class _Resolver:
         unknown = set(overrides) - set(OVERRIDABLE)
         if unknown:
             raise ValueError(f"unknown override(s): {sorted(unknown)}")
-        self.overrides = overrides
+        self.overrides = dict(overrides)  # the caller's stay as given
         self.preset_values = preset_values
         self.preset_label = preset_label
         self.sources: dict[str, str] = {}
@@ -266,7 +269,8 @@ class ParameterOptimizer:
                  catalog: tuple[ModelSpec, ...] = ()):
         self.hardware = hardware
         self.preset = preset
-        self.budget = budget_bytes if budget_bytes is not None else hardware.memory_budget_bytes
+        self.machine_budget = budget_bytes if budget_bytes is not None else hardware.memory_budget_bytes
+        self.budget = self.machine_budget  # per process: plan() divides it when CPU processes share the RAM
         # Known models, smallest first: what a refusal can suggest instead.
         self.catalog = tuple(sorted(catalog, key=lambda spec: sum(parameter_counts(spec))))
 
@@ -350,19 +354,43 @@ class ParameterOptimizer:
     # ------------------------------------------------------------ the plan
 
     def choose_model(self, candidates: list[ModelChoice], stats: DataStats,
-                     overrides: dict[str, tuple[Any, str]]) -> tuple[ModelChoice, str]:
+                     overrides: dict[str, tuple[Any, str]], world_size: int = 1) -> tuple[ModelChoice, str]:
         """The preset's best model that fits, and why. On a CPU-only machine the
         smallest: training there is slow, so size matters more than quality."""
         if not self.hardware.has_gpu:
             return candidates[-1], f"model {candidates[-1].name}: no GPU found, so the preset's smallest model"
         for candidate in candidates:
             try:
-                self.plan(candidate, stats, overrides)
+                self.plan(candidate, stats, overrides, world_size=world_size)
             except ConfigError:
                 continue
             return candidate, f"model {candidate.name}: the preset's first choice that fits this GPU"
         raise self._does_not_fit(candidates[-1], ["lora", "qlora"], min(stats.percentile(LENGTH_PERCENTILE), 512),
                                  self.hardware.mixed_precision, {})
+
+    @staticmethod
+    def _distributed(r: _Resolver, world_size: int) -> str:
+        """"none", "ddp" or "fsdp"; FSDP means full fine-tuning (it sets the method
+        when none was given, and refuses LoRA, whose few trained weights gain nothing
+        from sharding while every layer would pay for gathering)."""
+        if world_size == 1:
+            if r.given("distributed"):
+                r.reasons.append(f"--distributed {r.get('distributed')} ignored: one process")
+                r.sources.pop("distributed", None)
+            return "none"
+        if not r.given("distributed"):
+            r.sources["distributed"] = "optimizer"
+            return "ddp"
+        choice = r.get("distributed")
+        if choice == "fsdp":
+            if r.given("method") and r.get("method") != "full":
+                raise ConfigError(f"--distributed fsdp shards full fine-tuning; --method {r.get('method')} trains "
+                                  "adapters that every process can hold whole.",
+                                  "Use --method full with --distributed fsdp, or --distributed ddp for LoRA and QLoRA.")
+            if not r.given("method"):
+                r.overrides["method"] = ("full", r.sources["distributed"])
+                r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")
+        return choice
 
     def plan(self, model: ModelChoice, stats: DataStats, overrides: dict[str, tuple[Any, str]],
              preset_source: str = "default", world_size: int = 1) -> Plan:
@@ -370,8 +398,8 @@ class ParameterOptimizer:
         With several processes the micro-batch is per process, and accumulation
         shrinks as the world grows so the preset's effective batch is kept."""
         hardware, preset = self.hardware, self.preset
-        if world_size > 1 and not hardware.has_gpu:
-            self.budget = self.budget // world_size  # CPU processes share the machine's RAM
+        # CPU processes share the machine's RAM; each GPU process has its own card.
+        self.budget = self.machine_budget // world_size if not hardware.has_gpu else self.machine_budget
         preset_values, bucket = preset.for_dataset_size(stats.train_rows + stats.eval_rows)
         r = _Resolver(overrides, preset_values, f"preset {preset.name} ({bucket} dataset)")
         problems = validate_preset_values({k: v for k, (v, _) in overrides.items() if k in preset_values}, "flag")
@@ -393,7 +421,11 @@ class ParameterOptimizer:
                               "Raise --max-seq-len, or shorten the prompts in the data.")
         target = max(1, min(r.get("effective_batch_size"), train_rows))
         trained_share = 1.0 if r.get("train_on_prompt", False) else stats.trained_fraction(max_seq_len)
+        distributed = self._distributed(r, world_size)
+        shards = world_size if distributed == "fsdp" else 1
         lora = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share}
+        if shards > 1:
+            lora["shards"] = shards
 
         preferred = r.get("method")
         methods = [preferred] if r.given("method") or preferred == "full" else [preferred, "qlora"]
@@ -503,7 +535,7 @@ class ParameterOptimizer:
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora_settings,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
-            reasons=tuple(r.reasons), sources=r.sources,
+            distributed=distributed, reasons=tuple(r.reasons), sources=r.sources,
         )
 
 

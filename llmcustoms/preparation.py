@@ -216,7 +216,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
     else:
         rough = estimated_stats(train_examples, len(eval_examples), dataset.format)
-        model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides)
+        model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides, world_size)
 
     hf_tokenizer, used_fallback = None, False
     train_full: list[TokenizedExample] = []
@@ -265,8 +265,11 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     step's rows) stays the same."""
     if world_size != plan.world_size:
         accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
+        # Sharding needs several processes; a checkpoint holds whole tensors either way.
+        distributed = "none" if world_size == 1 else plan.distributed if plan.distributed != "none" else "ddp"
         plan = plan.with_changes(f"resumed with {world_size} process(es) instead of {plan.world_size}: "
-                                 f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum)
+                                 f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum,
+                                 distributed=distributed)
     for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
         if path and expected:
             if not Path(path).exists():
