@@ -187,9 +187,14 @@ def set_rng_state(tensors: dict[str, Any], state: dict[str, Any]) -> None:
 
 def optimizer_state(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """An optimizer's state_dict as flat tensors ("state.<param>.<key>") and JSON param groups."""
+    return flatten_optimizer_state(optimizer.state_dict())
+
+
+def flatten_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A state_dict in `torch.optim` form (parameters numbered in group order) as
+    flat tensors and JSON param groups."""
     import torch
 
-    state_dict = optimizer.state_dict()
     tensors = {}
     for index, values in state_dict["state"].items():
         for key, value in values.items():
@@ -200,10 +205,14 @@ def optimizer_state(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]
     return tensors, groups
 
 
-def load_optimizer_state(optimizer: Any, tensors: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+def unflatten_optimizer_state(tensors: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)
         state.setdefault(int(index), {})[key] = value
     restored = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in groups]
-    optimizer.load_state_dict({"state": state, "param_groups": restored})
+    return {"state": state, "param_groups": restored}
+
+
+def load_optimizer_state(optimizer: Any, tensors: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    optimizer.load_state_dict(unflatten_optimizer_state(tensors, groups))

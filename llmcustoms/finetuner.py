@@ -10,6 +10,11 @@ Failures are caught in exactly one place (`_attempt`): out of memory and
 non-finite losses go to the `TrainingRecoverySystem`, which returns a changed
 plan; the loop rolls back to the last checkpoint and carries on. SIGINT and
 SIGTERM finish the current step, checkpoint, and stop.
+
+With several processes, every rank agrees on a step's outcome before any
+collective that depends on it. Under FSDP the collectives are inside forward
+and backward, so a rank that runs out of memory there cannot tell the others:
+it asks for a restart (`RestartNeeded`) and the launcher restarts them all.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from llmcustoms.console import Reporter, SilentReporter
 from llmcustoms.faults import FaultInjector
 from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan
-from llmcustoms.recovery import TrainingFailed, TrainingInterrupted, TrainingRecoverySystem, create_failure_report
+from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem,
+                                 create_failure_report)
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 
 # status.json is rewritten (with fsync) at most this often while training runs.
@@ -133,6 +140,7 @@ class FineTuner:
 
         plan = self.plan
         if not hasattr(self, "accelerator"):
+            self.fsdp = plan.distributed == "fsdp"
             # cpu=True without CUDA: it is what gives several CPU processes a gloo group.
             self.accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available())
             self.world = self.accelerator.num_processes
@@ -148,18 +156,26 @@ class FineTuner:
         set_seed(plan.seed)  # the same LoRA init on every rank; dropout draws from these too
         device_index = self.accelerator.local_process_index if torch.cuda.is_available() else None
         model = load_model(plan, device_index)
-        if plan.method != "qlora" or device_index is None:  # 4-bit models are placed by their device_map
-            model = model.to(self.accelerator.device)
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr,
-                                      fused=torch.cuda.is_available())
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, self.plan))
-        # The model is not wrapped in DDP: ranks first agree that the step
-        # succeeded everywhere, then all-reduce gradients themselves (see
-        # _attempt). With DDP's in-backward all-reduce, one rank's out-of-memory
-        # error would leave the others waiting in a collective forever.
-        self.model = model
-        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        if self.fsdp:
+            # Names before sharding: checkpoints keep whole tensors under these.
+            self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+            self.model = shard(model, plan.mixed_precision)
+            optimizer = torch.optim.AdamW(parameter_groups(self.model, plan.weight_decay), lr=plan.lr,
+                                          fused=torch.cuda.is_available())
+            self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        else:
+            if plan.method != "qlora" or device_index is None:  # 4-bit models are placed by their device_map
+                model = model.to(self.accelerator.device)
+            optimizer = torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr,
+                                          fused=torch.cuda.is_available())
+            # The model is not wrapped in DDP: ranks first agree that the step
+            # succeeded everywhere, then all-reduce gradients themselves (see
+            # _attempt). With DDP's in-backward all-reduce, one rank's out-of-memory
+            # error would leave the others waiting in a collective forever.
+            self.model = model
+            self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: lr_multiplier(s, self.plan))
         self.device = self.accelerator.device
         self._install_selective_head()
         # Out-of-memory injection happens inside a training step's forward pass,
@@ -219,32 +235,48 @@ class FineTuner:
         """The optimizer steps of one epoch, each a list of row indices."""
         return epoch_steps(self.lengths, self.plan.effective_batch_size, self.plan.seed, epoch)
 
-    def _local_rows(self, rows: list[int]) -> list[int]:
-        """This rank's share of a step: every world-th row by length, so ranks get
+    def _local_rows(self, rows: list[int], rank: int) -> list[int]:
+        """A rank's share of a step: every world-th row by length, so ranks get
         similar lengths. With one process, all of them."""
         ordered = sorted(rows, key=lambda i: -self.lengths[i])
-        return ordered[self.rank::self.world]
+        return ordered[rank::self.world]
+
+    def _micro_batches(self, rows: list[int]) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches of a step, each with its weight in the loss.
+        Under FSDP every rank runs as many as the busiest one (each forward and
+        backward is a collective); the extra ones repeat rows with weight 0."""
+        def split(rank: int) -> list[list[int]]:
+            return micro_batches(self._local_rows(rows, rank), self.lengths, self.plan.micro_batch_size)
+
+        mine = [(batch, 1.0) for batch in split(self.rank)]
+        if self.fsdp:
+            most = max(len(split(rank)) for rank in range(self.world))
+            filler = mine[0][0] if mine else rows[:1]
+            mine += [(filler, 0.0)] * (most - len(mine))
+        return mine
 
     def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int]:
         """Local gradients of this rank's share of a step; (summed loss, input tokens of the whole step)."""
-        local = self._local_rows(rows)
-        batches = [collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple)
-                   for b in micro_batches(local, self.lengths, self.plan.micro_batch_size)]
+        parts = self._micro_batches(rows)
+        batches = [(collate([self.train_rows[i] for i in b], self.tokenizer.pad_token_id, self.pad_multiple), weight)
+                   for b, weight in parts]
         # The whole step's trained tokens, over every rank: each rank knows all rows.
         loss_tokens = max(1, sum(self.train_rows[i].trainable_tokens for i in rows))
         input_tokens = sum(len(self.train_rows[i].input_ids) for i in rows)
         normaliser = torch.tensor(loss_tokens, device=self.device)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for mb in batches:
+        # FSDP averages gradients over ranks; the step's gradient is their sum.
+        backward_scale = self.world if self.fsdp else 1
+        for mb, weight in batches:
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
             # Summed over tokens and divided by the step's token count, not
             # averaged per micro-batch: any split, over micro-batches or ranks,
             # gives the same update.
-            loss = self._loss(mb, normaliser)
+            loss = self._loss(mb, normaliser) * weight
             if self.faults.due("nan", self.step + 1):
                 loss = loss * float("nan")
-            self.accelerator.backward(loss)
+            self.accelerator.backward(loss * backward_scale)
             loss_sum += loss.detach()
         return loss_sum, input_tokens
 
@@ -270,6 +302,10 @@ class FineTuner:
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        if self.fsdp:  # FSDP has reduced the gradients in backward; only the loss is left
+            dist.all_reduce(loss_sum)
+            return loss_sum
+
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trainable]
         flat = _flatten_dense_tensors(grads + [loss_sum.reshape(1).to(grads[0].dtype)])
         dist.all_reduce(flat)
@@ -292,6 +328,9 @@ class FineTuner:
             failure = "oom"
         if failure is not None:
             self._free_memory()
+            if self.fsdp:  # the other ranks wait inside a collective this rank left
+                self.run_dir.request_restart(failure, self.step + 1, self.rank)
+                raise RestartNeeded(failure, self.step + 1)
         failure = self._agree(failure)
         if failure == "oom":
             self._free_memory()  # also on the ranks that did not run out themselves
@@ -299,6 +338,8 @@ class FineTuner:
         loss_sum = self._sum_over_ranks(loss_sum)
         max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.trainable, max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
+            grad_norm = grad_norm.full_tensor()
         # The one host sync per step: loss and gradient norm come back together.
         # Both are the same on every rank, so every rank takes the same decision.
         loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
@@ -327,9 +368,13 @@ class FineTuner:
         normaliser = torch.tensor(total_tokens, device=self.device)
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
-        for mb in self.eval_micro_batches[self.rank::self.world]:  # each rank a share
+        mine = [(mb, 1.0) for mb in self.eval_micro_batches[self.rank::self.world]]  # each rank a share
+        if self.fsdp and mine:  # the same number of forwards (collectives) on every rank
+            most = -(-len(self.eval_micro_batches) // self.world)
+            mine += [(mine[0][0], 0.0)] * (most - len(mine))
+        for mb, weight in mine:
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            loss_sum += self._loss(mb, normaliser)
+            loss_sum += self._loss(mb, normaliser) * weight
         self.model.train()
         if self.world > 1:
             import torch.distributed as dist
@@ -340,9 +385,13 @@ class FineTuner:
     # ------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self) -> None:
-        model = self.accelerator.unwrap_model(self.model)
-        weights = {name: param for name, param in model.named_parameters() if param.requires_grad}
-        optimizer_tensors, groups = optimizer_state(self.optimizer)
+        if self.fsdp:  # gathered whole onto the main process
+            weights = gather_weights(self.model, self.trainable_names)
+            optimizer_tensors, groups = gather_optimizer(self.model, self.optimizer.optimizer)
+        else:
+            model = self.accelerator.unwrap_model(self.model)
+            weights = {name: param for name, param in model.named_parameters() if param.requires_grad}
+            optimizer_tensors, groups = optimizer_state(self.optimizer)
         rng_tensors, rng_json = rng_state()
         state = {
             "step": self.step, "epoch": self.epoch, "index": self.index, "tokens": self.tokens,
@@ -351,7 +400,7 @@ class FineTuner:
             "scheduler": self.scheduler.state_dict(), "optimizer_groups": groups, "rng": rng_json,
             "micro_batch_size": self.plan.micro_batch_size,
         }
-        if self.is_main:  # the weights and optimizer are the same on every rank: one writer
+        if self.is_main:  # the weights and optimizer are the same on every rank (or gathered here): one writer
             self.checkpoints.save(self.step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
                                               "rng.safetensors": rng_tensors}, state)
             self.checkpoints.prune(self._best_checkpoint_step())
@@ -368,15 +417,20 @@ class FineTuner:
         """Put model, optimizer, schedule, RNG and data position back as they were."""
         state = checkpoint.state()
         weights = checkpoint.tensors("model.safetensors")
-        model = self.accelerator.unwrap_model(self.model)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    param.copy_(weights[name].to(param.device, param.dtype))
+        if self.fsdp:  # every rank reads the whole tensors and keeps its shard
+            load_weights(self.model, weights)
+            load_optimizer(self.model, self.optimizer.optimizer, checkpoint.tensors("optimizer.safetensors"),
+                           state["optimizer_groups"])
+        else:
+            model = self.accelerator.unwrap_model(self.model)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if param.requires_grad:
+                        param.copy_(weights[name].to(param.device, param.dtype))
+            load_optimizer_state(self.optimizer, checkpoint.tensors("optimizer.safetensors"), state["optimizer_groups"])
         for key in ("step", "epoch", "index", "tokens", "final_loss", "best_eval", "best_step", "last_eval",
                     "evals_since_best"):
             setattr(self, key, state[key])
-        load_optimizer_state(self.optimizer, checkpoint.tensors("optimizer.safetensors"), state["optimizer_groups"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_learning_rate()  # needs the restored step
         set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
@@ -514,6 +568,10 @@ class FineTuner:
             self.run_dir.write_status("failed", step=self.step, reason=failed.report["reason"],
                                       suggestions=failed.report["suggestions"])
             raise
+        except RestartNeeded as restart:
+            self.run_dir.write_status("failed", step=self.step,
+                                      reason=f"{restart.kind} at step {restart.step}; every process restarts")
+            raise
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as error:  # a bug: keep what can be kept, then report
@@ -528,7 +586,7 @@ class FineTuner:
         seconds = time.perf_counter() - started
         output = self.run_dir.output_path(self.plan.method)
         if self.save_artifacts:
-            save_trained(self.accelerator.unwrap_model(self.model), self.tokenizer, output)
+            self._save_output(output)
         self.run_dir.write_status("completed", step=self.step, reason=stop_reason, final_loss=self.final_loss,
                                   best_eval_loss=self.best_eval, best_eval_step=self.best_step)
         if stop_reason:
@@ -537,6 +595,14 @@ class FineTuner:
                            best_eval_loss=self.best_eval, best_eval_step=self.best_step, seconds=seconds,
                            tokens_per_s=(self.tokens - tokens_at_start) / max(seconds, 1e-9), output_path=output,
                            stop_reason=stop_reason)
+
+    def _save_output(self, output: Path) -> None:
+        """The adapter (or full model), written once, by the main process."""
+        model = self.accelerator.unwrap_model(self.model)
+        weights = gather_weights(self.model, list(self.model.state_dict())) if self.fsdp else None
+        if self.is_main:
+            save_trained(model, self.tokenizer, output, weights)
+        self.accelerator.wait_for_everyone()
 
     def _maybe_evaluate(self) -> str | None:
         """Evaluate when due; returns an early-stopping reason when it is time to stop."""

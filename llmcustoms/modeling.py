@@ -214,8 +214,10 @@ def _keep_4bit_layout_trainable(model: Any) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def save_trained(model: Any, tokenizer: Any, directory: Path) -> None:
-    """Write the adapter (or the full model) and the tokenizer, with its chat template."""
+def save_trained(model: Any, tokenizer: Any, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
+    """Write the adapter (or the full model) and the tokenizer, with its chat template.
+    `state_dict`: whole weights to write instead of the model's own (FSDP holds shards)."""
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    extra = {} if state_dict is None else {"state_dict": state_dict}
+    model.save_pretrained(str(directory), safe_serialization=True, **extra)
     tokenizer.save_pretrained(str(directory))

@@ -44,6 +44,16 @@ class TrainingFailed(Exception):
         self.report = report
 
 
+class RestartNeeded(Exception):
+    """This process failed where the others cannot learn of it (inside FSDP's
+    collectives); it asked for a restart of every process and must exit."""
+
+    def __init__(self, kind: str, step: int):
+        super().__init__(f"{kind} at step {step}")
+        self.kind = kind
+        self.step = step
+
+
 class TrainingInterrupted(Exception):
     """Stopped by SIGINT / SIGTERM after writing a checkpoint."""
 

@@ -128,6 +128,31 @@ class RunDirectory:
         status = self.read_status()
         write_json_atomic(self.status_path, {**status, "recoveries": status.get("recoveries", []) + [recovery]})
 
+    @property
+    def restart_path(self) -> Path:
+        return self.path / "restart.json"
+
+    def request_restart(self, kind: str, step: int, rank: int) -> None:
+        """Ask for every process to restart from the last checkpoint and recover
+        from `kind` first. The one file any process may write, whether or not it
+        is the main one: under FSDP a failing process cannot reach the others (they
+        wait inside a collective), so it leaves this note, exits, and the launcher
+        starts them all again (see launching.relaunch)."""
+        tmp = self.restart_path.with_name(f".restart.json.{rank}.tmp")
+        tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank}))
+        os.replace(tmp, self.restart_path)
+
+    def pending_restart(self) -> dict[str, Any] | None:
+        """The restart a failed process asked for, if any."""
+        try:
+            return json.loads(self.restart_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def clear_restart(self) -> None:
+        if self.writable:
+            self.restart_path.unlink(missing_ok=True)
+
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []
