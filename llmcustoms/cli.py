@@ -229,8 +229,10 @@ def train(
             argv = launching.strip_launch_options(sys.argv[1:])
             argv += [] if run_name else ["--run-name", name]
             argv += [] if yes else ["--yes"]  # the processes cannot ask
+            run_path = _output_dir(output_dir, settings) / name
+            resume_options = (["--quiet"] if quiet else []) + (["--env-file", str(env_file)] if env_file else [])
         raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
-                                            main_process_ip, main_process_port))
+                                            main_process_ip, main_process_port, run_path, resume_options))
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui
@@ -278,17 +280,31 @@ def _wait_for_all_processes(world: int) -> None:
         PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
 
 
-def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none") -> None:
+def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none",
+                  faults_spent_through: int = 0) -> None:
     """Train (or resume), then map how it ended to what the user sees and the exit code."""
     from llmcustoms import console as ui
+    from llmcustoms.faults import FaultInjector
     from llmcustoms.finetuner import FineTuner
-    from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+    from llmcustoms import launching
+    from llmcustoms.launching import EXIT_RESTART
+    from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted
     from llmcustoms.tracking import TrackingReporter
 
     reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker, run_dir, prepared.plan)
-    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter)
+    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
+                      faults=FaultInjector.from_env(spent_through=faults_spent_through))
     try:
         result = tuner.run(resume=resume)
+    except RestartNeeded as restart:
+        if restart.rank == launching.process_rank():  # one message, from the process that failed
+            ui.print_error(f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's "
+                           "collectives; every process restarts from the last checkpoint with a smaller "
+                           "micro-batch.", None)
+        sys.stderr.flush()
+        # Not a normal exit: the other processes wait in a collective this one
+        # left, and interpreter shutdown could wait for them.
+        os._exit(EXIT_RESTART)
     except TrainingInterrupted as stop:
         ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.",
                        f"Continue with: llmcustoms resume {run_dir.path}")
@@ -399,10 +415,10 @@ def resume(
 
             target = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, load_settings(env_file)))
             target.read_plan()  # a damaged run fails here, once, not in every process
-            argv = ["resume", str(target.path)] + (["--quiet"] if quiet else []) + \
-                   (["--env-file", str(env_file)] if env_file else [])
-        raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
-                                            main_process_ip, main_process_port))
+            options = (["--quiet"] if quiet else []) + (["--env-file", str(env_file)] if env_file else [])
+        raise typer.Exit(launching.relaunch(["resume", str(target.path)] + options, num_processes or 1,
+                                            num_machines or 1, machine_rank, main_process_ip, main_process_port,
+                                            target.path, options))
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui
@@ -423,13 +439,44 @@ def resume(
         world = launching.world_size()
         quiet = quiet or not launching.is_main_process()
         prepared = prepare_resume(plan, world_size=world)
-        if launching.is_main_process() and prepared.plan != plan:
-            directory.write_plan(prepared.plan)  # accumulation recomputed for the new world size
+        restart = directory.pending_restart()
+        recovery = None
+        if restart is not None:  # a process failed where the others could not learn of it
+            prepared, recovery = _recover_before_restart(prepared, restart, directory)
+            _wait_for_all_processes(world)  # every process has read the request before it goes
+        if launching.is_main_process():
+            if prepared.plan != plan:
+                directory.write_plan(prepared.plan)  # new world size, or recovery
+            if recovery is not None:
+                directory.add_recovery(recovery.to_json())
+                directory.clear_restart()
         _wait_for_all_processes(world)
         if not quiet:
             ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                              f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
-        _run_training(prepared, directory, quiet, resume=True, tracker=settings.get("report_to") or "none")
+        _run_training(prepared, directory, quiet, resume=True, tracker=settings.get("report_to") or "none",
+                      faults_spent_through=restart["step"] if restart else 0)
+
+
+def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
+    """The resumed run's plan after the failure a process reported (the same on
+    every process), or the failure report if recovery has run out of options."""
+    from dataclasses import replace
+
+    from llmcustoms import console as ui
+    from llmcustoms.recovery import TrainingFailed, TrainingRecoverySystem
+
+    from llmcustoms.launching import is_main_process
+
+    try:
+        plan, recovery = TrainingRecoverySystem().after_oom(prepared.plan, int(restart["step"]))
+    except TrainingFailed as failed:
+        if is_main_process():
+            directory.write_status("failed", reason=failed.report["reason"], suggestions=failed.report["suggestions"])
+            directory.clear_restart()
+            ui.show_failure(failed.report, directory.path)
+        raise typer.Exit(1) from None
+    return replace(prepared, plan=plan), recovery
 
 
 @app.command()

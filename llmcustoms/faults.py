@@ -10,6 +10,8 @@ A testing aid, off unless the variable is set. A comma-separated list of
     sigkill@4   SIGKILL, likewise: the process dies on the spot
 
 An optional `:rank=R` suffix limits a fault to one process of a distributed run.
+A fault fires once per run: processes restarted after a failure at step N
+(see launching.relaunch) do not fire the faults of steps up to N again.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Fault:
 
 
 class FaultInjector:
-    def __init__(self, spec: str | None, rank: int = 0):
+    def __init__(self, spec: str | None, rank: int = 0, spent_through: int = 0):
         self.rank = rank
         self.pending: list[Fault] = []
         for part in filter(None, (p.strip() for p in (spec or "").split(","))):
@@ -43,11 +45,12 @@ class FaultInjector:
             if not match or match["kind"] not in KINDS:
                 raise ConfigError(f"{ENV_VAR} has an invalid entry '{part}'.",
                                   f"Use KIND@STEP[:rank=R] with KIND one of {', '.join(KINDS)}, e.g. oom@5.")
-            self.pending.append(Fault(match["kind"], int(match["step"]), int(match["rank"]) if match["rank"] else None))
+            if int(match["step"]) > spent_through:
+                self.pending.append(Fault(match["kind"], int(match["step"]), int(match["rank"]) if match["rank"] else None))
 
     @classmethod
-    def from_env(cls, rank: int = 0) -> "FaultInjector":
-        return cls(os.environ.get(ENV_VAR), rank)
+    def from_env(cls, rank: int = 0, spent_through: int = 0) -> "FaultInjector":
+        return cls(os.environ.get(ENV_VAR), rank, spent_through)
 
     def due(self, kind: str, step: int) -> bool:
         """True once for each matching fault; it is then spent."""

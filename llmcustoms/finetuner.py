@@ -95,6 +95,11 @@ def _use_physical_cores(processes: int) -> None:
     torch.set_num_threads(max(1, cores // processes))
 
 
+def _restart_reason(restart: dict[str, Any]) -> str:
+    kind = {"oom": "out of memory"}.get(restart["kind"], restart["kind"])
+    return f"process {restart.get('rank')}: {kind} at step {restart['step']}; every process restarts"
+
+
 class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
@@ -330,7 +335,7 @@ class FineTuner:
             self._free_memory()
             if self.fsdp:  # the other ranks wait inside a collective this rank left
                 self.run_dir.request_restart(failure, self.step + 1, self.rank)
-                raise RestartNeeded(failure, self.step + 1)
+                raise RestartNeeded(failure, self.step + 1, self.rank)
         failure = self._agree(failure)
         if failure == "oom":
             self._free_memory()  # also on the ranks that did not run out themselves
@@ -524,7 +529,7 @@ class FineTuner:
             else:
                 self.reporter.message("no usable checkpoint: starting from step 0", warning=True)
                 self.run_dir.truncate_metrics(0)
-        self.run_dir.write_status("running", step=self.step, total_steps=plan.total_steps, reason=None)
+        self.run_dir.write_status("running", step=self.step, total_steps=plan.total_steps, reason=None, suggestions=None)
         previous_handlers = self._install_signal_handlers()
         self.reporter.training_started(plan.total_steps, self.step)
         started = time.perf_counter()
@@ -569,12 +574,16 @@ class FineTuner:
                                       suggestions=failed.report["suggestions"])
             raise
         except RestartNeeded as restart:
-            self.run_dir.write_status("failed", step=self.step,
-                                      reason=f"{restart.kind} at step {restart.step}; every process restarts")
+            self.run_dir.write_status("failed", step=self.step, reason=_restart_reason(vars(restart)))
             raise
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
-        except Exception as error:  # a bug: keep what can be kept, then report
+        except Exception as error:
+            restart = self.run_dir.pending_restart() if self.world > 1 else None
+            if restart is not None:  # another process failed, leaving this one's collective
+                self.run_dir.write_status("failed", step=self.step, reason=_restart_reason(restart))
+                raise RestartNeeded(restart["kind"], restart["step"], restart.get("rank")) from error
+            # A bug: keep what can be kept, then report.
             report = create_failure_report("error", self.plan, self.step + 1, f"{type(error).__name__}: {error}")
             self.run_dir.write_status("failed", step=self.step, reason=report["reason"], suggestions=report["suggestions"])
             raise TrainingFailed(report) from error

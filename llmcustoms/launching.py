@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 LAUNCH_OPTIONS = ("--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port")
 
@@ -26,6 +27,14 @@ def world_size() -> int:
 
 def inside_launch() -> bool:
     return "LOCAL_RANK" in os.environ and world_size() > 1
+
+
+# The exit code of a process that asked for a restart of all of them.
+EXIT_RESTART = 75
+
+
+def process_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def is_main_process() -> bool:
@@ -53,29 +62,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Restarts after a process asked for one (an out-of-memory error inside FSDP's
+# collectives); recovery changes the plan each time, so a few always suffice.
+MAX_RESTARTS = 8
+
+
 def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, main_ip: str | None,
-             main_port: int | None) -> int:
+             main_port: int | None, run_dir: Path | None = None, resume_options: list[str] | None = None) -> int:
     """Run `llmcustoms ARGV` under accelerate's launcher; returns its exit code.
-    SIGINT and SIGTERM are passed on, so every process checkpoints once and stops."""
+    SIGINT and SIGTERM are passed on, so every process checkpoints once and stops.
+
+    When a process of the run in `run_dir` leaves a restart request (see
+    `RunDirectory.request_restart`), every process is started again with
+    `llmcustoms resume RUN_DIR RESUME_OPTIONS`: the resumed run applies the
+    recovery first, then continues from the last checkpoint."""
+    port = main_port or _free_port()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                "--num_processes", str(processes * machines), "--num_machines", str(machines),
                "--machine_rank", str(machine_rank), "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(main_port or _free_port())]
+               "--main_process_port", str(port)]
     if main_ip:
         command += ["--main_process_ip", main_ip]
-    command += ["-m", "llmcustoms", *argv]
-    child = subprocess.Popen(command)
-    forwarded = {}
+    child: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: object) -> None:
-        child.send_signal(signum)
+        if child:
+            child[-1].send_signal(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        forwarded[signum] = signal.signal(signum, forward)
+    forwarded = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = child.wait()
+        child.append(subprocess.Popen(command + ["-m", "llmcustoms", *argv]))
+        code = child[-1].wait()
+        for _ in range(MAX_RESTARTS):
+            request = _restart_request(run_dir) if code != 0 else None
+            if request is None:
+                break
+            print(f"llmcustoms: process {request.get('rank')} failed ({request.get('kind')} at step "
+                  f"{request.get('step')}); restarting every process from the last checkpoint", file=sys.stderr)
+            resume = ["resume", str(run_dir), *(resume_options or [])]
+            child.append(subprocess.Popen(command + ["-m", "llmcustoms", *resume]))
+            code = child[-1].wait()
     finally:
         for signum, handler in forwarded.items():
             signal.signal(signum, handler)
     # torchrun reports a worker's exit status; pass on the meaningful ones.
     return code if code >= 0 else 128 - code
+
+
+def _restart_request(run_dir: Path | None) -> dict | None:
+    from llmcustoms.rundir import RunDirectory
+
+    return RunDirectory(run_dir).pending_restart() if run_dir is not None else None

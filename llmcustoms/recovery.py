@@ -48,10 +48,11 @@ class RestartNeeded(Exception):
     """This process failed where the others cannot learn of it (inside FSDP's
     collectives); it asked for a restart of every process and must exit."""
 
-    def __init__(self, kind: str, step: int):
-        super().__init__(f"{kind} at step {step}")
+    def __init__(self, kind: str, step: int, rank: int | None):
+        super().__init__(f"{kind} at step {step} in process {rank}")
         self.kind = kind
         self.step = step
+        self.rank = rank
 
 
 class TrainingInterrupted(Exception):
@@ -91,7 +92,7 @@ class TrainingRecoverySystem:
     def after_oom(self, plan: Plan, step: int) -> tuple[Plan, Recovery]:
         if plan.micro_batch_size > 1:
             micro = plan.micro_batch_size // 2
-            accum = -(-plan.effective_batch_size // micro)
+            accum = -(-plan.effective_batch_size // (micro * plan.world_size))
             new = plan.with_changes(f"out of memory at step {step}: micro-batch {plan.micro_batch_size} -> {micro}, "
                                     f"accumulation {plan.grad_accum} -> {accum}",
                                     micro_batch_size=micro, grad_accum=accum)
