@@ -164,7 +164,11 @@ class FineTuner:
         if self.fsdp:
             # Names before sharding: checkpoints keep whole tensors under these.
             self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+            total = sum(p.numel() for p in model.parameters())
             self.model = shard(model, plan.mixed_precision)
+            held = sum(p.to_local().numel() for p in self.model.parameters())
+            self.reporter.message(f"FSDP: the model is sharded over {self.world} processes; each holds about "
+                                  f"{held / total:.0%} of its {total:,} weights")
             optimizer = torch.optim.AdamW(parameter_groups(self.model, plan.weight_decay), lr=plan.lr,
                                           fused=torch.cuda.is_available())
             self.optimizer = self.accelerator.prepare_optimizer(optimizer)

@@ -22,10 +22,10 @@ The estimate is a sum of parts, each from first principles:
   overhead     runtime bookkeeping, plus the CUDA context on a GPU
 
 With FSDP (`shards` > 1) each process keeps 1/shards of the weights, gradients
-and optimizer state, plus what it gathers to compute: the root unit
-(embeddings, head, norms) for the whole step and two blocks at a time (the one
-running and the one prefetched), and one block's unsharded gradient before it
-is reduce-scattered.
+and optimizer state, plus what it gathers to compute, in the compute dtype:
+the root unit (embeddings, head, norms) for the whole step and two blocks at a
+time (the one running and the one prefetched), and one block's unsharded fp32
+gradient before it is reduce-scattered. Not yet measured on GPUs.
 
 The peak is not the plain sum: backward writes the gradients while it frees
 the activations, so the peak holds weights, adapters and optimizer state plus
@@ -189,7 +189,9 @@ class MemoryOptimizer:
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
         gathered = 0
         if shards > 1:
-            per_param = self.weight_bytes_per_param(method, mixed_precision)
+            # Gathered in the compute dtype (FSDP's mixed-precision policy); the
+            # block's gradient is reduced in fp32.
+            per_param = 4 if mixed_precision == "no" else 2
             block = linear // self.arch.num_layers
             gathered = (other + 2 * block) * per_param + (block * 4 if method == "full" else 0)
         return MemoryEstimate(

@@ -149,3 +149,28 @@ def test_fault_injection_parses_fires_once_and_rejects_nonsense():
         FaultInjector("oom@2").raise_oom_if_due(2)
     with pytest.raises(ConfigError):
         FaultInjector("explode@3")
+
+
+def test_out_of_memory_with_several_processes_keeps_the_effective_batch():
+    current, recovery = TrainingRecoverySystem().after_oom(
+        plan(world_size=2, micro_batch_size=8, grad_accum=1, effective_batch_size=16), step=4)
+    assert (current.micro_batch_size, current.grad_accum, current.effective_batch_size) == (4, 2, 16)
+    assert recovery.details["grad_accum"] == [1, 2]
+
+
+def test_faults_of_steps_before_a_restart_do_not_fire_again():
+    restarted = FaultInjector("oom@5:rank=1, nan@7", rank=1, spent_through=5)
+    assert not restarted.due("oom", 5) and restarted.due("nan", 7)
+
+
+def test_a_restart_request_is_written_by_any_process_and_cleared_by_the_main_one(tmp_path):
+    from llmcustoms.rundir import RunDirectory
+
+    worker, main = RunDirectory(tmp_path, writable=False), RunDirectory(tmp_path)
+    assert main.pending_restart() is None
+    worker.request_restart("oom", 6, rank=1)
+    assert main.pending_restart() == {"kind": "oom", "step": 6, "rank": 1}
+    worker.clear_restart()  # a read-only view leaves it for the main process
+    assert main.pending_restart() is not None
+    main.clear_restart()
+    assert main.pending_restart() is None and not list(tmp_path.iterdir())

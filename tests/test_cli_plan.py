@@ -96,3 +96,18 @@ def test_train_shows_the_same_plan_before_training(tmp_path, tiny_models):
         return kept
 
     assert stable(saved) == stable(planned)
+
+
+def test_plan_for_several_processes_with_fsdp():
+    mistral = "mistralai/Mistral-7B-Instruct-v0.3"
+    common = ("plan", str(DATA_FILES["alpaca"]), "--model", mistral, "--vram", "80")
+    result = invoke(*common, "--num-processes", "8", "--distributed", "fsdp", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert (plan["method"], plan["distributed"], plan["world_size"]) == ("full", "fsdp", 8)
+    assert plan["effective_batch_size"] == plan["micro_batch_size"] * plan["grad_accum"] * 8
+    shown = flat(invoke(*common, "--num-processes", "8", "--distributed", "fsdp").output)
+    assert "processes │ 8, FSDP" in shown and "per process x" in shown and "GPU: a 80 GB GPU, per process" in shown
+    refused = invoke(*common, "--num-processes", "2", "--distributed", "fsdp", "--method", "lora")
+    assert refused.exit_code == 2 and "--distributed ddp" in flat(refused.output)
+    assert "Traceback" not in refused.output

@@ -101,3 +101,77 @@ def test_sigterm_to_the_launcher_checkpoints_once_and_stops_every_process(tmp_pa
     leftover = subprocess.run(["pgrep", "-f", f"--run-name run .*{tmp_path}|{tmp_path}.*--run-name run"],
                               capture_output=True, text=True)
     assert leftover.stdout.strip() == ""  # no rank left behind
+
+
+# --------------------------------------------------------------------- FSDP
+# Full fine-tuning sharded over 2 processes (torch FSDP2 over gloo) against
+# full fine-tuning in one process with the same effective batch.
+
+def full_args(model: Path, output: Path, name: str, micro: int, accum: int) -> list[str]:
+    return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--method", "full", "--max-steps", "6",
+            "--save-every", "2", "--batch-size", str(micro), "--grad-accum", str(accum), "--lr", "1e-3",
+            "--output-dir", str(output), "--run-name", name, "--yes", "--quiet"]
+
+
+def full_model(run: Path) -> dict:
+    return load_file(str(run / "model" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single_full(tiny_models, tmp_path_factory):
+    """One process, full fine-tuning, micro-batch 2 x accumulation 4: effective batch 8."""
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("single-full")
+    result = run_cli(*full_args(tiny_models["llama"], root, "one", 2, 4))
+    assert result.returncode == 0, result.stderr
+    return root / "one"
+
+
+def test_fsdp_run_matches_one_process_and_checkpoints_whole_tensors(tmp_path, tiny_models, single_full, cli):
+    arguments = [a for a in full_args(tiny_models["llama"], tmp_path, "fsdp", 2, 2) if a != "--quiet"]
+    result = cli(*arguments, "--num-processes", "2", "--distributed", "fsdp", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharded over 2 processes; each holds about 50%" in " ".join(result.stdout.split())
+    run = tmp_path / "fsdp"
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["distributed"], plan["world_size"], plan["effective_batch_size"]) == ("fsdp", 2, 8)
+    assert max_difference(full_model(run), full_model(single_full)) <= 1e-4
+    # The checkpoint holds the same whole tensors, under the same names, as one process writes.
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        sharded = load_file(str(run / "checkpoints" / "step-000004" / name))
+        whole = load_file(str(single_full / "checkpoints" / "step-000004" / name))
+        assert {k: v.shape for k, v in sharded.items()} == {k: v.shape for k, v in whole.items()}
+        assert max_difference(sharded, whole) <= 1e-4
+
+
+def test_fsdp_out_of_memory_on_one_rank_restarts_every_process_and_completes(tmp_path, tiny_models, single_full, cli):
+    started = time.time()
+    result = cli(*full_args(tiny_models["llama"], tmp_path, "run", 2, 2), "--num-processes", "2",
+                 "--distributed", "fsdp", env={"LLMCUSTOMS_FAULT_INJECT": "oom@5:rank=1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.time() - started < 300
+    assert "Process 1 ran out of memory at step 5" in result.stderr
+    run = tmp_path / "run"
+    assert not (run / "restart.json").exists()
+    [recovery] = json.loads((run / "status.json").read_text())["recoveries"]
+    assert (recovery["kind"], recovery["step"], recovery["details"]["micro_batch_size"]) == ("oom", 5, [2, 1])
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["micro_batch_size"], plan["grad_accum"], plan["effective_batch_size"]) == (1, 4, 8)
+    # Rolled back to step 4's checkpoint and redone with smaller micro-batches: the same update.
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert max_difference(full_model(run), full_model(single_full)) <= 1e-4
+
+
+def test_fsdp_run_killed_after_a_checkpoint_resumes_unsharded_in_one_process(tmp_path, tiny_models, single_full, cli):
+    killed = cli(*full_args(tiny_models["llama"], tmp_path, "run", 2, 2), "--num-processes", "2",
+                 "--distributed", "fsdp", env={"LLMCUSTOMS_FAULT_INJECT": "sigkill@4:rank=0"}, timeout=600)
+    assert killed.returncode != 0
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "step-000004" / "manifest.json").exists()
+    resumed = cli("resume", str(run), "--quiet", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["world_size"], plan["distributed"], plan["grad_accum"]) == (1, "none", 4)
+    assert max_difference(full_model(run), full_model(single_full)) <= 1e-4

@@ -197,3 +197,51 @@ def test_optimizer_state_by_variant():
     full = sum(parameter_counts(spec))
     for optimizer, per_param in (("adamw", 8), ("paged_adamw", 8), ("adamw_8bit", 2), ("paged_adamw_8bit", 2)):
         assert memory.estimate("full", 1, 256, "bf16", False, optimizer=optimizer).optimizer_bytes == per_param * full
+
+
+def plan_with_processes(machine: Hardware, hub_id: str, world_size: int, overrides: dict | None = None) -> Plan:
+    return ParameterOptimizer(machine, load_preset("quality"), catalog=CATALOG).plan(
+        model(hub_id), stats(), {k: (v, "flag") for k, v in (overrides or {}).items()}, world_size=world_size)
+
+
+def test_more_processes_keep_the_effective_batch_by_lowering_accumulation():
+    one = plan_with_processes(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 1, {"micro_batch_size": 2})
+    four = plan_with_processes(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 4, {"micro_batch_size": 2})
+    assert (one.distributed, four.distributed) == ("none", "ddp")
+    assert four.micro_batch_size == one.micro_batch_size == 2  # per process
+    assert four.grad_accum == one.grad_accum // 4
+    assert four.effective_batch_size == one.effective_batch_size == 2 * four.grad_accum * 4
+    # Each GPU process has its own card: the per-process memory is one process's.
+    assert four.memory == one.memory
+
+
+def test_fsdp_shards_full_fine_tuning_so_a_7b_model_fits_on_80gb_cards():
+    with pytest.raises(ConfigError, match="does not fit"):
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1, {"method": "full"})
+    with pytest.raises(ConfigError, match="does not fit"):  # data-parallel: each card holds everything
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"method": "full"})
+    plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
+    assert (plan.method, plan.distributed, plan.world_size) == ("full", "fsdp", 8)
+    assert any("method full: --distributed fsdp" in r for r in plan.reasons)
+    params = sum(parameter_counts(find_model_spec("mistralai/Mistral-7B-Instruct-v0.3", FAMILIES)))
+    memory = plan.memory
+    # An eighth of fp32 weights, gradients and two AdamW moments on each card ...
+    assert memory["weights_bytes"] + memory["gradients_bytes"] + memory["optimizer_bytes"] == pytest.approx(
+        16 * params / 8, rel=1e-6)
+    # ... plus the layers gathered to compute (root unit, two blocks, a block's gradient).
+    assert 0 < memory["gathered_bytes"] < 0.2 * 16 * params / 8
+    assert memory["total_bytes"] <= memory["budget_bytes"]
+
+
+def test_fsdp_refuses_lora_and_says_what_to_use():
+    with pytest.raises(ConfigError) as info:
+        plan_with_processes(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2,
+                            {"distributed": "fsdp", "method": "lora"})
+    assert "--method lora" in info.value.message
+    assert "--method full" in info.value.hint and "--distributed ddp" in info.value.hint
+
+
+def test_distributed_is_ignored_with_one_process():
+    plan = plan_with_processes(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 1, {"distributed": "fsdp"})
+    assert plan.distributed == "none" and plan.method == "lora"
+    assert any("--distributed fsdp ignored: one process" in r for r in plan.reasons)
