@@ -612,7 +612,11 @@ class FineTuner:
     def _save_output(self, output: Path) -> None:
         """The adapter (or full model), written once, by the main process."""
         model = self.accelerator.unwrap_model(self.model)
-        weights = gather_weights(self.model, list(self.model.state_dict())) if self.fsdp else None
+        weights = None
+        if self.fsdp:  # every entry of the state dict once: a tied head is the embedding, saved as such
+            keys = set(self.model.state_dict())
+            names = [n for n, _ in self.model.named_parameters()] + [n for n, _ in self.model.named_buffers() if n in keys]
+            weights = gather_weights(self.model, names)
         if self.is_main:
             save_trained(model, self.tokenizer, output, weights)
         self.accelerator.wait_for_everyone()

@@ -175,3 +175,16 @@ def test_fsdp_run_killed_after_a_checkpoint_resumes_unsharded_in_one_process(tmp
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["world_size"], plan["distributed"], plan["grad_accum"]) == (1, "none", 4)
     assert max_difference(full_model(run), full_model(single_full)) <= 1e-4
+
+
+def test_fsdp_with_tied_embeddings_saves_the_same_model_as_one_process(tmp_path, tiny_models, cli):
+    """Qwen2 ties its LM head to the embedding: sharded, gathered and saved, it
+    must still be one tensor, as a single process saves it."""
+    one = cli(*full_args(tiny_models["qwen2"], tmp_path, "one", 2, 4), timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    sharded = cli(*full_args(tiny_models["qwen2"], tmp_path, "fsdp", 2, 2), "--num-processes", "2",
+                  "--distributed", "fsdp", timeout=600)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    expected, got = full_model(tmp_path / "one"), full_model(tmp_path / "fsdp")
+    assert sorted(got) == sorted(expected) and "lm_head.weight" not in got
+    assert max_difference(got, expected) <= 1e-4
