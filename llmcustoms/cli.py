@@ -298,9 +298,12 @@ def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracke
         result = tuner.run(resume=resume)
     except RestartNeeded as restart:
         if restart.rank == launching.process_rank():  # one message, from the process that failed
-            ui.print_error(f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's "
-                           "collectives; every process restarts from the last checkpoint with a smaller "
-                           "micro-batch.", None)
+            what = f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's collectives."
+            if launching.restarts_on_request():
+                ui.print_error(what + " Every process restarts from the last checkpoint with a smaller micro-batch.",
+                               None)
+            else:
+                ui.print_error(what, f"Continue with: llmcustoms resume {run_dir.path} (it lowers the micro-batch first)")
         sys.stderr.flush()
         # Not a normal exit: the other processes wait in a collective this one
         # left, and interpreter shutdown could wait for them.

@@ -97,7 +97,7 @@ def _use_physical_cores(processes: int) -> None:
 
 def _restart_reason(restart: dict[str, Any]) -> str:
     kind = {"oom": "out of memory"}.get(restart["kind"], restart["kind"])
-    return f"process {restart.get('rank')}: {kind} at step {restart['step']}; every process restarts"
+    return f"process {restart.get('rank')}: {kind} at step {restart['step']}; restart requested (resume recovers)"
 
 
 class FineTuner:

@@ -31,6 +31,12 @@ def inside_launch() -> bool:
 
 # The exit code of a process that asked for a restart of all of them.
 EXIT_RESTART = 75
+# Set for the processes `relaunch` starts: it restarts them when one asks.
+RESTARTS_ENV = "LLMCUSTOMS_RESTARTS_ON_REQUEST"
+
+
+def restarts_on_request() -> bool:
+    return os.environ.get(RESTARTS_ENV) == "1"
 
 
 def process_rank() -> int:
@@ -91,7 +97,8 @@ def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, 
 
     forwarded = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child.append(subprocess.Popen(command + ["-m", "llmcustoms", *argv]))
+        env = {**os.environ, RESTARTS_ENV: "1" if run_dir is not None else "0"}
+        child.append(subprocess.Popen(command + ["-m", "llmcustoms", *argv], env=env))
         code = child[-1].wait()
         for _ in range(MAX_RESTARTS):
             request = _restart_request(run_dir) if code != 0 else None
@@ -100,7 +107,7 @@ def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, 
             print(f"llmcustoms: process {request.get('rank')} failed ({request.get('kind')} at step "
                   f"{request.get('step')}); restarting every process from the last checkpoint", file=sys.stderr)
             resume = ["resume", str(run_dir), *(resume_options or [])]
-            child.append(subprocess.Popen(command + ["-m", "llmcustoms", *resume]))
+            child.append(subprocess.Popen(command + ["-m", "llmcustoms", *resume], env=env))
             code = child[-1].wait()
     finally:
         for signum, handler in forwarded.items():

@@ -21,6 +21,9 @@ from typing import Any, Callable
 from llmcustoms.errors import ConfigError
 
 PREFIX = "LLMCUSTOMS_"
+# Variables with the prefix that are not settings: a testing aid, the
+# tokenization cache's place, and what the launcher tells its processes.
+NOT_SETTINGS = ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR", "LLMCUSTOMS_RESTARTS_ON_REQUEST")
 SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 
 
@@ -165,7 +168,7 @@ def load_settings(env_file: Path | None = None) -> Settings:
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
     unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_NAME
-                     and n not in ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR"))
+                     and n not in NOT_SETTINGS)
     problems += [f"unknown setting {n}" for n in unknown]
     if problems:
         raise ConfigError("Invalid setting(s):\n  " + "\n  ".join(problems),
