@@ -378,9 +378,9 @@ class FineTuner:
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
         mine = [(mb, 1.0) for mb in self.eval_micro_batches[self.rank::self.world]]  # each rank a share
-        if self.fsdp and mine:  # the same number of forwards (collectives) on every rank
+        if self.fsdp:  # the same number of forwards (collectives) on every rank, even one with no share
             most = -(-len(self.eval_micro_batches) // self.world)
-            mine += [(mine[0][0], 0.0)] * (most - len(mine))
+            mine += [(self.eval_micro_batches[0], 0.0)] * (most - len(mine))
         for mb, weight in mine:
             mb = {k: v.to(self.device) for k, v in mb.items()}
             loss_sum += self._loss(mb, normaliser) * weight
