@@ -230,7 +230,7 @@ def train(
             argv += [] if run_name else ["--run-name", name]
             argv += [] if yes else ["--yes"]  # the processes cannot ask
             run_path = _output_dir(output_dir, settings) / name
-            resume_options = (["--quiet"] if quiet else []) + (["--env-file", str(env_file)] if env_file else [])
+            resume_options = _resume_options(quiet, env_file, report_to)
         raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
                                             main_process_ip, main_process_port, run_path, resume_options))
     with user_errors():
@@ -303,14 +303,16 @@ def _run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracke
                 ui.print_error(what + " Every process restarts from the last checkpoint with a smaller micro-batch.",
                                None)
             else:
-                ui.print_error(what, f"Continue with: llmcustoms resume {run_dir.path} (it lowers the micro-batch first)")
+                ui.print_error(what, f"Continue with: {launching.resume_hint(run_dir.path)} "
+                                     "(it lowers the micro-batch first)")
         sys.stderr.flush()
         # Not a normal exit: the other processes wait in a collective this one
         # left, and interpreter shutdown could wait for them.
         os._exit(EXIT_RESTART)
     except TrainingInterrupted as stop:
-        ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.",
-                       f"Continue with: llmcustoms resume {run_dir.path}")
+        if launching.is_main_process():
+            resume = launching.resume_hint(run_dir.path) if launching.world_size() > 1 else f"llmcustoms resume {run_dir.path}"
+            ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.", f"Continue with: {resume}")
         raise typer.Exit(128 + stop.signum) from None
     except TrainingFailed as failed:
         ui.show_failure(failed.report, run_dir.path)
@@ -402,6 +404,7 @@ def resume(
     output_dir: OutputDirOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")] = False,
     env_file: EnvFileOpt = None,
+    report_to: ReportToOpt = None,
     num_processes: ProcessesOpt = None,
     num_machines: MachinesOpt = None,
     machine_rank: MachineRankOpt = 0,
@@ -418,7 +421,7 @@ def resume(
 
             target = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, load_settings(env_file)))
             target.read_plan()  # a damaged run fails here, once, not in every process
-            options = (["--quiet"] if quiet else []) + (["--env-file", str(env_file)] if env_file else [])
+            options = _resume_options(quiet, env_file, report_to)
         raise typer.Exit(launching.relaunch(["resume", str(target.path)] + options, num_processes or 1,
                                             num_machines or 1, machine_rank, main_process_ip, main_process_port,
                                             target.path, options))
@@ -428,6 +431,7 @@ def resume(
         from llmcustoms.preparation import prepare_resume
         from llmcustoms.rundir import RunDirectory, find_unfinished_run
         from llmcustoms.settings import load_settings
+        from llmcustoms.tracking import check_tracker
 
         settings = load_settings(env_file)
         directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(_output_dir(output_dir, settings))
@@ -454,11 +458,22 @@ def resume(
                 directory.add_recovery(recovery.to_json())
                 directory.clear_restart()
         _wait_for_all_processes(world)
+        for reason in prepared.plan.reasons[len(plan.reasons):]:
+            if reason.startswith("warning:") and launching.is_main_process():
+                ui.print_warning(reason.removeprefix("warning: "))
         if not quiet:
             ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                              f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
-        _run_training(prepared, directory, quiet, resume=True, tracker=settings.get("report_to") or "none",
+        tracker = check_tracker(report_to or settings.get("report_to") or "none")
+        _run_training(prepared, directory, quiet, resume=True,
+                      tracker=tracker if launching.is_main_process() else "none",
                       faults_spent_through=restart["step"] if restart else 0)
+
+
+def _resume_options(quiet: bool, env_file: Optional[Path], report_to: Optional[str]) -> list[str]:
+    """The options a relaunched or restarted `resume` passes on."""
+    return ((["--quiet"] if quiet else []) + (["--env-file", str(env_file)] if env_file else [])
+            + (["--report-to", report_to] if report_to else []))
 
 
 def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
@@ -469,11 +484,12 @@ def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: A
     from llmcustoms import console as ui
     from llmcustoms.recovery import TrainingFailed, TrainingRecoverySystem
 
-    from llmcustoms.launching import is_main_process
+    from llmcustoms.launching import is_main_process, world_size
 
     try:
         plan, recovery = TrainingRecoverySystem().after_oom(prepared.plan, int(restart["step"]))
     except TrainingFailed as failed:
+        _wait_for_all_processes(world_size())  # every process has read the request before it goes
         if is_main_process():
             directory.write_status("failed", reason=failed.report["reason"], suggestions=failed.report["suggestions"])
             directory.clear_restart()

@@ -104,6 +104,10 @@ def make_reporter(quiet: bool) -> Reporter:
     return QuietReporter() if quiet else RichReporter()
 
 
+def print_warning(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(message)}")
+
+
 def print_error(message: str, hint: str | None) -> None:
     text = f"[bold red]Error:[/] {escape(message)}"
     if hint:

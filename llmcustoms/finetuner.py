@@ -124,6 +124,7 @@ class FineTuner:
                                              warn=lambda text: reporter.message(text, warning=True))
         self.model: Any = None
         self.stop_signal: int | None = None
+        self.agreed_stop: int | None = None  # the stop signal every rank knows of (see _agree)
         self._reset_position()
 
     def _reset_position(self) -> None:
@@ -299,9 +300,16 @@ class FineTuner:
         codes = {None: 0, "nan": 1, "oom": 2}
         flags = torch.tensor([codes[failure], self.stop_signal or 0], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[1] and self.stop_signal is None:
-            self.stop_signal = int(flags[1])  # another rank got the signal: stop together
+        self.agreed_stop = int(flags[1]) or None
+        if self.agreed_stop and self.stop_signal is None:
+            self.stop_signal = self.agreed_stop  # another rank got the signal: stop together
         return {v: k for k, v in codes.items()}[int(flags[0])]
+
+    def _stopping(self) -> int | None:
+        """The signal to stop for after this step. With several processes, only one
+        that every rank agreed on in this step: checkpointing is collective, so a
+        signal that reached one rank after the agreement waits for the next step."""
+        return self.stop_signal if self.world == 1 else self.agreed_stop
 
     def _sum_over_ranks(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """All-reduce the gradients (and the loss, in the same buffer): the sum over
@@ -425,12 +433,12 @@ class FineTuner:
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Put model, optimizer, schedule, RNG and data position back as they were."""
         state = checkpoint.state()
-        weights = checkpoint.tensors("model.safetensors")
-        if self.fsdp:  # every rank reads the whole tensors and keeps its shard
-            load_weights(self.model, weights)
-            load_optimizer(self.model, self.optimizer.optimizer, checkpoint.tensors("optimizer.safetensors"),
-                           state["optimizer_groups"])
+        if self.fsdp:  # the main process reads the whole tensors, every rank keeps its shard
+            load_weights(self.model, checkpoint.tensors("model.safetensors") if self.is_main else {})
+            load_optimizer(self.model, self.optimizer.optimizer,
+                           checkpoint.tensors("optimizer.safetensors") if self.is_main else {}, state["optimizer_groups"])
         else:
+            weights = checkpoint.tensors("model.safetensors")
             model = self.accelerator.unwrap_model(self.model)
             with torch.no_grad():
                 for name, param in model.named_parameters():
@@ -564,12 +572,13 @@ class FineTuner:
                 if saved:
                     self._save_checkpoint()
                 self.faults.send_signal_if_due(self.step)
-                if self.stop_signal is not None and not last:
+                stop = self._stopping()
+                if stop is not None and not last:
                     if not saved and self.save_artifacts:
                         self._save_checkpoint()
                     self.run_dir.write_status("interrupted", step=self.step,
-                                              reason=f"stopped by {signal.Signals(self.stop_signal).name}")
-                    raise TrainingInterrupted(self.stop_signal, self.step)
+                                              reason=f"stopped by {signal.Signals(stop).name}")
+                    raise TrainingInterrupted(stop, self.step)
                 if time.monotonic() - status_written > STATUS_INTERVAL_S:
                     self.run_dir.write_status("running", step=self.step)
                     status_written = time.monotonic()
@@ -583,6 +592,10 @@ class FineTuner:
         except (TrainingInterrupted, KeyboardInterrupt):
             raise
         except Exception as error:
+            if self.fsdp and isinstance(error, torch.OutOfMemoryError):
+                # Out of memory outside a step's forward and backward (evaluation,
+                # the optimizer, a checkpoint's gathers): the others cannot learn of it either.
+                self.run_dir.request_restart("oom", self.step + 1, self.rank)
             restart = self.run_dir.pending_restart() if self.world > 1 else None
             if restart is not None:  # another process failed, leaving this one's collective
                 self.run_dir.write_status("failed", step=self.step, reason=_restart_reason(restart))

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 LAUNCH_OPTIONS = ("--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port")
@@ -36,7 +37,24 @@ RESTARTS_ENV = "LLMCUSTOMS_RESTARTS_ON_REQUEST"
 
 
 def restarts_on_request() -> bool:
-    return os.environ.get(RESTARTS_ENV) == "1"
+    return bool(launch_token())
+
+
+def launch_token() -> str | None:
+    """Which start of the processes by `relaunch` this is; None outside one.
+    A restart request names it, so a launcher acts only on requests of the
+    processes it started, never on an old file."""
+    return os.environ.get(RESTARTS_ENV) or None
+
+
+def resume_hint(run_dir: Path) -> str:
+    """The command that continues this distributed run, with its launch options."""
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    machines = max(1, world_size() // max(1, per_machine))
+    hint = f"llmcustoms resume {run_dir} --num-processes {per_machine}"
+    if machines > 1:
+        hint += f" --num-machines {machines} (on every machine, with its --machine-rank and the main process's address)"
+    return hint
 
 
 def process_rank() -> int:
@@ -69,8 +87,9 @@ def _free_port() -> int:
 
 
 # Restarts after a process asked for one (an out-of-memory error inside FSDP's
-# collectives); recovery changes the plan each time, so a few always suffice.
-MAX_RESTARTS = 8
+# collectives). Recovery shrinks the plan each time (micro-batch, then
+# checkpointing, then sequence length), so this many cover the whole ladder.
+MAX_RESTARTS = 16
 
 
 def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, main_ip: str | None,
@@ -81,8 +100,13 @@ def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, 
     When a process of the run in `run_dir` leaves a restart request (see
     `RunDirectory.request_restart`), every process is started again with
     `llmcustoms resume RUN_DIR RESUME_OPTIONS`: the resumed run applies the
-    recovery first, then continues from the last checkpoint."""
+    recovery first, then continues from the last checkpoint. On one machine
+    only: with several, each machine's launcher would have to restart in step
+    with the others; the failing process says to resume on every machine."""
+    if machines > 1:
+        run_dir = None
     port = main_port or _free_port()
+    token = uuid.uuid4().hex[:12]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                "--num_processes", str(processes * machines), "--num_machines", str(machines),
                "--machine_rank", str(machine_rank), "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -90,25 +114,33 @@ def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, 
     if main_ip:
         command += ["--main_process_ip", main_ip]
     child: list[subprocess.Popen] = []
+    signalled: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
+        signalled.append(signum)  # the user wants it to stop: no restart after this
         if child:
             child[-1].send_signal(signum)
 
+    def start(arguments: list[str], attempt: int) -> int:
+        env = {**os.environ, RESTARTS_ENV: f"{token}-{attempt}" if run_dir is not None else ""}
+        child.append(subprocess.Popen(command + ["-m", "llmcustoms", *arguments], env=env))
+        return child[-1].wait()
+
     forwarded = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        env = {**os.environ, RESTARTS_ENV: "1" if run_dir is not None else "0"}
-        child.append(subprocess.Popen(command + ["-m", "llmcustoms", *argv], env=env))
-        code = child[-1].wait()
-        for _ in range(MAX_RESTARTS):
-            request = _restart_request(run_dir) if code != 0 else None
-            if request is None:
+        code = start(argv, 0)
+        resume = ["resume", str(run_dir), *(resume_options or [])]
+        for attempt in range(1, MAX_RESTARTS + 2):
+            request = _restart_request(run_dir) if code != 0 and not signalled else None
+            if request is None or request.get("launch") != f"{token}-{attempt - 1}":
+                break  # finished, stopped, or failed without asking for a restart
+            if attempt > MAX_RESTARTS:
+                print(f"llmcustoms: {MAX_RESTARTS} restarts did not get past the failures; stopping. "
+                      f"Continue with: llmcustoms {' '.join(resume)}", file=sys.stderr)
                 break
             print(f"llmcustoms: process {request.get('rank')} failed ({request.get('kind')} at step "
                   f"{request.get('step')}); restarting every process from the last checkpoint", file=sys.stderr)
-            resume = ["resume", str(run_dir), *(resume_options or [])]
-            child.append(subprocess.Popen(command + ["-m", "llmcustoms", *resume], env=env))
-            code = child[-1].wait()
+            code = start(resume, attempt)
     finally:
         for signum, handler in forwarded.items():
             signal.signal(signum, handler)

@@ -24,8 +24,9 @@ The estimate is a sum of parts, each from first principles:
 With FSDP (`shards` > 1) each process keeps 1/shards of the weights, gradients
 and optimizer state, plus what it gathers to compute, in the compute dtype:
 the root unit (embeddings, head, norms) for the whole step and two blocks at a
-time (the one running and the one prefetched), and one block's unsharded fp32
-gradient before it is reduce-scattered. Not yet measured on GPUs.
+time (the one running and the one prefetched), plus unsharded fp32 gradients
+before they are reduce-scattered: one block's, and the root unit's, which is
+whole until the end of backward. Not yet measured on GPUs.
 
 The peak is not the plain sum: backward writes the gradients while it frees
 the activations, so the peak holds weights, adapters and optimizer state plus
@@ -193,7 +194,8 @@ class MemoryOptimizer:
             # block's gradient is reduced in fp32.
             per_param = 4 if mixed_precision == "no" else 2
             block = linear // self.arch.num_layers
-            gathered = (other + 2 * block) * per_param + (block * 4 if method == "full" else 0)
+            # The root unit's gradient (embeddings, head) is whole until the end of backward.
+            gathered = (other + 2 * block) * per_param + ((block + other) * 4 if method == "full" else 0)
         return MemoryEstimate(
             weights_bytes=self.weights(method, mixed_precision) // shards,
             trainable_bytes=0 if method == "full" else trained * 4 // shards,

@@ -318,8 +318,15 @@ class ParameterOptimizer:
         usable = self.budget * (1 - SAFETY_MARGIN)
         where = "GPU memory" if self.hardware.has_gpu else "RAM"
         suggestions = []
-        if "qlora" not in methods and memory.estimate("qlora", 1, seq_len, precision, True, **lora).fits:
+        shards = lora.get("shards", 1)
+        if shards == 1 and "qlora" not in methods and memory.estimate("qlora", 1, seq_len, precision, True, **lora).fits:
             suggestions.append("--method qlora")
+        if "full" in methods and self.hardware.has_gpu:  # sharded over more GPUs
+            for more in (2 * shards, 4 * shards, 8 * shards):
+                if memory.estimate("full", 1, seq_len, precision, True, **{**lora, "shards": more}).fits:
+                    suggestions.append(f"--num-processes {more} --distributed fsdp (full fine-tuning sharded "
+                                       f"over {more} GPUs)")
+                    break
         for shorter in (1024, 512, 256):
             if shorter < seq_len and memory.estimate(smallest, 1, shorter, precision, True, **lora).fits:
                 suggestions.append(f"--max-seq-len {shorter}")

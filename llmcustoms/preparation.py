@@ -16,7 +16,8 @@ import numpy as np
 
 from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms.errors import ConfigError, DataError, ModelError
-from llmcustoms.hardware import Hardware
+from llmcustoms.hardware import GIB, Hardware
+from llmcustoms.memory import SAFETY_MARGIN
 from llmcustoms.planning import DataStats, ParameterOptimizer, Plan, eval_fraction
 from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
@@ -258,6 +259,25 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                        seconds=time.perf_counter() - started)
 
 
+def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
+    """A warning when an FSDP run resumes over fewer processes than it was
+    planned for and the larger shards are unlikely to fit. From the plan's own
+    estimate: weights, gradients and optimizer state grow by old/new world size."""
+    memory = plan.memory
+    if plan.distributed != "fsdp" or world_size >= plan.world_size or not memory:
+        return None
+    state = memory["weights_bytes"] + memory["gradients_bytes"] + memory["optimizer_bytes"]
+    grown = memory["total_bytes"] + state * (plan.world_size / world_size - 1)
+    if world_size == 1:
+        grown -= memory.get("gathered_bytes", 0)  # nothing to gather from others
+    if grown <= memory["budget_bytes"] * (1 - SAFETY_MARGIN):
+        return None
+    return (f"warning: sharded over {plan.world_size} processes this run needs about "
+            f"{memory['total_bytes'] / GIB:.1f} GiB per process; with {world_size} about {grown / GIB:.1f} GiB, more "
+            f"than the {memory['budget_bytes'] / GIB:.1f} GiB planned for. Out of memory is likely; resume with "
+            f"--num-processes {plan.world_size} to keep the sharding")
+
+
 def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     """The same rows, in the same split, tokenized the same way as when the run
     began: everything comes from the run's plan.json. With another number of
@@ -267,9 +287,12 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
         accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
         # Sharding needs several processes; a checkpoint holds whole tensors either way.
         distributed = "none" if world_size == 1 else plan.distributed if plan.distributed != "none" else "ddp"
+        warning = _less_sharding_warning(plan, world_size)
         plan = plan.with_changes(f"resumed with {world_size} process(es) instead of {plan.world_size}: "
                                  f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum,
                                  distributed=distributed)
+        if warning:
+            plan = plan.with_changes(warning)
     for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
         if path and expected:
             if not Path(path).exists():

@@ -138,8 +138,10 @@ class RunDirectory:
         is the main one: under FSDP a failing process cannot reach the others (they
         wait inside a collective), so it leaves this note, exits, and the launcher
         starts them all again (see launching.relaunch)."""
+        from llmcustoms.launching import launch_token
+
         tmp = self.restart_path.with_name(f".restart.json.{rank}.tmp")
-        tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank}))
+        tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank, "launch": launch_token()}))
         os.replace(tmp, self.restart_path)
 
     def pending_restart(self) -> dict[str, Any] | None:

@@ -60,10 +60,12 @@ def gather_weights(model: Any, names: list[str]) -> dict[str, Any]:
 
 
 def load_weights(model: Any, weights: dict[str, Any]) -> None:
-    """Whole tensors in, each process keeps its shard. Tied weights come in once."""
+    """Whole tensors from the main process (others pass {}): each process keeps its
+    shard. Only the main process reads the checkpoint, so the machine holds one
+    copy in RAM, not one per process. Tied weights come in once."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, weights, options=_full_options(strict=False))
+    set_model_state_dict(model, weights, options=_full_options(strict=False, broadcast_from_rank0=True))
 
 
 def _names_in_group_order(model: Any, optimizer: Any) -> list[str]:
@@ -87,6 +89,8 @@ def gather_optimizer(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[d
 
 
 def load_optimizer(model: Any, optimizer: Any, tensors: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """Like `load_weights`: the whole state from the main process (others pass no
+    tensors, but the same groups), sharded on arrival."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     plain = unflatten_optimizer_state(tensors, groups)
@@ -94,4 +98,4 @@ def load_optimizer(model: Any, optimizer: Any, tensors: dict[str, Any], groups: 
     by_name = {"state": {names[index]: values for index, values in plain["state"].items()},
                "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
                                 for group in plain["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=_full_options())
+    set_optimizer_state_dict(model, optimizer, by_name, options=_full_options(broadcast_from_rank0=True))

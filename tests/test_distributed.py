@@ -195,3 +195,22 @@ def test_fsdp_with_tied_embeddings_saves_the_same_model_as_one_process(tmp_path,
         return [json.loads(l)["eval_loss"] for l in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l]
 
     assert evals(tmp_path / "fsdp") == pytest.approx(evals(tmp_path / "one"), abs=1e-4) and evals(tmp_path / "one")
+
+
+def test_fsdp_signal_reaching_one_rank_stops_both_after_the_same_step_then_resumes_sharded(
+        tmp_path, tiny_models, single_full, cli):
+    """SIGTERM reaches rank 1 alone after step 3, after the ranks agreed on step 3.
+    Checkpointing gathers from every rank, so both must stop after the same step:
+    the next one, where they agree. Resumed with 2 processes, still sharded."""
+    stopped = cli(*full_args(tiny_models["llama"], tmp_path, "run", 2, 2), "--num-processes", "2",
+                  "--distributed", "fsdp", env={"LLMCUSTOMS_FAULT_INJECT": "sigterm@3:rank=1"}, timeout=300)
+    assert stopped.returncode != 0
+    run = tmp_path / "run"
+    status = json.loads((run / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("interrupted", 4), stopped.stderr[-3000:]
+    assert stopped.stderr.count("Interrupted at step 4") == 1  # one message, from the main process
+    resumed = cli("resume", str(run), "--num-processes", "2", "--quiet", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["world_size"], plan["distributed"]) == (2, "fsdp")
+    assert max_difference(full_model(run), full_model(single_full)) <= 1e-4
