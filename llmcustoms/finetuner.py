@@ -100,6 +100,25 @@ def _restart_reason(restart: dict[str, Any]) -> str:
     return f"process {restart.get('rank')}: {kind} at step {restart['step']}; restart requested (resume recovers)"
 
 
+# Gradients are all-reduced this many bytes at a time (DDP's default bucket size).
+ALL_REDUCE_BUCKET_BYTES = 25 * 1024 ** 2
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, grouped up to `limit` bytes (a larger
+    tensor is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or size + nbytes > limit or tensor.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
 class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
@@ -312,8 +331,12 @@ class FineTuner:
         return self.stop_signal if self.world == 1 else self.agreed_stop
 
     def _sum_over_ranks(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """All-reduce the gradients (and the loss, in the same buffer): the sum over
-        ranks of per-rank losses normalised by the global token count is the loss."""
+        """All-reduce the gradients (and the loss, with the first bucket): the sum over
+        ranks of per-rank losses normalised by the global token count is the loss.
+
+        In buckets of about ALL_REDUCE_BUCKET_BYTES, as DDP does: one flat
+        buffer of every gradient would hold a second copy of all of them at
+        once, which for full fine-tuning is as large as the weights."""
         if self.world == 1:
             return loss_sum
         import torch.distributed as dist
@@ -323,13 +346,18 @@ class FineTuner:
             dist.all_reduce(loss_sum)
             return loss_sum
 
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trainable]
-        flat = _flatten_dense_tensors(grads + [loss_sum.reshape(1).to(grads[0].dtype)])
-        dist.all_reduce(flat)
-        *synced, total = _unflatten_dense_tensors(flat, grads + [loss_sum.reshape(1)])
-        for param, grad in zip(self.trainable, synced):
-            param.grad = grad
-        return total.reshape(())
+        for param in self.trainable:
+            if param.grad is None:  # a parameter this rank's rows did not reach
+                param.grad = torch.zeros_like(param)
+        buckets = _buckets([p.grad for p in self.trainable], ALL_REDUCE_BUCKET_BYTES)
+        loss = loss_sum.reshape(1).to(buckets[0][0].dtype)
+        buckets[0].append(loss)  # one collective fewer
+        for bucket in buckets:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(synced)
+        return loss.reshape(()).to(loss_sum.dtype)
 
     def _attempt(self, rows: list[int]) -> tuple[dict[str, float] | None, str | None]:
         """One optimizer step, or the kind of failure that prevented it.

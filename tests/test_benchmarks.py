@@ -36,3 +36,10 @@ def test_throughput_compares_llmcustoms_with_a_baseline():
     for result in (summary["llmcustoms"], summary["baselines"]["trainer_dynamic"]):
         assert result["tokens_per_s"] > 0 and result["peak_mem_bytes"] > 0 and result["eval_loss"] > 0
     assert summary["speedup_vs_fastest"] > 0
+
+
+def test_sharding_memory_measures_ddp_and_fsdp_per_process():
+    summary = run("sharding_memory.py")
+    for mode in ("ddp", "fsdp"):
+        assert len(summary["modes"][mode]["measured_bytes"]) == 2 and 0.8 <= summary["modes"][mode]["ratio"] <= 1.25
+    assert summary["fsdp_vs_ddp_measured"] < 0.9  # sharding the training state saves memory per process

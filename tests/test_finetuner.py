@@ -195,3 +195,12 @@ def test_gradient_checkpointing_saves_memory_without_changing_the_result(tmp_pat
     assert model.base_model.model.is_gradient_checkpointing
     assert [r["loss"] for r in checkpointed[3].steps] == pytest.approx([r["loss"] for r in plain[3].steps], abs=1e-6)
     assert max_difference(adapter_tensors(plain[2]), adapter_tensors(checkpointed[2])) < 1e-5
+
+
+def test_gradients_are_all_reduced_in_buckets_of_one_dtype_up_to_the_limit():
+    from llmcustoms.finetuner import _buckets
+
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3)]
+    buckets = _buckets(tensors, limit=80)  # bytes: 40 + 40 fit, 120 is alone, a dtype change starts a bucket
+    assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [5], [3]]
+    assert sum(len(b) for b in buckets) == len(tensors)
