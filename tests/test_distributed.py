@@ -18,9 +18,10 @@ from conftest import DATA_FILES
 pytestmark = pytest.mark.slow
 
 
-def args(model: Path, output: Path, name: str, micro: int, accum: int, steps: int = 6) -> list[str]:
+def args(model: Path, output: Path, name: str, micro: int, accum: int, steps: int = 6, method: str = "lora") -> list[str]:
+    by_method = ["--lora-dropout", "0", "--lr", "1e-2"] if method == "lora" else ["--method", method, "--lr", "1e-3"]
     return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--max-steps", str(steps), "--save-every", "2",
-            "--batch-size", str(micro), "--grad-accum", str(accum), "--lora-dropout", "0", "--lr", "1e-2",
+            "--batch-size", str(micro), "--grad-accum", str(accum), *by_method,
             "--output-dir", str(output), "--run-name", name, "--yes", "--quiet"]
 
 
@@ -32,15 +33,18 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def one_process_run(model: Path, root: Path, micro: int, accum: int, method: str) -> Path:
+    from conftest import run_cli
+
+    result = run_cli(*args(model, root, "one", micro, accum, method=method))
+    assert result.returncode == 0, result.stderr
+    return root / "one"
+
+
 @pytest.fixture(scope="module")
 def single(tiny_models, tmp_path_factory):
     """One process, micro-batch 4 x accumulation 2: effective batch 8."""
-    from conftest import run_cli
-
-    root = tmp_path_factory.mktemp("single")
-    result = run_cli(*args(tiny_models["llama"], root, "one", 4, 2))
-    assert result.returncode == 0, result.stderr
-    return root / "one"
+    return one_process_run(tiny_models["llama"], tmp_path_factory.mktemp("single"), 4, 2, "lora")
 
 
 def test_two_processes_match_one_with_the_same_effective_batch(tmp_path, tiny_models, single, cli):
@@ -108,9 +112,7 @@ def test_sigterm_to_the_launcher_checkpoints_once_and_stops_every_process(tmp_pa
 # full fine-tuning in one process with the same effective batch.
 
 def full_args(model: Path, output: Path, name: str, micro: int, accum: int) -> list[str]:
-    return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--method", "full", "--max-steps", "6",
-            "--save-every", "2", "--batch-size", str(micro), "--grad-accum", str(accum), "--lr", "1e-3",
-            "--output-dir", str(output), "--run-name", name, "--yes", "--quiet"]
+    return args(model, output, name, micro, accum, method="full")
 
 
 def full_model(run: Path) -> dict:
@@ -120,12 +122,7 @@ def full_model(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def single_full(tiny_models, tmp_path_factory):
     """One process, full fine-tuning, micro-batch 2 x accumulation 4: effective batch 8."""
-    from conftest import run_cli
-
-    root = tmp_path_factory.mktemp("single-full")
-    result = run_cli(*full_args(tiny_models["llama"], root, "one", 2, 4))
-    assert result.returncode == 0, result.stderr
-    return root / "one"
+    return one_process_run(tiny_models["llama"], tmp_path_factory.mktemp("single-full"), 2, 4, "full")
 
 
 def test_fsdp_run_matches_one_process_and_checkpoints_whole_tensors(tmp_path, tiny_models, single_full, cli):
