@@ -4,6 +4,7 @@ A testing aid, off unless the variable is set. A comma-separated list of
 `KIND@STEP`, each firing once, at optimizer step STEP (1-based):
 
     oom@5       a real torch.OutOfMemoryError inside step 5's forward pass
+    eval_oom@4  the same inside the evaluation after step 4
     nan@7       step 7's loss becomes NaN (so do its gradients)
     sigint@4    SIGINT to this process after step 4 (and its checkpoint, if any)
     sigterm@4   SIGTERM, likewise
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
-KINDS = ("oom", "nan", "sigint", "sigterm", "sigkill")
-SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
+KINDS = ("oom", "eval_oom", "nan", "sigint", "sigterm", "sigkill")
+SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 
 
@@ -60,11 +61,11 @@ class FaultInjector:
                 return True
         return False
 
-    def raise_oom_if_due(self, step: int) -> None:
-        if self.due("oom", step):
+    def raise_oom_if_due(self, step: int, kind: str = "oom") -> None:
+        if self.due(kind, step):
             import torch
 
-            raise torch.OutOfMemoryError(f"out of memory (injected at step {step} by {ENV_VAR})")
+            raise torch.OutOfMemoryError(f"out of memory (injected by {ENV_VAR}={kind}@{step})")
 
     def send_signal_if_due(self, step: int) -> None:
         for kind, signum in SIGNALS.items():

@@ -207,10 +207,11 @@ class FineTuner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: lr_multiplier(s, self.plan))
         self.device = self.accelerator.device
         self._install_selective_head()
-        # Out-of-memory injection happens inside a training step's forward pass,
-        # after the embeddings (never during evaluation).
+        # Out-of-memory injection happens inside a forward pass, after the
+        # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         self.accelerator.unwrap_model(self.model).get_input_embeddings().register_forward_hook(
-            lambda module, *_: self.faults.raise_oom_if_due(self.step + 1) if module.training else None)
+            lambda module, *_: self.faults.raise_oom_if_due(self.step + 1) if module.training
+            else self.faults.raise_oom_if_due(self.step, "eval_oom"))
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.pad_multiple = 8 if torch.cuda.is_available() else 1
         self._build_eval_batches()
@@ -406,26 +407,56 @@ class FineTuner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss per trained token over the whole evaluation set."""
-        total_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.eval_micro_batches))
-        normaliser = torch.tensor(total_tokens, device=self.device)
-        self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        mine = [(mb, 1.0) for mb in self.eval_micro_batches[self.rank::self.world]]  # each rank a share
-        if self.fsdp:  # the same number of forwards (collectives) on every rank, even one with no share
-            most = -(-len(self.eval_micro_batches) // self.world)
-            mine += [(self.eval_micro_batches[0], 0.0)] * (most - len(mine))
-        for mb, weight in mine:
-            mb = {k: v.to(self.device) for k, v in mb.items()}
-            loss_sum += self._loss(mb, normaliser) * weight
-        self.model.train()
+        """Mean loss per trained token over the whole evaluation set.
+
+        Out of memory here is recovered like in a training step (smaller
+        micro-batches), but nothing rolls back: the weights are fine. With
+        several processes they agree on it before the loss is all-reduced.
+        Under FSDP the forwards are collectives: it propagates (a restart).
+        """
+        while True:
+            failure = None
+            try:
+                loss_sum = self._evaluation_share()
+            except torch.OutOfMemoryError:
+                if self.fsdp:
+                    raise
+                failure = "oom"
+            if failure is not None:
+                self._free_memory()
+            if self._agree(failure) is None:
+                break
+            plan, recovery = self.recovery.after_oom(self.plan, self.step)
+            self._apply_plan(plan)
+            self.run_dir.add_recovery({**recovery.to_json(), "during": "evaluation"})
+            self.reporter.message(f"evaluation after step {self.step}: out of memory; {recovery.action}; "
+                                  "evaluating again", warning=True)
         if self.world > 1:
             import torch.distributed as dist
 
             dist.all_reduce(loss_sum)
         return loss_sum.item()
+
+    @torch.no_grad()
+    def _evaluation_share(self) -> torch.Tensor:
+        """This rank's share of the evaluation loss, summed and normalised by the
+        trained tokens of the whole evaluation set."""
+        total_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.eval_micro_batches))
+        normaliser = torch.tensor(total_tokens, device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        mine = [(mb, 1.0) for mb in self.eval_micro_batches[self.rank::self.world]]  # each rank a share
+        if self.fsdp:  # the same number of forwards (collectives) on every rank, even one with no share
+            most = -(-len(self.eval_micro_batches) // self.world)
+            mine += [(self.eval_micro_batches[0], 0.0)] * (most - len(mine))
+        self.model.eval()
+        try:
+            for mb, weight in mine:
+                mb = {k: v.to(self.device) for k, v in mb.items()}
+                loss_sum += self._loss(mb, normaliser) * weight
+        finally:
+            self.model.train()
+        return loss_sum
 
     # ------------------------------------------------------- checkpoints
 

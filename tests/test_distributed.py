@@ -211,3 +211,14 @@ def test_fsdp_signal_reaching_one_rank_stops_both_after_the_same_step_then_resum
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["world_size"], plan["distributed"]) == (2, "fsdp")
     assert max_difference(full_model(run), full_model(single_full)) <= 1e-4
+
+
+def test_out_of_memory_during_evaluation_on_one_rank_is_agreed_without_a_hang(tmp_path, tiny_models, single, cli):
+    evals = [json.loads(l)["step"] for l in (single / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l]
+    result = cli(*args(tiny_models["llama"], tmp_path, "run", 4, 1), "--num-processes", "2",
+                 env={"LLMCUSTOMS_FAULT_INJECT": f"eval_oom@{evals[0]}:rank=1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    [recovery] = json.loads((run / "status.json").read_text())["recoveries"]
+    assert (recovery["step"], recovery["during"]) == (evals[0], "evaluation")
+    assert max_difference(adapter(run), adapter(single)) <= 1e-4

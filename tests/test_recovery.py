@@ -194,3 +194,24 @@ def test_resume_refuses_data_that_changed_but_kept_its_row_count(tmp_path, tiny_
     data.write_text(data.read_text().replace("Paris", "Lyon"))
     resumed = cli("resume", str(tmp_path / "chg"))
     assert resumed.returncode == 2 and "has changed since the run started" in " ".join(resumed.stderr.split())
+
+
+def test_out_of_memory_during_evaluation_retries_it_with_smaller_batches(tmp_path, tiny_models, baselines, cli):
+    def rows(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    expected = [r for r in rows(baselines["root"] / "plain") if "eval_loss" in r]
+    first = expected[0]["step"]
+    result = cli(*train_args(tiny_models["llama"], tmp_path, "run", 0.0),
+                 env={"LLMCUSTOMS_FAULT_INJECT": f"eval_oom@{first}"})
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    [recovery] = status(run)["recoveries"]
+    assert (recovery["kind"], recovery["step"], recovery["during"]) == ("oom", first, "evaluation")
+    assert "evaluation after step" in result.stderr
+    # Nothing rolled back: the same steps, the same evaluations, the same adapter.
+    got = [r for r in rows(run) if "eval_loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    assert [r["eval_loss"] for r in got] == pytest.approx([r["eval_loss"] for r in expected], abs=1e-5)
+    assert [r["step"] for r in rows(run) if "loss" in r] == list(range(1, STEPS + 1))
+    assert max_difference(adapter(run), baselines["plain"]) <= 1e-4
