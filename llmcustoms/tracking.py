@@ -8,6 +8,8 @@ clear error before any work starts, not a crash halfway through training.
 from __future__ import annotations
 
 import os
+import re
+import uuid
 from typing import Any
 
 from llmcustoms.errors import ConfigError
@@ -47,18 +49,35 @@ class _TensorBoard:
         self.writer.close()
 
 
+def _wandb_run_id(run_dir: Any) -> str:
+    """One W&B run per llmcustoms run, the same after `resume`. Run names repeat
+    across output directories (and after --overwrite); W&B ids must not, or two
+    runs would log into one."""
+    id_file = run_dir.path / "wandb" / "llmcustoms-run-id"
+    if id_file.exists():
+        return id_file.read_text().strip()
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.path.name)[:48] + "-" + uuid.uuid4().hex[:8]
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
+    return run_id
+
+
 class _WandB:
     def __init__(self, run_dir: Any, plan: Any):
         import wandb
 
-        self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "llmcustoms"), name=run_dir.path.name,
-                              id=run_dir.path.name, resume="allow", dir=str(run_dir.path), config=plan.to_json())
+                              id=_wandb_run_id(run_dir), resume="allow", dir=str(run_dir.path), config=plan.to_json())
+        # A recovery rolls back and logs the same steps again, and W&B drops rows
+        # whose `step` is not past the last one: plot against our own step instead.
+        self.run.define_metric("train/step")
+        self.run.define_metric("train/*", step_metric="train/step")
+        self.run.define_metric("eval/*", step_metric="train/step")
 
     def log(self, row: dict[str, Any]) -> None:
         values = {(("eval/" + k[5:]) if k.startswith("eval_") else f"train/{k}"): v
                   for k, v in row.items() if k != "step"}
-        self.run.log(values, step=row["step"])
+        self.run.log({**values, "train/step": row["step"]})
 
     def close(self) -> None:
         self.run.finish()

@@ -121,14 +121,64 @@ def test_tensorboard_receives_the_same_metrics(trained):
     assert events.Scalars("eval/loss")
 
 
-def test_a_missing_tracking_extra_is_a_clear_message(tmp_path, tiny_models):
-    pytest.importorskip("importlib")
+def test_a_missing_tracking_extra_is_a_clear_message(tmp_path, tiny_models, monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     result = invoke("train", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--report-to", "wandb",
                     "--yes", "--output-dir", str(tmp_path))
     assert result.exit_code == 2
     assert 'pip install "llmcustoms[wandb]"' in " ".join(result.output.split())
     assert not any(tmp_path.iterdir())  # refused before any work
+
+
+def wandb_history(run: Path) -> list[dict]:
+    """The history rows of W&B's offline run files under `run`: W&B's own record
+    log (LevelDB's log format: 32 KiB blocks of CRC, length, type, payload), each
+    record a protobuf of W&B's schema."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, payload = path.read_bytes(), 7, b""  # after the ':W&B' header
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            payload, pos = payload + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                payload = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                 for item in record.history.item})
+    return rows
+
+
+def test_wandb_receives_the_same_metrics_across_a_rollback_and_a_resume(tmp_path, tiny_models, monkeypatch):
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "cache"), "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
+        monkeypatch.setenv(name, value)
+    common = ("--model", str(tiny_models["llama"]), "--lr", "1e-2", "--save-every", "2", "--yes", "--quiet",
+              "--output-dir", str(tmp_path), "--run-name", "wb", "--report-to", "wandb")
+    monkeypatch.setenv("LLMCUSTOMS_FAULT_INJECT", "oom@4,sigint@5")  # steps 3 and 4 again after a rollback to 2
+    stopped = invoke("train", str(DATA_FILES["alpaca"]), "--max-steps", "6", *common)
+    assert stopped.exit_code == 130, stopped.output
+    monkeypatch.delenv("LLMCUSTOMS_FAULT_INJECT")
+    resumed = invoke("resume", str(tmp_path / "wb"), "--quiet", "--report-to", "wandb")
+    assert resumed.exit_code == 0, resumed.output
+    run = tmp_path / "wb"
+    assert len(list(run.glob("wandb/offline-run-*"))) == 2  # train and resume ...
+    assert len({p.name.rsplit("-", 1)[0].split("-", 3)[-1] for p in run.glob("wandb/offline-run-*")}) == 1  # ... one id
+    logged = [(row["train/step"], row["train/loss"]) for row in wandb_history(run) if "train/loss" in row]
+    assert [step for step, _ in logged] == [1, 2, 3, 3, 4, 5, 6]  # none dropped, the rolled-back step included
+    last_logged = dict(logged)
+    expected = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+    assert sorted(last_logged) == sorted(expected) == list(range(1, 7))
+    assert [last_logged[s] for s in sorted(expected)] == pytest.approx([expected[s] for s in sorted(expected)], rel=1e-6)
