@@ -165,6 +165,8 @@ class Plan:
             lora["target_modules"] = tuple(lora["target_modules"])
             values["lora"] = LoraSettings(**lora)
         values["reasons"] = tuple(values.get("reasons", ()))
+        if "distributed" not in values and values.get("world_size", 1) > 1:
+            values["distributed"] = "ddp"  # written before FSDP existed: several processes meant DDP
         return cls(**values)
 
     def with_changes(self, reason: str | None = None, **changes: Any) -> "Plan":

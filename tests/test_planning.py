@@ -272,3 +272,11 @@ def test_resuming_a_sharded_run_over_fewer_processes_warns_when_it_will_not_fit(
     assert warning.startswith("warning:") and "--num-processes 8" in warning
     small = plan_with_processes(MACHINES["80GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2, {"distributed": "fsdp"})
     assert _less_sharding_warning(small, 1) is None  # 1.1B in full fits one 80 GB card
+
+
+def test_a_plan_written_before_fsdp_existed_reads_as_data_parallel():
+    data = plan_with_processes(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2).to_json()
+    del data["distributed"]
+    assert Plan.from_json(data).distributed == "ddp"
+    data["world_size"] = 1
+    assert Plan.from_json(data).distributed == "none"
