@@ -295,6 +295,11 @@ def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
     if not hardware.has_gpu:
         console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
                       "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
+    elif len(hardware.gpus) > 1:
+        n = len(hardware.gpus)
+        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; "
+                      f"full fine-tuning of a model one card cannot hold shards with `--distributed fsdp` "
+                      f"(`llmcustoms plan DATA --num-processes {n} --distributed fsdp` shows the fit).")
 
 
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:

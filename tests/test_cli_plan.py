@@ -111,3 +111,15 @@ def test_plan_for_several_processes_with_fsdp():
     refused = invoke(*common, "--num-processes", "2", "--distributed", "fsdp", "--method", "lora")
     assert refused.exit_code == 2 and "--distributed ddp" in flat(refused.output)
     assert "Traceback" not in refused.output
+
+
+def test_hardware_with_several_gpus_says_how_to_use_them(monkeypatch):
+    from dataclasses import replace
+
+    import llmcustoms.hardware as hardware
+
+    one = hardware.Hardware.with_gpu(80, name="H100")
+    monkeypatch.setattr(hardware, "detect", lambda: replace(one, gpus=one.gpus * 4))
+    shown = flat(invoke("hardware").output)
+    assert "GPU 3" in shown and "4 GPUs: the table is for one of them" in shown
+    assert "--num-processes 4" in shown and "--distributed fsdp" in shown
