@@ -218,21 +218,25 @@ def train(
 
     if (num_processes or 1) * (num_machines or 1) > 1 and not launching.inside_launch():
         with user_errors():
+            from llmcustoms.planning import check_distributed_method
             from llmcustoms.rundir import RunDirectory
             from llmcustoms.settings import load_settings
 
             settings = load_settings(env_file)
+            # Refused here, once, rather than by every process behind the launcher.
+            check_distributed_method(method.value if method else settings.get("method"),
+                                     distributed.value if distributed else None)
             # Every process must write to the same run: name it once, here.
             name = run_name or default_run_name(model or settings.get("model") or "auto",
                                                 preset or settings.get("preset") or "quality")
-            RunDirectory.inside(_output_dir(output_dir, settings), name).check_available(overwrite)
+            target = RunDirectory.inside(_output_dir(output_dir, settings), name)
+            target.check_available(overwrite)
             argv = launching.strip_launch_options(sys.argv[1:])
             argv += [] if run_name else ["--run-name", name]
             argv += [] if yes else ["--yes"]  # the processes cannot ask
-            run_path = _output_dir(output_dir, settings) / name
             resume_options = _resume_options(quiet, env_file, report_to)
         raise typer.Exit(launching.relaunch(argv, num_processes or 1, num_machines or 1, machine_rank,
-                                            main_process_ip, main_process_port, run_path, resume_options))
+                                            main_process_ip, main_process_port, target.path, resume_options))
     with user_errors():
         _quiet_libraries()
         from llmcustoms import console as ui

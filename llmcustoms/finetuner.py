@@ -189,20 +189,18 @@ class FineTuner:
             held = sum(p.to_local().numel() for p in self.model.parameters())
             self.reporter.message(f"FSDP: the model is sharded over {self.world} processes; each holds about "
                                   f"{held / total:.0%} of its {total:,} weights")
-            optimizer = torch.optim.AdamW(parameter_groups(self.model, plan.weight_decay), lr=plan.lr,
-                                          fused=torch.cuda.is_available())
-            self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         else:
             if plan.method != "qlora" or device_index is None:  # 4-bit models are placed by their device_map
                 model = model.to(self.accelerator.device)
-            optimizer = torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr,
-                                          fused=torch.cuda.is_available())
             # The model is not wrapped in DDP: ranks first agree that the step
             # succeeded everywhere, then all-reduce gradients themselves (see
             # _attempt). With DDP's in-backward all-reduce, one rank's out-of-memory
             # error would leave the others waiting in a collective forever.
             self.model = model
-            self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        # Under FSDP the optimizer is made after sharding, so it holds the shards.
+        optimizer = torch.optim.AdamW(parameter_groups(self.model, plan.weight_decay), lr=plan.lr,
+                                      fused=torch.cuda.is_available())
+        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, lambda s: lr_multiplier(s, self.plan))
         self.device = self.accelerator.device

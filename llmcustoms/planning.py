@@ -260,6 +260,15 @@ def _memory_summary(estimate: MemoryEstimate) -> str:
     return f"{estimate.total_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB"
 
 
+def check_distributed_method(method: str | None, distributed: str | None) -> None:
+    """FSDP is for full fine-tuning; a ConfigError for an adapter method.
+    Cheap, so the launching process checks it before starting any other."""
+    if distributed == "fsdp" and method not in (None, "full"):
+        raise ConfigError(f"--distributed fsdp shards full fine-tuning; --method {method} trains "
+                          "adapters that every process can hold whole.",
+                          "Use --method full with --distributed fsdp, or --distributed ddp for LoRA and QLoRA.")
+
+
 class ParameterOptimizer:
     """Chooses model, method, batch shape, checkpointing and the rest for one machine.
 
@@ -392,10 +401,7 @@ class ParameterOptimizer:
             return "ddp"
         choice = r.get("distributed")
         if choice == "fsdp":
-            if r.given("method") and r.get("method") != "full":
-                raise ConfigError(f"--distributed fsdp shards full fine-tuning; --method {r.get('method')} trains "
-                                  "adapters that every process can hold whole.",
-                                  "Use --method full with --distributed fsdp, or --distributed ddp for LoRA and QLoRA.")
+            check_distributed_method(r.get("method") if r.given("method") else None, choice)
             if not r.given("method"):
                 r.overrides["method"] = ("full", r.sources["distributed"])
                 r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")

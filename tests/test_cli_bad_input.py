@@ -102,3 +102,11 @@ def test_bad_flag_value(cli, tmp_path):
     result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--batch-size", "0", "--yes", "--output-dir", str(runs))
     assert_clean_user_error(result, "--batch-size")
     assert not runs.exists()
+
+
+def test_fsdp_with_an_adapter_method_is_refused_before_any_process_starts(cli, tiny_models, tmp_path):
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--model", str(tiny_models["llama"]), "--num-processes", "2",
+                 "--distributed", "fsdp", "--method", "lora", "--output-dir", str(tmp_path / "runs"), "--yes")
+    out = assert_clean_user_error(result, "--distributed fsdp shards full fine-tuning", "--distributed ddp")
+    assert out.count("Error:") == 1  # said once, by the launching process
+    assert not (tmp_path / "runs").exists()
