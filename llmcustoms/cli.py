@@ -218,14 +218,17 @@ def train(
 
     if (num_processes or 1) * (num_machines or 1) > 1 and not launching.inside_launch():
         with user_errors():
+            from llmcustoms.data import read_dataset
             from llmcustoms.planning import check_distributed_method
             from llmcustoms.rundir import RunDirectory
             from llmcustoms.settings import load_settings
 
             settings = load_settings(env_file)
-            # Refused here, once, rather than by every process behind the launcher.
+            # Refused here, once (exit 2), rather than by every process behind the
+            # launcher, whose own report would bury the message.
             check_distributed_method(method.value if method else settings.get("method"),
                                      distributed.value if distributed else None)
+            read_dataset(data, skip_bad_rows=skip_bad_rows)
             # Every process must write to the same run: name it once, here.
             name = run_name or default_run_name(model or settings.get("model") or "auto",
                                                 preset or settings.get("preset") or "quality")

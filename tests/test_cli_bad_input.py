@@ -110,3 +110,12 @@ def test_fsdp_with_an_adapter_method_is_refused_before_any_process_starts(cli, t
     out = assert_clean_user_error(result, "--distributed fsdp shards full fine-tuning", "--distributed ddp")
     assert out.count("Error:") == 1  # said once, by the launching process
     assert not (tmp_path / "runs").exists()
+
+
+def test_bad_data_with_several_processes_is_refused_before_any_process_starts(cli, tiny_models, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(jsonl(good(1), [SECRET, SECRET], good(3)))
+    result = cli("train", str(path), "--model", str(tiny_models["llama"]), "--num-processes", "2",
+                 "--output-dir", str(tmp_path / "runs"), "--yes")
+    out = assert_clean_user_error(result, "line 2", "not a JSON object")
+    assert out.count("Error:") == 1 and not (tmp_path / "runs").exists()
