@@ -104,7 +104,7 @@ def measure(config: Config, model_dir: Path, device: str) -> dict:
     """Runs inside the child process: real FineTuner set-up and steps, then the peak."""
     import torch
 
-    from llmcustoms.console import SilentReporter
+    from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.planning import LoraSettings, Plan
     from llmcustoms.rundir import RunDirectory

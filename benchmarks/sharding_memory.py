@@ -40,7 +40,7 @@ def measure(model_dir: Path, distributed: str) -> dict:
     """Runs in each launched process."""
     import torch
 
-    from llmcustoms.console import SilentReporter
+    from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.planning import Plan
     from llmcustoms.rundir import RunDirectory

@@ -187,7 +187,7 @@ def run_trl(assets: dict) -> dict:
 
 
 def run_llmcustoms(assets: dict) -> dict:
-    from llmcustoms.console import SilentReporter
+    from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.planning import LoraSettings, Plan, steps_per_epoch
     from llmcustoms.rundir import RunDirectory

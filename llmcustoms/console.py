@@ -1,53 +1,23 @@
 """Everything the user sees: progress, tables, panels and error messages.
 
-The trainer talks to a small `Reporter` protocol and never to Rich directly;
-tests pass `SilentReporter`, which records what would have been shown.
+The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
+Rich directly; this module holds the Rich implementations.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol
+from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from llmcustoms.reporting import Reporter, SilentReporter
+
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
-
-
-class Reporter(Protocol):
-    def message(self, text: str, warning: bool = False) -> None: ...
-    def training_started(self, total_steps: int, start_step: int = 0) -> None: ...
-    def step(self, row: dict[str, Any]) -> None: ...
-    def evaluated(self, row: dict[str, Any]) -> None: ...
-    def training_finished(self) -> None: ...
-
-
-class SilentReporter:
-    """Shows nothing; keeps everything for tests to inspect."""
-
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-        self.steps: list[dict[str, Any]] = []
-        self.evals: list[dict[str, Any]] = []
-
-    def message(self, text: str, warning: bool = False) -> None:
-        self.messages.append(text)
-
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
-        pass  # nothing to draw
-
-    def step(self, row: dict[str, Any]) -> None:
-        self.steps.append(row)
-
-    def evaluated(self, row: dict[str, Any]) -> None:
-        self.evals.append(row)
-
-    def training_finished(self) -> None:
-        pass  # nothing to tear down
 
 
 class QuietReporter(SilentReporter):

@@ -34,7 +34,7 @@ import torch
 from llmcustoms.batching import collate, count_loss_tokens, epoch_steps, eval_batches, micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
-from llmcustoms.console import Reporter, SilentReporter
+from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.faults import FaultInjector
 from llmcustoms.modeling import load_model, save_trained
 from llmcustoms.planning import Plan

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
-from llmcustoms.console import SilentReporter
+from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import MemoryOptimizer

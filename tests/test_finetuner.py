@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from llmcustoms.batching import collate
-from llmcustoms.console import SilentReporter
+from llmcustoms.reporting import SilentReporter
 from llmcustoms.finetuner import FineTuner, lr_multiplier
 from llmcustoms.hardware import Hardware
 from llmcustoms.planning import Plan

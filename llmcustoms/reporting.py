@@ -1,0 +1,43 @@
+"""What the trainer tells the user, as a protocol with no Rich in it.
+
+`FineTuner` and tuning talk to a `Reporter`; `console.py` implements it with a
+live display, and tests pass `SilentReporter`, which records what would have
+been shown. Keeping the protocol here means the running layer never imports
+the UI module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Reporter(Protocol):
+    def message(self, text: str, warning: bool = False) -> None: ...
+    def training_started(self, total_steps: int, start_step: int = 0) -> None: ...
+    def step(self, row: dict[str, Any]) -> None: ...
+    def evaluated(self, row: dict[str, Any]) -> None: ...
+    def training_finished(self) -> None: ...
+
+
+class SilentReporter:
+    """Shows nothing; keeps everything for tests to inspect."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def message(self, text: str, warning: bool = False) -> None:
+        self.messages.append(text)
+
+    def training_started(self, total_steps: int, start_step: int = 0) -> None:
+        pass  # nothing to draw
+
+    def step(self, row: dict[str, Any]) -> None:
+        self.steps.append(row)
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        self.evals.append(row)
+
+    def training_finished(self) -> None:
+        pass  # nothing to tear down
