@@ -9,6 +9,8 @@ a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -52,6 +54,12 @@ def eval_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
     return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
 
 
+def cut_rows(rows: list[TokenizedExample], max_len: int) -> list[TokenizedExample]:
+    """Rows shortened to `max_len` tokens; none is dropped."""
+    return [e if len(e.input_ids) <= max_len else replace(e, input_ids=e.input_ids[:max_len], labels=e.labels[:max_len])
+            for e in rows]
+
+
 def collate(examples: list[TokenizedExample], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad to the batch's longest row; labels are -100 on padding."""
     longest = max(len(e.input_ids) for e in examples)
@@ -70,3 +78,37 @@ def collate(examples: list[TokenizedExample], pad_token_id: int, pad_to_multiple
 def count_loss_tokens(labels: torch.Tensor) -> int:
     """Tokens that contribute to the loss: labels shift by one, so position 0 never counts."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+class TrainingRows:
+    """A run's rows as the loop takes them: the steps of an epoch, a step's
+    micro-batches collated, token counts, the evaluation batches.
+
+    Step composition depends on the training rows' lengths as they came; those
+    stay fixed when recovery shortens the rows (`cut`), so no row is skipped or
+    seen twice in an epoch."""
+
+    def __init__(self, train: list[TokenizedExample], evaluation: list[TokenizedExample], pad_token_id: int,
+                 pad_to_multiple_of: int = 1):
+        self.train = train
+        self.evaluation = evaluation
+        self.lengths = [len(e.input_ids) for e in train]
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def cut(self, max_len: int) -> None:
+        self.train, self.evaluation = cut_rows(self.train, max_len), cut_rows(self.evaluation, max_len)
+
+    def epoch_steps(self, step_rows: int, seed: int, epoch: int) -> list[list[int]]:
+        return epoch_steps(self.lengths, step_rows, seed, epoch)
+
+    def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        return collate([self.train[i] for i in rows], self.pad_token_id, self.pad_to_multiple_of)
+
+    def token_counts(self, rows: list[int]) -> tuple[int, int]:
+        """(trained tokens, input tokens) of these training rows."""
+        return sum(self.train[i].trainable_tokens for i in rows), sum(len(self.train[i].input_ids) for i in rows)
+
+    def evaluation_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        return [collate([self.evaluation[i] for i in batch], self.pad_token_id, self.pad_to_multiple_of)
+                for batch in eval_batches([len(e.input_ids) for e in self.evaluation], micro_batch_size)]

@@ -139,6 +139,12 @@ class CheckpointManager:
             self.warn(f"checkpoint {checkpoint.path.name} is unusable ({problem}); trying an older one")
         return None
 
+    def best_step(self) -> int | None:
+        """The checkpoint saved with the lowest eval loss (its state's `last_eval`), if any."""
+        scored = [(c.state().get("last_eval"), c.step) for c in self.all()]
+        scored = [pair for pair in scored if pair[0] is not None]
+        return min(scored)[1] if scored else None
+
     def prune(self, best_step: int | None) -> None:
         """Keep the newest `keep` checkpoints and the one with the best eval loss."""
         for index, checkpoint in enumerate(self.all()):

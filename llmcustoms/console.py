@@ -1,7 +1,9 @@
 """Everything the user sees: progress, tables, panels and error messages.
 
 The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
-Rich directly; this module holds the Rich implementations.
+Rich directly; this module holds the Rich implementations. Rich appears here
+and in `dialog.py` (what llmcustoms asks) only, and neither computes: what
+they show comes worked out (`fitting.fit_table`, `rundir.list_runs`).
 """
 
 from __future__ import annotations
@@ -187,8 +189,9 @@ def show_plan(plan: Any, hardware: Any = None) -> None:
     if plan.memory:
         where = "RAM" if hardware is None or not hardware.has_gpu else f"GPU: {hardware.gpus[0].name}"
         console.print(memory_table(plan.memory, where + (", per process" if plan.world_size > 1 else "")))
-    if plan.reasons:
-        console.print(Panel("\n".join(f"- {escape(r)}" for r in plan.reasons), title="Why", expand=False))
+    lines = [f"- {escape(r)}" for r in plan.reasons] + [f"- [yellow]warning:[/] {escape(w)}" for w in plan.warnings]
+    if lines:
+        console.print(Panel("\n".join(lines), title="Why", expand=False))
 
 
 def show_summary(result: Any) -> None:
@@ -225,8 +228,21 @@ def confirm(question: str) -> bool:
 
 
 def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
-    from llmcustoms.memory import MemoryOptimizer
+    from llmcustoms.fitting import fit_table
 
+    console.print(machine_table(hardware))
+    console.print(fits_table(fit_table(hardware, families)))
+    if not hardware.has_gpu:
+        console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
+                      "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
+    elif len(hardware.gpus) > 1:
+        n = len(hardware.gpus)
+        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; "
+                      f"full fine-tuning of a model one card cannot hold shards with `--distributed fsdp` "
+                      f"(`llmcustoms plan DATA --num-processes {n} --distributed fsdp` shows the fit).")
+
+
+def machine_table(hardware: Any) -> Table:
     table = Table(title="This machine", show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
@@ -239,37 +255,26 @@ def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
     table.add_row("CPU cores", str(hardware.cpu_cores))
     table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
     table.add_row("precision", hardware.mixed_precision)
-    console.print(table)
+    return table
 
-    budget = hardware.memory_budget_bytes
-    seq_len = 1024
-    fits = Table(title=f"What fits in {_gib(budget)} of {'GPU memory' if hardware.has_gpu else 'RAM'} "
-                       f"({seq_len}-token sequences; largest micro-batch)")
-    for column in ("model", "params", "lora", "qlora", "full"):
-        fits.add_column(column, no_wrap=column == "model")
-    for family in families.values():
-        for spec in family.models:
-            memory = MemoryOptimizer(spec, hardware.has_gpu, budget)
-            cells = []
-            for method in ("lora", "qlora", "full"):
-                batch = memory.largest_micro_batch(method, seq_len, hardware.mixed_precision, False, 16)
-                if batch:
-                    cells.append(f"[green]yes[/], {batch}")
-                elif memory.largest_micro_batch(method, seq_len, hardware.mixed_precision, True, 16):
-                    cells.append("[yellow]with checkpointing[/]")
-                else:
-                    need = memory.estimate(method, 1, seq_len, hardware.mixed_precision, True).total_bytes
-                    cells.append(f"[red]no[/] ({need / 1024 ** 3:.1f} GiB)")
-            fits.add_row(spec.hub_id, f"{spec.params / 1e9:.1f}B", *cells)
-    console.print(fits)
-    if not hardware.has_gpu:
-        console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
-                      "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
-    elif len(hardware.gpus) > 1:
-        n = len(hardware.gpus)
-        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; "
-                      f"full fine-tuning of a model one card cannot hold shards with `--distributed fsdp` "
-                      f"(`llmcustoms plan DATA --num-processes {n} --distributed fsdp` shows the fit).")
+
+def fits_table(fits: Any) -> Table:
+    """`fitting.FitTable` as a table: per model and method, yes with the largest micro-batch, or why not."""
+    table = Table(title=f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
+                        f"({fits.seq_len}-token sequences; largest micro-batch)")
+    for column in ("model", "params", *fits.methods):
+        table.add_column(column, no_wrap=column == "model")
+    for model in fits.models:
+        table.add_row(model.hub_id, f"{model.params / 1e9:.1f}B", *(_fit_cell(model.methods[m]) for m in fits.methods))
+    return table
+
+
+def _fit_cell(fit: Any) -> str:
+    if fit.micro_batch:
+        return f"[green]yes[/], {fit.micro_batch}"
+    if fit.needs_checkpointing:
+        return "[yellow]with checkpointing[/]"
+    return f"[red]no[/] ({fit.need_bytes / 1024 ** 3:.1f} GiB)"
 
 
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
@@ -385,33 +390,22 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
 
 
 def show_runs(output_dir: Any) -> None:
-    import datetime
-    import json
-    from pathlib import Path
+    from llmcustoms.rundir import list_runs
 
-    from llmcustoms.rundir import RunDirectory
-
-    rows = []
-    for plan_path in sorted(Path(output_dir).glob("*/plan.json")):
-        run = RunDirectory(plan_path.parent)
-        try:
-            plan = json.loads(plan_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        status = run.read_status()
-        started, updated = status.get("started_at"), status.get("updated_at")
-        duration = ""
-        if started and updated:
-            parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%S%z")  # noqa: E731
-            duration = _duration((parse(updated) - parse(started)).total_seconds())
-        best = status.get("best_eval_loss")
-        rows.append((run.path.name, Path(str(plan.get("model", ""))).name, plan.get("method", ""),
-                     status.get("status", "unknown"), f"{status.get('step', 0)}/{plan.get('total_steps', '?')}",
-                     "" if best is None else f"{best:.4f}", (started or "")[5:16].replace("T", " "), duration))
-    if not rows:
+    runs = list_runs(output_dir)
+    if not runs:
         console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
         return
-    colours = {"completed": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+    console.print(runs_table(output_dir, runs))
+
+
+RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+
+
+def runs_table(output_dir: Any, runs: list[Any]) -> Table:
+    """`rundir.RunSummary` rows as a table."""
+    from pathlib import Path
+
     from rich import box
 
     # No vertical rules: eight columns must fit an 80-column terminal.
@@ -420,9 +414,14 @@ def show_runs(output_dir: Any) -> None:
     table.add_column("model", max_width=28, overflow="fold")  # the column that gives way on narrow terminals
     for column in ("method", "status", "steps", "best eval", "started", "duration"):
         table.add_column(column, no_wrap=True)
-    for row in rows:
-        table.add_row(escape(row[0]), escape(row[1]), row[2], f"[{colours.get(row[3], 'white')}]{row[3]}[/]", *row[4:])
-    console.print(table)
+    for run in runs:
+        table.add_row(escape(run.name), escape(Path(run.model).name), run.method,
+                      f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
+                      f"{run.step}/{'?' if run.total_steps is None else run.total_steps}",
+                      "" if run.best_eval_loss is None else f"{run.best_eval_loss:.4f}",
+                      (run.started_at or "")[5:16].replace("T", " "),
+                      "" if run.seconds is None else _duration(run.seconds))
+    return table
 
 
 def show_report(report: Any) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ModelError
-from llmcustoms.planning import ModelChoice, Plan
+from llmcustoms.plan import ModelChoice, Plan
 from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_model_spec
 
 # Used for model types no preset family covers: peft finds every linear layer.

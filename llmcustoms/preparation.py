@@ -18,7 +18,8 @@ from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
-from llmcustoms.planning import DataStats, ParameterOptimizer, Plan, eval_fraction
+from llmcustoms.plan import DataStats, Plan
+from llmcustoms.planning import ParameterOptimizer, eval_fraction
 from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 
@@ -260,9 +261,10 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
 
 
 def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
-    """A warning when an FSDP run resumes over fewer processes than it was
-    planned for and the larger shards are unlikely to fit. From the plan's own
-    estimate: weights, gradients and optimizer state grow by old/new world size."""
+    """A warning (for `Plan.warnings`) when an FSDP run resumes over fewer
+    processes than it was planned for and the larger shards are unlikely to fit.
+    From the plan's own estimate: weights, gradients and optimizer state grow by
+    old/new world size."""
     memory = plan.memory
     if plan.distributed != "fsdp" or world_size >= plan.world_size or not memory:
         return None
@@ -272,7 +274,7 @@ def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
         grown -= memory.get("gathered_bytes", 0)  # nothing to gather from others
     if grown <= memory["budget_bytes"] * (1 - SAFETY_MARGIN):
         return None
-    return (f"warning: sharded over {plan.world_size} processes this run needs about "
+    return (f"sharded over {plan.world_size} processes this run needs about "
             f"{memory['total_bytes'] / GIB:.1f} GiB per process; with {world_size} about {grown / GIB:.1f} GiB, more "
             f"than the {memory['budget_bytes'] / GIB:.1f} GiB planned for. Out of memory is likely; resume with "
             f"--num-processes {plan.world_size} to keep the sharding")
@@ -292,7 +294,7 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
                                  f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum,
                                  distributed=distributed)
         if warning:
-            plan = plan.with_changes(warning)
+            plan = plan.with_warning(warning)
     for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
         if path and expected:
             if not Path(path).exists():

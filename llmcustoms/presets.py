@@ -13,14 +13,14 @@ from typing import Any
 
 import yaml
 
+from llmcustoms import options
 from llmcustoms.errors import ConfigError
 
 # Row-count bounds of the dataset-size buckets a preset adjusts for.
 SMALL_DATASET_ROWS = 1_000
 MEDIUM_DATASET_ROWS = 10_000
 
-METHODS = ("lora", "qlora", "full")
-SCHEDULERS = ("cosine", "linear", "constant")
+METHODS = options.BY_NAME["method"].choices
 
 
 def presets_dir() -> Path:
@@ -101,12 +101,9 @@ class TrainingPreset:
         return values, bucket
 
 
-# The preset fields that become plan values (the rest describe the preset itself).
-TUNABLE_FIELDS = (
-    "method", "epochs", "lr", "lr_scheduler", "warmup_ratio", "weight_decay",
-    "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "effective_batch_size",
-    "max_seq_len", "eval_split", "evals_per_epoch", "early_stopping_patience",
-)
+# The preset fields that become plan values (the rest describe the preset
+# itself): every option of the table with a preset key.
+TUNABLE_FIELDS = options.preset_keys()
 
 
 def dataset_size_bucket(rows: int) -> str:
@@ -188,39 +185,24 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
     )
 
 
+def _field_type(option: options.Option) -> type | tuple[type, ...]:
+    return (int, float) if option.kind is float else option.kind  # 3 is a fine number of epochs
+
+
 _PRESET_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "name": str, "description": str, "models": list, "method": str,
-    "epochs": (int, float), "lr": (int, float), "lr_scheduler": str, "warmup_ratio": (int, float),
-    "weight_decay": (int, float), "max_grad_norm": (int, float), "lora_r": int, "lora_alpha": int,
-    "lora_dropout": (int, float), "effective_batch_size": int, "max_seq_len": int,
-    "eval_split": (int, float), "evals_per_epoch": int, "early_stopping_patience": int,
+    "name": str, "description": str, "models": list,
+    **{key: _field_type(options.by_preset_key(key)) for key in TUNABLE_FIELDS},
 }
 
 
 def validate_preset_values(values: dict[str, Any], where: str) -> list[str]:
-    """Range checks shared by preset files and their per-size overrides."""
+    """Range checks shared by preset files, their per-size overrides and flags:
+    each option's own check from the table."""
     problems = []
-    checks = {
-        "method": lambda v: v in METHODS,
-        "lr_scheduler": lambda v: v in SCHEDULERS,
-        "epochs": lambda v: v > 0,
-        "lr": lambda v: 0 < v < 1,
-        "warmup_ratio": lambda v: 0 <= v < 1,
-        "weight_decay": lambda v: 0 <= v < 1,
-        "max_grad_norm": lambda v: v >= 0,
-        "lora_r": lambda v: v >= 1,
-        "lora_alpha": lambda v: v >= 1,
-        "lora_dropout": lambda v: 0 <= v < 1,
-        "effective_batch_size": lambda v: v >= 1,
-        "max_seq_len": lambda v: v >= 16,
-        "eval_split": lambda v: 0 <= v < 1,
-        "evals_per_epoch": lambda v: v >= 0,
-        "early_stopping_patience": lambda v: v >= 0,
-    }
     for name, value in values.items():
-        check = checks.get(name)
-        if check is not None and not check(value):
-            problems.append(f"{where}: '{name}' has an out-of-range value {value!r}")
+        problem = options.by_preset_key(name).problem(value) if name in TUNABLE_FIELDS else None
+        if problem:
+            problems.append(f"{where}: '{name}' has an out-of-range value {value!r} ({problem})")
     return problems
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmcustoms.planning import Plan
+from llmcustoms.plan import Plan
 
 MAX_NAN_RECOVERIES = 3
 NAN_LR_FACTOR = 0.5
@@ -53,6 +53,12 @@ class RestartNeeded(Exception):
         self.kind = kind
         self.step = step
         self.rank = rank
+
+    @property
+    def reason(self) -> str:
+        """For status.json."""
+        kind = {"oom": "out of memory"}.get(self.kind, self.kind)
+        return f"process {self.rank}: {kind} at step {self.step}; restart requested (resume recovers)"
 
 
 class TrainingInterrupted(Exception):

@@ -17,13 +17,17 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.planning import Plan
+from llmcustoms.plan import Plan
 
 STATUSES = ("running", "completed", "failed", "interrupted")
+# launching.RESTARTS_ENV, named again here: launching imports this module.
+RESTARTS_ENV = "LLMCUSTOMS_RESTARTS_ON_REQUEST"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -132,16 +136,21 @@ class RunDirectory:
     def restart_path(self) -> Path:
         return self.path / "restart.json"
 
-    def request_restart(self, kind: str, step: int, rank: int) -> None:
+    def request_restart(self, kind: str, step: int, rank: int, launch: str | None = None) -> None:
         """Ask for every process to restart from the last checkpoint and recover
         from `kind` first. The one file any process may write, whether or not it
         is the main one: under FSDP a failing process cannot reach the others (they
         wait inside a collective), so it leaves this note, exits, and the launcher
-        starts them all again (see launching.relaunch)."""
-        from llmcustoms.launching import launch_token
+        starts them all again (see launching.relaunch).
 
+        `launch` is `launching.launch_token()`, which the note names so a launcher
+        acts only on its own processes' requests. The caller passes it, since
+        launching imports this module; until every caller does, it is read from
+        the same environment variable."""
+        if launch is None:
+            launch = os.environ.get(RESTARTS_ENV) or None
         tmp = self.restart_path.with_name(f".restart.json.{rank}.tmp")
-        tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank, "launch": launch_token()}))
+        tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank, "launch": launch}))
         os.replace(tmp, self.restart_path)
 
     def pending_restart(self) -> dict[str, Any] | None:
@@ -221,3 +230,42 @@ def find_unfinished_run(output_dir: Path) -> RunDirectory:
         raise ConfigError(f"No unfinished run under {output_dir}.",
                           "Pass the run directory (`llmcustoms resume runs/NAME`), or --output-dir where your runs are.")
     return max(candidates, key=lambda pair: pair[0])[1]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One line of `llmcustoms runs`."""
+
+    name: str
+    model: str
+    method: str
+    status: str
+    step: int
+    total_steps: int | None
+    best_eval_loss: float | None
+    started_at: str | None
+    seconds: float | None  # from start to the last status update
+
+
+def list_runs(output_dir: Path) -> list[RunSummary]:
+    """Every run under `output_dir`, by name; directories whose plan.json cannot be read are left out."""
+    runs = []
+    for plan_path in sorted(Path(output_dir).glob("*/plan.json")):
+        run = RunDirectory(plan_path.parent)
+        try:
+            plan = json.loads(plan_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        status = run.read_status()
+        started, updated = status.get("started_at"), status.get("updated_at")
+        seconds = None
+        if started and updated:
+            seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
+        runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
+                               status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
+                               status.get("best_eval_loss"), started, seconds))
+    return runs
+
+
+def _parse_time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z")  # as write_status writes it

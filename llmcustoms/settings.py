@@ -3,7 +3,8 @@
 Precedence, for every value: flag > environment > preset > default. The
 environment is the process environment, then the env file (`./.env`, or
 `--env-file PATH`): a variable set in the shell wins over the file. Every
-variable is documented in `.env.example`; `SETTINGS` below is the list.
+variable is an option of `options.py` and is documented in `.env.example`,
+which `example_file()` writes from that table.
 
 Other variables in the file (HF_TOKEN, HF_HOME, ...) are exported to this
 process for the libraries that read them. HF_TOKEN is never printed, logged
@@ -16,108 +17,34 @@ import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.options import BY_NAME, BY_VARIABLE, OPTIONS, PREFIX
 
-PREFIX = "LLMCUSTOMS_"
 # Variables with the prefix that are not settings: a testing aid, the
 # tokenization cache's place, and what the launcher tells its processes.
 NOT_SETTINGS = ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR", "LLMCUSTOMS_RESTARTS_ON_REQUEST")
 SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text.strip() not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return text.strip()
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("expected a whole number of at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("expected a whole number of at least 0")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise ValueError("expected a number from 0 up to (not including) 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise ValueError("expected a number above 0")
-    return value
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # without the prefix
-    target: str  # a plan override name, or model / preset / output_dir / report_to
-    parse: Callable[[str], Any]
-    help: str
-
-
-SETTINGS = (
-    Setting("MODEL", "model", str, "Hub id or local directory of the model (like --model)"),
-    Setting("PRESET", "preset", str, "highspeed, quality, bestaccuracy or a preset file (like --preset)"),
-    Setting("OUTPUT_DIR", "output_dir", str, "where run directories go (like --output-dir)"),
-    Setting("METHOD", "method", _choice("lora", "qlora", "full"), "lora, qlora or full"),
-    Setting("EPOCHS", "epochs", _positive_float, "passes over the data"),
-    Setting("MAX_STEPS", "max_steps", _positive_int, "stop after this many optimizer steps"),
-    Setting("BATCH_SIZE", "micro_batch_size", _positive_int, "micro-batch size"),
-    Setting("GRAD_ACCUM", "grad_accum", _positive_int, "gradient accumulation steps"),
-    Setting("LR", "lr", _positive_float, "peak learning rate"),
-    Setting("MAX_SEQ_LEN", "max_seq_len", _positive_int, "longest sequence in tokens"),
-    Setting("LORA_R", "lora_r", _positive_int, "LoRA rank"),
-    Setting("LORA_ALPHA", "lora_alpha", _positive_int, "LoRA alpha"),
-    Setting("LORA_DROPOUT", "lora_dropout", _fraction, "LoRA dropout"),
-    Setting("EVAL_SPLIT", "eval_split", _fraction, "share of rows held out for evaluation"),
-    Setting("SAVE_EVERY", "save_every", _positive_int, "checkpoint every N optimizer steps"),
-    Setting("KEEP_CHECKPOINTS", "keep_checkpoints", _positive_int, "checkpoints to keep (plus the best)"),
-    Setting("EARLY_STOPPING_PATIENCE", "early_stopping_patience", _non_negative_int, "evaluations without improvement before stopping (0: never)"),
-    Setting("GRADIENT_CHECKPOINTING", "gradient_checkpointing", _bool, "true or false (default: only when needed)"),
-    Setting("MIXED_PRECISION", "mixed_precision", _choice("no", "bf16", "fp16"), "no, bf16 or fp16"),
-    Setting("SEED", "seed", int, "random seed"),
-    Setting("REPORT_TO", "report_to", _choice("none", "tensorboard", "wandb"), "none, tensorboard or wandb"),
-)
-BY_NAME = {PREFIX + s.name: s for s in SETTINGS}
+# The settings: every option of the table that has a variable.
+SETTINGS = tuple(option for option in OPTIONS if option.env)
 
 
 @dataclass
 class Settings:
     """Values from the environment, each with where it came from."""
 
-    values: dict[str, tuple[Any, str]]  # target -> (value, "env LLMCUSTOMS_X")
+    values: dict[str, tuple[Any, str]]  # option name -> (value, "env LLMCUSTOMS_X")
 
-    def get(self, target: str, default: Any = None) -> Any:
-        return self.values.get(target, (default, ""))[0]
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, (default, ""))[0]
+
+    def source(self, name: str) -> str | None:
+        return self.values[name][1] if name in self.values else None
 
     def plan_overrides(self) -> dict[str, tuple[Any, str]]:
-        """The values that are plan fields (not model, preset, output dir or tracking)."""
-        return {k: v for k, v in self.values.items() if k not in ("model", "preset", "output_dir", "report_to")}
+        """The values that are plan values, under planning's names."""
+        return {BY_NAME[name].plan: value for name, value in self.values.items() if BY_NAME[name].plan}
 
 
 def read_env_file(path: Path) -> dict[str, tuple[str, int]]:
@@ -153,7 +80,7 @@ def load_settings(env_file: Path | None = None) -> Settings:
             os.environ.setdefault(name, value)  # the shell's own value wins
     values: dict[str, tuple[Any, str]] = {}
     problems = []
-    for name, setting in BY_NAME.items():
+    for name, option in BY_VARIABLE.items():
         if name in os.environ:
             raw, where = os.environ[name], f"environment variable {name}"
         elif name in from_file:
@@ -164,10 +91,10 @@ def load_settings(env_file: Path | None = None) -> Settings:
         if not raw.strip():
             continue  # NAME= with nothing after it means "not set"
         try:
-            values[setting.target] = (setting.parse(raw), f"env {name}")
+            values[option.name] = (option.parse(raw), f"env {name}")
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
-    unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_NAME
+    unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_VARIABLE
                      and n not in NOT_SETTINGS)
     problems += [f"unknown setting {n}" for n in unknown]
     if problems:
@@ -182,8 +109,10 @@ def example_file() -> str:
              "# Precedence for every value: command-line flag > environment > preset > default.",
              "# A variable already set in the shell wins over this file. `llmcustoms setup` writes one for you.",
              "", "# --- llmcustoms settings (each is the default for the flag of the same name) ---"]
-    for setting in SETTINGS:
-        lines += [f"# {setting.help[0].upper()}{setting.help[1:]}.", f"# {PREFIX}{setting.name}="]
+    for option in SETTINGS:
+        like = option.flag or "the DATA argument"
+        kind = "" if option.kind is str and not option.choices else f": {option.describe_range()}"
+        lines += [f"# {option.help} ({like}{kind})", f"# {option.variable}="]
     lines += ["", "# Where prepared (tokenized) data is cached (default: ~/.cache/llmcustoms).",
               f"# {PREFIX}CACHE_DIR=",
               "", "# --- read by the libraries llmcustoms uses ---",
@@ -200,3 +129,28 @@ def example_file() -> str:
               "# WANDB_API_KEY=...",
               ""]
     return "\n".join(lines)
+
+
+def resolve(values: dict[str, Any], settings: Settings) -> Any:
+    """`TrainOptions` from a command's table options (None: not given) and the
+    settings: flag > environment; what neither gives, the plan decides."""
+    from llmcustoms.preparation import TrainOptions
+
+    given = {name: (value, "flag") for name, value in values.items() if value is not None}
+    chosen = {**settings.values, **given}
+    if chosen.get("data") is None:
+        raise ConfigError("No training data given.",
+                          "Pass the data file (`llmcustoms train data.jsonl`), or set LLMCUSTOMS_DATA "
+                          "(`llmcustoms setup` writes it).")
+    overrides = {BY_NAME[name].plan: pair for name, pair in chosen.items() if BY_NAME[name].plan}
+
+    def value(name: str, default: Any = None) -> Any:
+        return chosen[name][0] if name in chosen else default
+
+    def source(name: str, default: str) -> str:
+        return chosen[name][1] if name in chosen else default
+
+    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
+                        eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
+                        overrides=overrides, model_source=source("model", "flag"),
+                        preset_source=source("preset", "default"))

@@ -12,7 +12,7 @@ import torch
 from llmcustoms.checkpoints import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from llmcustoms.faults import FaultInjector
 from llmcustoms.errors import ConfigError
-from llmcustoms.planning import LoraSettings, Plan
+from llmcustoms.plan import LoraSettings, Plan
 from llmcustoms.recovery import MAX_NAN_RECOVERIES, TrainingFailed, TrainingRecoverySystem
 
 

@@ -15,7 +15,7 @@ from llmcustoms.batching import collate
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.finetuner import FineTuner, lr_multiplier
 from llmcustoms.hardware import Hardware
-from llmcustoms.planning import Plan
+from llmcustoms.plan import Plan
 from llmcustoms.preparation import TrainOptions, prepare_run
 from llmcustoms.rundir import RunDirectory
 from tiny_models import FIXTURES

@@ -10,7 +10,8 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import MemoryOptimizer, parameter_counts
 from llmcustoms.modeling import choice_from_spec
-from llmcustoms.planning import DataStats, ParameterOptimizer, Plan
+from llmcustoms.plan import DataStats, Plan
+from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.presets import find_model_spec, load_families, load_preset
 
 FAMILIES = load_families()
@@ -269,7 +270,7 @@ def test_resuming_a_sharded_run_over_fewer_processes_warns_when_it_will_not_fit(
     assert _less_sharding_warning(plan, 8) is None and _less_sharding_warning(plan, 16) is None
     assert _less_sharding_warning(plan, 2) is None  # a quarter of 7B's fp32 training state fits 80 GB
     warning = _less_sharding_warning(plan, 1)
-    assert warning.startswith("warning:") and "--num-processes 8" in warning
+    assert warning.startswith("sharded over 8 processes") and "--num-processes 8" in warning
     small = plan_with_processes(MACHINES["80GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2, {"distributed": "fsdp"})
     assert _less_sharding_warning(small, 1) is None  # 1.1B in full fits one 80 GB card
 
@@ -280,3 +281,66 @@ def test_a_plan_written_before_fsdp_existed_reads_as_data_parallel():
     assert Plan.from_json(data).distributed == "ddp"
     data["world_size"] = 1
     assert Plan.from_json(data).distributed == "none"
+
+
+def test_every_problem_with_the_given_values_is_named_at_once():
+    no_eval = DataStats(lengths=(300,) * 200, first_loss_positions=(150,) * 200, eval_rows=0)
+    overrides = {"mixed_precision": "fp16", "max_seq_len": 4096, "lr": 2.0, "early_stopping_patience": 2}
+    with pytest.raises(ConfigError) as info:
+        ParameterOptimizer(MACHINES["cpu-only"], load_preset("quality")).plan(
+            model("TinyLlama/TinyLlama-1.1B-Chat-v1.0"), no_eval, {k: (v, "flag") for k, v in overrides.items()})
+    message, hint = info.value.message, info.value.hint
+    assert message.startswith("Invalid value(s):\n  'lr' has an out-of-range value 2.0")
+    for wording in ("fp16 mixed precision needs a GPU", "longer than the model's context of 2048",
+                    "Early stopping needs evaluation rows"):
+        assert wording in message
+    assert "--mixed-precision no" in hint and "--max-seq-len 2048" in hint and "--eval-split" in hint
+    with pytest.raises(ConfigError) as alone:  # a lone out-of-range value is listed as before
+        plan_for(MACHINES["24GB"], "Qwen/Qwen2.5-0.5B-Instruct", {"lr": 2.0})
+    assert alone.value.message.startswith("Invalid value(s):\n  'lr' has an out-of-range value 2.0")
+    assert "\n  " not in alone.value.message.split("\n  ", 1)[1] and alone.value.hint is None
+
+
+def test_a_length_that_keeps_no_response_is_refused_with_the_other_problems():
+    late = DataStats(lengths=(400,) * 100, first_loss_positions=(300,) * 100, eval_rows=5)
+    with pytest.raises(ConfigError) as info:
+        ParameterOptimizer(MACHINES["24GB"], load_preset("quality")).plan(
+            model("Qwen/Qwen2.5-0.5B-Instruct"), late, {"max_seq_len": (256, "flag")})
+    assert info.value.message == "No row has a response token within max_seq_len 256."
+    assert "Raise --max-seq-len" in info.value.hint
+
+
+def test_warnings_are_typed_apart_from_reasons():
+    plan = plan_for(MACHINES["8GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0", {"micro_batch_size": 64})
+    assert plan.micro_batch_size == 64
+    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("the estimated peak (")
+    assert "out-of-memory is likely" in plan.warnings[0]
+    assert not any(r.startswith("warning") or "estimated peak" in r for r in plan.reasons)
+    assert Plan.from_json(json.loads(plan.dumps())) == plan
+    assert not plan_for(MACHINES["8GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0").warnings
+
+
+def test_a_plan_json_with_warnings_among_its_reasons_reads_them_as_warnings():
+    data = plan_for(MACHINES["24GB"], "TinyLlama/TinyLlama-1.1B-Chat-v1.0").to_json()
+    del data["warnings"]  # written before warnings had a field of their own
+    data["reasons"] = data["reasons"] + ["warning: sharded over 8 processes this run needs more", "resumed"]
+    plan = Plan.from_json(data)
+    assert plan.warnings == ("sharded over 8 processes this run needs more",)
+    assert plan.reasons[-1] == "resumed" and not any(r.startswith("warning:") for r in plan.reasons)
+
+
+def test_resuming_over_fewer_processes_adds_a_warning_not_a_reason():
+    from llmcustoms.preparation import _less_sharding_warning
+
+    plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
+    warned = plan.with_warning(_less_sharding_warning(plan, 1))
+    assert warned.warnings[len(plan.warnings):] == (_less_sharding_warning(plan, 1),)
+    assert warned.reasons == plan.reasons
+
+
+def test_planning_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import llmcustoms.planning, llmcustoms.preparation, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -62,7 +62,7 @@ def test_env_file_option_reads_another_file(tmp_path, tiny_models):
 
 @pytest.mark.parametrize("content,expected", [
     ("LLMCUSTOMS_PRESET=quality\nthis line is broken\n", "line 2: not a NAME=value line"),
-    ("LLMCUSTOMS_LR=fast\n", "line 1 (LLMCUSTOMS_LR): could not convert"),
+    ("LLMCUSTOMS_LR=fast\n", "line 1 (LLMCUSTOMS_LR): expected a number above 0 and below 1"),
     ("LLMCUSTOMS_METHOD=magic\n", "line 1 (LLMCUSTOMS_METHOD): expected one of lora, qlora, full"),
     ("LLMCUSTOMS_PRESETT=quality\n", "unknown setting LLMCUSTOMS_PRESETT"),
 ])
@@ -91,7 +91,7 @@ def test_env_example_documents_every_variable():
     text = (ROOT / ".env.example").read_text()
     assert text == example_file()
     for setting in SETTINGS:
-        assert f"# LLMCUSTOMS_{setting.name}=" in text
+        assert f"# {setting.variable}=" in text
     assert "HF_TOKEN" in text
 
 
@@ -149,3 +149,30 @@ def test_setup_with_bad_data_says_why_and_writes_nothing(tmp_path):
     assert result.returncode == 2
     assert "cannot tell the data format" in " ".join(result.stdout.split())
     assert not env_file.exists()
+
+
+def test_the_data_file_is_a_setting_too(tmp_path, tiny_models):
+    """After `setup` (which writes LLMCUSTOMS_DATA), the commands need no data argument."""
+    (tmp_path / ".env").write_text(f"LLMCUSTOMS_DATA={DATA_FILES['alpaca']}\nLLMCUSTOMS_MODEL={tiny_models['llama']}\n")
+    result = runner.invoke(app, ["plan", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["data"] == str(DATA_FILES["alpaca"].resolve())
+    # A data argument still beats the variable.
+    result = runner.invoke(app, ["plan", str(DATA_FILES["sharegpt"]), "--json"], catch_exceptions=False)
+    assert json.loads(result.output)["data"] == str(DATA_FILES["sharegpt"].resolve())
+
+
+def test_no_data_anywhere_is_one_clear_message(tmp_path):
+    result = runner.invoke(app, ["train", "--yes"])
+    assert result.exit_code == 2
+    assert "No training data given" in result.output and "LLMCUSTOMS_DATA" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_tune_with_the_data_in_the_environment(tmp_path, tiny_models, cli):
+    """Exactly as the README documents it, with the data from LLMCUSTOMS_DATA."""
+    result = cli("tune", "--trials", "1", "--max-steps", "2", "--model", str(tiny_models["llama"]),
+                 "--eval-split", "0.2", cwd=tmp_path, env={"LLMCUSTOMS_DATA": str(DATA_FILES["alpaca"])})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list((tmp_path / "runs").glob("tune-*/best_preset.yaml"))

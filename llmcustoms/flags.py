@@ -1,0 +1,134 @@
+"""Command-line flags: the options table (`options.py`) turned into Typer
+parameters, and the flags that steer a command rather than set a value
+(`--yes`, `--quiet`, launch options...), each declared once here.
+
+`takes_options(command)` gives a command function every table option that
+command accepts: Typer reads the function's signature, so the decorator
+extends it, and the function receives the values as `**values`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from llmcustoms import options
+from llmcustoms.options import Option
+
+# Enums Typer needs for choices, made once per option (Typer compares by type).
+_ENUMS: dict[str, type[Enum]] = {}
+
+
+def _choice_type(option: Option) -> type[Enum]:
+    if option.name not in _ENUMS:
+        title = "".join(part.title() for part in option.name.split("_"))
+        _ENUMS[option.name] = Enum(title, {c: c for c in option.choices}, type=str)  # type: ignore[misc]
+    return _ENUMS[option.name]
+
+
+def _typer_info(option: Option) -> Any:
+    if option.argument:
+        return typer.Argument(help=_help(option), show_default=False)
+    names = [option.flag]
+    if option.kind is bool:  # on or off; not given means "the plan decides"
+        names = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
+    if option.short:
+        names.append(option.short)
+    if option.kind in (int, float) and not option.choices:
+        # The same parser as the environment's: one range, one message.
+        return typer.Option(*names, help=_help(option), show_default=False, parser=_parser(option),
+                            metavar="<int>" if option.kind is int else "<float>")
+    return typer.Option(*names, help=_help(option), show_default=False)
+
+
+def _help(option: Option) -> str:
+    """The help text, naming the variable that sets the same value."""
+    return f"{option.help} (env {option.variable})" if option.variable else option.help
+
+
+def _parser(option: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return option.parse(text)
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from None
+    return parse
+
+
+def _annotation(option: Option) -> Any:
+    kind: Any = _choice_type(option) if option.choices else option.kind
+    return Annotated[Optional[kind], _typer_info(option)]
+
+
+def parameters(command: str) -> list[inspect.Parameter]:
+    """The table's options for `command` as keyword parameters, each defaulting to None (not given)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return [inspect.Parameter(o.name, kind, default=None, annotation=_annotation(o))
+            for o in options.for_command(command)]
+
+
+def takes_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Extend a command's signature with the table's options; the function takes them as **values.
+
+    Arguments come first (Typer's order of positional arguments is the
+    signature's), then the table's options, then the command's own."""
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(func, eval_str=True).parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        table = parameters(command)
+        arguments = [p for p in table if options.BY_NAME[p.name].argument]
+        flags = [p for p in table if not options.BY_NAME[p.name].argument]
+        func.__signature__ = inspect.Signature(arguments + flags + own)  # type: ignore[attr-defined]
+        return func
+    return decorate
+
+
+def given_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The table options a user gave on the command line: enums as their text, None dropped."""
+    return {name: value.value if isinstance(value, Enum) else value
+            for name, value in values.items() if name in options.BY_NAME and value is not None}
+
+
+# Flags that steer a command, not settings: no environment variable on purpose.
+RunName = Annotated[Optional[str], typer.Option("--run-name", help="Name of this run's directory. Default: model-preset-time.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")]
+Yes = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")]
+EnvFile = Annotated[Optional[Path], typer.Option("--env-file", help="Read settings from this file instead of ./.env.")]
+NumProcesses = Annotated[Optional[int], typer.Option("--num-processes", min=1, help="Processes per machine (one per GPU), launched through accelerate.")]
+NumMachines = Annotated[Optional[int], typer.Option("--num-machines", min=1, help="Machines training together (run the same command on each).")]
+MachineRank = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's index, 0 on the main one.")]
+MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
+MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Port on machine 0 for the processes to meet.")]
+Vram = Annotated[Optional[float], typer.Option("--vram", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
+ResumeRun = Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")]
+OutputDir = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help=options.BY_NAME["output_dir"].help)]
+ReportTo = Annotated[Optional[str], typer.Option("--report-to", help=options.BY_NAME["report_to"].help)]
+
+# `tune`'s own.
+Trials = Annotated[int, typer.Option("--trials", "-n", min=1, help="Trials to run now (added to the study's earlier ones).")]
+TrialSteps = Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")]
+BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", min=1, help="Training tokens per trial (instead of --max-steps).")]
+Timeout = Annotated[Optional[float], typer.Option("--timeout", min=1, help="Stop starting new trials after this many seconds.")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")]
+StudyName = Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")]
+
+
+class Sampler(str, Enum):
+    tpe = "tpe"
+    random = "random"
+    grid = "grid"
+
+
+SamplerOpt = Annotated[Sampler, typer.Option("--sampler", help="tpe (default), random or grid.")]
+
+# After training.
+RunArg = Annotated[Path, typer.Argument(help="A run directory, e.g. runs/my-run.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest reply in tokens.")]
+Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 for greedy; higher is more varied.")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help=options.BY_NAME["seed"].help)]

@@ -1,0 +1,60 @@
+"""The training loss: a function `loss(model, batch, normaliser) -> Tensor`.
+
+`FineTuner` takes the loss as an argument; this module holds the default,
+`token_cross_entropy`. A loss returns the summed loss of `batch` divided by
+`normaliser`, the count of whatever it sums over in the whole optimizer step
+(or evaluation), so that any split of a step into micro-batches, or over
+processes, gives the same update. It runs under the accelerator's autocast.
+
+The default computes the LM head's logits only at positions the loss uses
+(`select_logits`): for a big vocabulary the head is a large share of the
+compute, and its fp32 logits a large share of the memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from llmcustoms.tokenization import IGNORE_INDEX
+
+Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def select_logits(model: Any) -> None:
+    """Let the LM head compute logits only at `head.logit_selection` (a boolean
+    mask over batch and position; None: everywhere, as before).
+
+    The head's forward is patched (not replaced) so every call still goes
+    through the top-level model (FSDP's hooks are there) and the state dict is
+    unchanged."""
+    head = model.get_output_embeddings()
+    original = head.forward
+
+    def selective_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if head.logit_selection is not None:
+            hidden = hidden[head.logit_selection]
+        return original(hidden)
+
+    head.logit_selection = None
+    head.forward = selective_forward
+
+
+def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the trained tokens of `batch`, divided by
+    `normaliser` (the trained-token count of the whole step or evaluation).
+
+    The loss uses the logits of positions whose next token is trained (the
+    replies, not prompts or padding): only those are computed."""
+    labels = batch["labels"]
+    selection = torch.zeros_like(labels, dtype=torch.bool)
+    selection[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position i predicts token i + 1
+    head = model.get_output_embeddings()
+    head.logit_selection = selection
+    try:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    finally:
+        head.logit_selection = None
+    targets = labels[:, 1:][selection[:, :-1]]
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser

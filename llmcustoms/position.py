@@ -1,0 +1,76 @@
+"""Where the training loop is, and how a run ended.
+
+`Position` is one plain record of the loop's progress (step, epoch, tokens,
+losses, best evaluation): `FineTuner` saves it in every checkpoint, as flat
+keys of state.json, and restores it from there. `StopReason` says, as a value,
+why a run ended before its last step; `TrainResult` is what a finished run returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+class StopCause(Enum):
+    """Why a run ended before its last step (a signal ends it with TrainingInterrupted instead)."""
+    EARLY_STOPPING = "early stopping"
+    CALLER = "stopped by the caller"  # `on_evaluate` returned True (tuning's pruner)
+
+
+@dataclass(frozen=True)
+class StopReason:
+    cause: StopCause
+    step: int
+    text: str  # for people: status.json's reason and the summary
+
+
+@dataclass
+class Position:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    index: int = 0  # next step within the epoch
+    tokens: int = 0  # input tokens trained on
+    final_loss: float | None = None
+    best_eval: float | None = None
+    best_step: int | None = None
+    last_eval: float | None = None
+    evals_since_best: int = 0
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Position:
+        """The position saved in a checkpoint's state (other keys are ignored)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+    def early_stop(self, eval_loss: float, patience: int) -> StopReason | None:
+        """Count an evaluation towards early stopping: a reason to stop once eval
+        loss has not improved for `patience` evaluations (0: never)."""
+        if self.best_eval is None or eval_loss < self.best_eval:
+            self.best_eval, self.best_step, self.evals_since_best = eval_loss, self.step, 0
+            return None
+        self.evals_since_best += 1
+        if patience and self.evals_since_best >= patience:
+            return StopReason(StopCause.EARLY_STOPPING, self.step,
+                              f"early stopping: eval loss has not improved for {self.evals_since_best} "
+                              f"evaluations since step {self.best_step}")
+        return None
+
+
+@dataclass
+class TrainResult:
+    status: str
+    steps: int
+    final_loss: float | None
+    best_eval_loss: float | None
+    best_eval_step: int | None
+    seconds: float
+    tokens_per_s: float
+    output_path: Path
+    stop: StopReason | None = None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run ended early, as shown to the user."""
+        return self.stop.text if self.stop else None

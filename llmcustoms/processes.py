@@ -1,0 +1,298 @@
+"""`Processes`: this training process among the others of a run.
+
+Everything in the loop that depends on how many processes there are, or on
+whether the model is sharded, is a method here, so `FineTuner` reads as one
+process would run it. With one process every method is trivially the identity:
+`agree` returns the local failure, `share` returns every row, `sum` returns
+what it is given. With several:
+
+- Agreement: every rank learns whether any rank failed or was asked to stop
+  before any collective that depends on it, so no rank waits for one that
+  will not come (the model is not wrapped in DDP for this reason: with DDP's
+  in-backward all-reduce, one rank's out-of-memory error would leave the
+  others waiting forever). Gradients are then all-reduced here, in buckets.
+- Shares: each rank trains on every world-th row of a step; under FSDP every
+  forward and backward is a collective, so ranks pad to the same number of
+  micro-batches with zero-weight ones.
+- State: under FSDP weights and optimizer moments are gathered whole onto the
+  main process to save, and handed out whole to restore (see `sharding`).
+- Restarts: under FSDP a rank that fails inside forward or backward cannot
+  tell the others; it asks for a restart (`RestartNeeded`) and the launcher
+  restarts them all.
+
+`StopSignals` is here too: a signal reaches one process, the stop is agreed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+import torch
+
+from llmcustoms.batching import micro_batches
+from llmcustoms.checkpoints import Checkpoint, load_optimizer_state, optimizer_state
+from llmcustoms.planning import Plan
+from llmcustoms.recovery import RestartNeeded
+from llmcustoms.rundir import RunDirectory
+from llmcustoms.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
+
+# Gradients are all-reduced this many bytes at a time (DDP's default bucket size).
+ALL_REDUCE_BUCKET_BYTES = 25 * 1024 ** 2
+FAILURE_CODES = {None: 0, "nan": 1, "oom": 2}
+
+
+def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, grouped up to `limit` bytes (a larger
+    tensor is a bucket of its own)."""
+    grouped: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not grouped or size + nbytes > limit or tensor.dtype != grouped[-1][0].dtype:
+            grouped.append([])
+            size = 0
+        grouped[-1].append(tensor)
+        size += nbytes
+    return grouped
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while training: the first asks the loop to stop after
+    the current step (with a checkpoint), a second one stops at once.
+
+    A context manager: the handlers are installed on entry (from the main
+    thread only; Python allows no other) and the previous ones put back on exit."""
+
+    def __init__(self, warn: Callable[[str], None]):
+        self.warn = warn
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self.received = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop at once
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os._exit(128 + signum)
+        self.received = signum
+        self.warn("stopping after this step and saving a checkpoint (press Ctrl-C again to quit at once)")
+
+
+class Processes:
+    def __init__(self, accelerator: Any, fsdp: bool, run_dir: RunDirectory, signals: StopSignals):
+        self.accelerator = accelerator
+        self.fsdp = fsdp
+        self.run_dir = run_dir
+        self.signals = signals
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.is_main = accelerator.is_main_process
+        self.device = accelerator.device
+        self.agreed_stop: int | None = None  # the stop signal every rank knows of (see agree)
+        self.trainable_names: list[str] = []  # under FSDP: names before sharding, for whole-tensor checkpoints
+        # FSDP averages gradients over ranks; the step's gradient is their sum.
+        self.backward_scale = self.world if fsdp else 1
+
+    @classmethod
+    def start(cls, plan: Plan, run_dir: RunDirectory, signals: StopSignals) -> Processes:
+        """The accelerator and the process group: once per run."""
+        from accelerate import Accelerator
+
+        # cpu=True without CUDA: it is what gives several CPU processes a gloo group.
+        processes = cls(Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available()),
+                        plan.distributed == "fsdp", run_dir, signals)
+        processes.use_physical_cores()
+        return processes
+
+    def use_physical_cores(self) -> None:
+        """CPU training: one thread per physical core, shared among the processes.
+        Hyper-threads compete for the same matrix units and slow matmuls down."""
+        if torch.cuda.is_available():
+            return
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or torch.get_num_threads()
+        torch.set_num_threads(max(1, cores // self.world))
+
+    # ------------------------------------------------------------ the model
+
+    def place(self, model: Any, plan: Plan, say: Callable[[str], None]) -> Any:
+        """The model on this process's device, or sharded over the processes."""
+        if not self.fsdp:
+            if plan.method != "qlora" or not torch.cuda.is_available():  # 4-bit models are placed by their device_map
+                model = model.to(self.device)
+            return model
+        # Names before sharding: checkpoints keep whole tensors under these.
+        self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        total = sum(p.numel() for p in model.parameters())
+        model = shard(model, plan.mixed_precision)
+        held = sum(p.to_local().numel() for p in model.parameters())
+        say(f"FSDP: the model is sharded over {self.world} processes; each holds about {held / total:.0%} "
+            f"of its {total:,} weights")
+        return model
+
+    # ------------------------------------------------------- shares of work
+
+    def share(self, rows: list[int], lengths: list[int], rank: int | None = None) -> list[int]:
+        """A rank's share of a step: every world-th row by length, so ranks get
+        similar lengths. With one process, all of them."""
+        ordered = sorted(rows, key=lambda i: -lengths[i])
+        return ordered[self.rank if rank is None else rank::self.world]
+
+    def micro_batches(self, rows: list[int], lengths: list[int], size: int) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches of a step, each with its weight in the loss.
+        Under FSDP every rank runs as many as the busiest one (each forward and
+        backward is a collective); the extra ones repeat rows with weight 0."""
+        def split(rank: int) -> list[list[int]]:
+            return micro_batches(self.share(rows, lengths, rank), lengths, size)
+
+        mine = [(batch, 1.0) for batch in split(self.rank)]
+        if self.fsdp:
+            most = max(len(split(rank)) for rank in range(self.world))
+            filler = mine[0][0] if mine else rows[:1]
+            mine += [(filler, 0.0)] * (most - len(mine))
+        return mine
+
+    def evaluation_share(self, batches: list[dict[str, torch.Tensor]]) -> list[tuple[dict[str, torch.Tensor], float]]:
+        """This rank's evaluation micro-batches, with their weights."""
+        mine = [(mb, 1.0) for mb in batches[self.rank::self.world]]
+        if self.fsdp:  # the same number of forwards (collectives) on every rank, even one with no share
+            most = -(-len(batches) // self.world)
+            mine += [(batches[0], 0.0)] * (most - len(mine))
+        return mine
+
+    # ------------------------------------------------------------ agreement
+
+    def agree(self, failure: str | None) -> str | None:
+        """Every rank learns whether any rank failed or was asked to stop, before
+        any gradient collective, so no rank waits for one that will not come."""
+        if self.world == 1:
+            return failure
+        import torch.distributed as dist
+
+        flags = torch.tensor([FAILURE_CODES[failure], self.signals.received or 0], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.agreed_stop = int(flags[1]) or None
+        if self.agreed_stop and self.signals.received is None:
+            self.signals.received = self.agreed_stop  # another rank got the signal: stop together
+        return {code: kind for kind, code in FAILURE_CODES.items()}[int(flags[0])]
+
+    def stopping(self) -> int | None:
+        """The signal to stop for after this step. With several processes, only one
+        that every rank agreed on in this step: checkpointing is collective, so a
+        signal that reached one rank after the agreement waits for the next step."""
+        return self.signals.received if self.world == 1 else self.agreed_stop
+
+    def restart_if_sharded(self, failure: str, step: int) -> None:
+        """Under FSDP a rank that failed inside forward or backward left the others
+        waiting inside a collective: ask for a restart of every process."""
+        if self.fsdp:
+            self.run_dir.request_restart(failure, step, self.rank)
+            raise RestartNeeded(failure, step, self.rank)
+
+    def restart_after(self, error: Exception, step: int) -> RestartNeeded | None:
+        """After an unexpected error: the restart this process or another asked for, if any."""
+        if self.fsdp and isinstance(error, torch.OutOfMemoryError):
+            # Out of memory outside a step's forward and backward (evaluation,
+            # the optimizer, a checkpoint's gathers): the others cannot learn of it either.
+            self.run_dir.request_restart("oom", step, self.rank)
+        restart = self.run_dir.pending_restart() if self.world > 1 else None
+        if restart is None:
+            return None
+        return RestartNeeded(restart["kind"], restart["step"], restart.get("rank"))  # another process failed
+
+    # ---------------------------------------------------------- collectives
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the ranks."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(value)
+        return value
+
+    def sum_gradients(self, params: list[torch.Tensor], loss_sum: torch.Tensor) -> torch.Tensor:
+        """All-reduce the gradients (and the loss, with the first bucket): the sum over
+        ranks of per-rank losses normalised by the global token count is the loss.
+
+        In buckets of about ALL_REDUCE_BUCKET_BYTES, as DDP does: one flat
+        buffer of every gradient would hold a second copy of all of them at
+        once, which for full fine-tuning is as large as the weights."""
+        if self.world == 1:
+            return loss_sum
+        if self.fsdp:  # FSDP has reduced the gradients in backward; only the loss is left
+            return self.sum(loss_sum)
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for param in params:
+            if param.grad is None:  # a parameter this rank's rows did not reach
+                param.grad = torch.zeros_like(param)
+        grouped = buckets([p.grad for p in params], ALL_REDUCE_BUCKET_BYTES)
+        loss = loss_sum.reshape(1).to(grouped[0][0].dtype)
+        grouped[0].append(loss)  # one collective fewer
+        for bucket in grouped:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(synced)
+        return loss.reshape(()).to(loss_sum.dtype)
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A plain tensor: under FSDP a gradient norm is a DTensor, the same on every rank."""
+        if not self.fsdp:
+            return tensor
+        from torch.distributed.tensor import DTensor
+
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    # ------------------------------------------------- saving and restoring
+
+    def training_state(self, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """(trainable weights, optimizer tensors, optimizer groups), whole; under
+        FSDP gathered onto the main process (empty elsewhere)."""
+        if self.fsdp:
+            return (gather_weights(model, self.trainable_names),
+                    *gather_optimizer(model, optimizer.optimizer))
+        unwrapped = self.accelerator.unwrap_model(model)
+        weights = {name: param for name, param in unwrapped.named_parameters() if param.requires_grad}
+        return (weights, *optimizer_state(optimizer))
+
+    def load_training_state(self, model: Any, optimizer: Any, checkpoint: Checkpoint,
+                            groups: list[dict[str, Any]]) -> None:
+        """Weights and optimizer back from a checkpoint. Under FSDP the main process
+        reads the whole tensors and every rank keeps its shard."""
+        if self.fsdp:
+            load_weights(model, checkpoint.tensors("model.safetensors") if self.is_main else {})
+            load_optimizer(model, optimizer.optimizer,
+                           checkpoint.tensors("optimizer.safetensors") if self.is_main else {}, groups)
+            return
+        weights = checkpoint.tensors("model.safetensors")
+        with torch.no_grad():
+            for name, param in self.accelerator.unwrap_model(model).named_parameters():
+                if param.requires_grad:
+                    param.copy_(weights[name].to(param.device, param.dtype))
+        load_optimizer_state(optimizer, checkpoint.tensors("optimizer.safetensors"), groups)
+
+    def output_weights(self, model: Any) -> dict[str, Any] | None:
+        """The weights to save as the trained model: None lets the model save its
+        own; under FSDP every entry of its state dict once, gathered (a tied head
+        is the embedding, saved as such)."""
+        if not self.fsdp:
+            return None
+        keys = set(model.state_dict())
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in keys]
+        return gather_weights(model, names)

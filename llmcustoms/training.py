@@ -1,0 +1,261 @@
+"""The bodies of `train` and `resume`: from settings to a finished run directory.
+
+`cli.py` parses flags and calls these; they plan, prepare the run directory,
+run the `FineTuner` and say how it ended. With `--num-processes` the command
+is first checked here (once, so a user error is one message) and then started
+again under accelerate's launcher (`launching.relaunch`); every launched
+process comes back through the same functions.
+
+An ending the user should see (interrupted, failed) is shown here, where the
+run directory is known, and re-raised: `cli.py` maps it to the exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from llmcustoms import launching
+from llmcustoms.errors import LlmcustomsError
+from llmcustoms.settings import Settings
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many processes, on how many machines (the launch flags)."""
+
+    processes: int | None = None
+    machines: int | None = None
+    machine_rank: int = 0
+    main_ip: str | None = None
+    main_port: int | None = None
+
+    def needs_relaunch(self) -> bool:
+        """Several processes asked for, and this is not one of them yet."""
+        return (self.processes or 1) * (self.machines or 1) > 1 and not launching.inside_launch()
+
+    def relaunch(self, argv: list[str], run_dir: Path, resume_options: list[str]) -> int:
+        return launching.relaunch(argv, self.processes or 1, self.machines or 1, self.machine_rank, self.main_ip,
+                                  self.main_port, run_dir, resume_options)
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a training command was told besides the plan's values."""
+
+    settings: Settings
+    quiet: bool = False
+    env_file: Path | None = None
+    report_to: str | None = None
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.settings.get("output_dir") or "runs")
+
+    @property
+    def tracker(self) -> str:
+        from llmcustoms.tracking import check_tracker
+
+        return check_tracker(self.report_to or self.settings.get("report_to") or "none")
+
+    def resume_options(self) -> list[str]:
+        """The options a relaunched or restarted `resume` passes on."""
+        return ((["--quiet"] if self.quiet else []) + (["--env-file", str(self.env_file)] if self.env_file else [])
+                + (["--report-to", self.report_to] if self.report_to else []))
+
+
+def default_run_name(model: str, preset: str) -> str:
+    short = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name).strip("-").lower() or "model"
+    return f"{short}-{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def launch_train(options: Any, session: Session, launch: Launch, run_name: str | None, overwrite: bool,
+                 yes: bool) -> int:
+    """Check what can be checked once, then start every process of the run."""
+    from llmcustoms.data import read_dataset
+    from llmcustoms.planning import check_distributed_method
+    from llmcustoms.rundir import RunDirectory
+
+    # Refused here, once (exit 2), rather than by every process behind the
+    # launcher, whose own report would bury the message.
+    check_distributed_method(options.override("method", None), options.override("distributed", None))
+    read_dataset(options.data, skip_bad_rows=options.skip_bad_rows)
+    # Every process must write to the same run: name it once, here.
+    name = run_name or default_run_name(options.model or "auto", options.preset or "quality")
+    target = RunDirectory.inside(session.output_dir, name)
+    target.check_available(overwrite)
+    argv = launching.strip_launch_options(sys.argv[1:])
+    argv += [] if run_name else ["--run-name", name]
+    argv += [] if yes else ["--yes"]  # the processes cannot ask
+    return launch.relaunch(argv, target.path, session.resume_options())
+
+
+def train(options: Any, session: Session, run_name: str | None, overwrite: bool, yes: bool,
+          confirm: Callable[[str], bool]) -> Any:
+    """Plan, show the plan, ask, train. Returns the `TrainResult` (None when
+    the user declined or this is not the main process)."""
+    from llmcustoms import console as ui
+    from llmcustoms.hardware import detect
+    from llmcustoms.preparation import prepare_run
+    from llmcustoms.rundir import RunDirectory
+
+    tracker = session.tracker
+    world = launching.world_size()
+    quiet = session.quiet or not launching.is_main_process()  # one display, from the main process
+    # Fail before any slow work, not after it.
+    if run_name:
+        RunDirectory.inside(session.output_dir, run_name).check_available(overwrite or world > 1)
+    else:
+        RunDirectory(session.output_dir).check_available(overwrite=True)
+    hardware = detect()
+    prepared = prepare_run(options, hardware, world_size=world)
+    plan = prepared.plan
+    run_dir = RunDirectory.inside(session.output_dir, run_name or default_run_name(plan.model, plan.preset))
+    if not quiet:
+        ui.show_prepared(prepared, options.data)
+        ui.show_plan(plan, hardware)
+        if not yes and not confirm("Start training?"):
+            return None
+    if launching.is_main_process():
+        run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
+        run_dir.write_plan(plan)
+    wait_for_all_processes(world)
+    return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker)
+
+
+def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int:
+    from llmcustoms.rundir import RunDirectory, find_unfinished_run
+
+    target = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
+    target.read_plan()  # a damaged run fails here, once, not in every process
+    options = session.resume_options()
+    return launch.relaunch(["resume", str(target.path)] + options, target.path, options)
+
+
+def _resumable(run_dir: Path | None, session: Session) -> Any:
+    """The run to continue, refused if finished or being trained right now."""
+    from llmcustoms.rundir import RunDirectory, find_unfinished_run
+
+    directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
+    directory.read_plan()
+    if directory.read_status().get("status") == "completed":
+        raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
+                              "Start a new run with `llmcustoms train`, or use this one (`report`, `chat`, `export`).")
+    if directory.running_pid() is not None and launching.world_size() == 1:
+        raise LlmcustomsError(f"{directory.path} is being trained right now (process {directory.running_pid()}).",
+                              "Wait for it, or stop it with Ctrl-C first; then resume.")
+    return directory
+
+
+def resume(run_dir: Path | None, session: Session) -> Any:
+    """Continue a run from its last good checkpoint; returns the `TrainResult`
+    (None on a process other than the main one)."""
+    from llmcustoms import console as ui
+    from llmcustoms.preparation import prepare_resume
+
+    directory = _resumable(run_dir, session)
+    plan = directory.read_plan()
+    world = launching.world_size()
+    prepared = prepare_resume(plan, world_size=world)
+    restart = directory.pending_restart()
+    recovery = None
+    if restart is not None:  # a process failed where the others could not learn of it
+        prepared, recovery = _recover_before_restart(prepared, restart, directory)
+        wait_for_all_processes(world)  # every process has read the request before it goes
+    if launching.is_main_process():
+        if prepared.plan != plan:
+            directory.write_plan(prepared.plan)  # new world size, or recovery
+        if recovery is not None:
+            directory.add_recovery(recovery.to_json())
+            directory.clear_restart()
+        for warning in prepared.plan.warnings[len(plan.warnings):]:
+            ui.print_warning(warning)
+    wait_for_all_processes(world)
+    quiet = session.quiet or not launching.is_main_process()
+    if not quiet:
+        ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
+                         f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
+    return run_training(prepared, directory, quiet, resume=True, tracker=session.tracker,
+                        faults_spent_through=restart["step"] if restart else 0)
+
+
+def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
+    """The resumed run's plan after the failure a process reported (the same on
+    every process), or the failure report if recovery has run out of options."""
+    from llmcustoms import console as ui
+    from llmcustoms.recovery import TrainingFailed, TrainingRecoverySystem
+
+    try:
+        plan, recovery = TrainingRecoverySystem().after_oom(prepared.plan, int(restart["step"]))
+    except TrainingFailed as failed:
+        wait_for_all_processes(launching.world_size())  # every process has read the request before it goes
+        if launching.is_main_process():
+            directory.write_status("failed", reason=failed.report["reason"], suggestions=failed.report["suggestions"])
+            directory.clear_restart()
+            ui.show_failure(failed.report, directory.path)
+        raise
+    return replace(prepared, plan=plan), recovery
+
+
+def wait_for_all_processes(world: int) -> None:
+    """A barrier between the processes of a distributed run (nothing with one process)."""
+    if world > 1:
+        import torch
+        from accelerate import PartialState
+
+        # The same cpu= as the trainer's Accelerator: the first state made is the one kept.
+        PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
+
+
+def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none",
+                 faults_spent_through: int = 0) -> Any:
+    """Train (or resume); show how it ended if it did not finish, and re-raise."""
+    from llmcustoms import console as ui
+    from llmcustoms.faults import FaultInjector
+    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted
+    from llmcustoms.tracking import TrackingReporter
+
+    main = launching.is_main_process()
+    reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker if main else "none", run_dir, prepared.plan)
+    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
+                      faults=FaultInjector.from_env(spent_through=faults_spent_through))
+    try:
+        result = tuner.run(resume=resume)
+    except RestartNeeded as restart:
+        _exit_for_restart(restart, run_dir)
+    except TrainingInterrupted as stop:
+        if main:
+            command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
+                       else f"llmcustoms resume {run_dir.path}")
+            ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.", f"Continue with: {command}")
+        raise
+    except TrainingFailed as failed:
+        ui.show_failure(failed.report, run_dir.path)
+        if failed.__cause__ is not None:  # a bug, not a recoverable condition: show where
+            import traceback
+
+            traceback.print_exception(failed.__cause__)
+        raise
+    return result if main else None
+
+
+def _exit_for_restart(restart: Any, run_dir: Any) -> None:
+    from llmcustoms import console as ui
+
+    if restart.rank == launching.process_rank():  # one message, from the process that failed
+        what = f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's collectives."
+        if launching.restarts_on_request():
+            ui.print_error(what + " Every process restarts from the last checkpoint with a smaller micro-batch.", None)
+        else:
+            ui.print_error(what, f"Continue with: {launching.resume_hint(run_dir.path)} "
+                                 "(it lowers the micro-batch first)")
+    sys.stderr.flush()
+    # Not a normal exit: the other processes wait in a collective this one
+    # left, and interpreter shutdown could wait for them.
+    os._exit(launching.EXIT_RESTART)

@@ -1,0 +1,84 @@
+"""The UI boundary: Rich only in the UI modules, which render what others work out."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from llmcustoms.fitting import fit_table, fitting_models
+from llmcustoms.hardware import Hardware
+from llmcustoms.presets import load_families
+from llmcustoms.rundir import RunDirectory, list_runs
+
+UI_MODULES = {"console.py", "dialog.py"}
+
+
+def test_rich_is_imported_by_the_ui_modules_only():
+    package = Path(__file__).parent.parent / "llmcustoms"
+    importers = {path.name for path in package.glob("*.py")
+                 if re.search(r"^\s*(from|import) rich\b", path.read_text(), re.MULTILINE)}
+    assert importers <= UI_MODULES, importers - UI_MODULES
+
+
+def test_the_fit_table_says_how_each_method_fits():
+    table = fit_table(Hardware.with_gpu(8), load_families())
+    rows = {model.hub_id: model.methods for model in table.models}
+    assert table.methods == ("lora", "qlora", "full") and table.seq_len == 1024
+    small = rows["Qwen/Qwen2.5-0.5B-Instruct"]["lora"]
+    assert small.fits and small.micro_batch >= 1 and small.need_bytes == 0
+    too_big = rows["mistralai/Mistral-7B-Instruct-v0.3"]["full"]
+    assert not too_big.fits and too_big.need_bytes > table.budget_bytes
+
+
+def test_setup_offers_the_models_that_fit_smallest_first():
+    choices = fitting_models(Hardware.cpu_only(8), load_families(), 256)
+    shown = [round(c.params / 1e9, 1) for c in choices]  # 7.2B and 7.2B keep catalog order
+    assert choices and shown == sorted(shown)
+    assert all(c.method in ("lora", "qlora") and c.total_bytes > 0 for c in choices)
+
+
+def test_runs_are_listed_from_the_run_directories(tmp_path):
+    done = RunDirectory(tmp_path / "done")
+    done.path.mkdir()
+    (done.path / "plan.json").write_text('{"model": "/models/tiny", "method": "lora", "total_steps": 12}')
+    done.write_status("completed", step=12, best_eval_loss=1.5)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "plan.json").write_text("{cut")
+    [run] = list_runs(tmp_path)
+    assert (run.name, run.model, run.method, run.status, run.step, run.total_steps) == \
+        ("done", "/models/tiny", "lora", "completed", 12, 12)
+    assert run.best_eval_loss == 1.5 and run.seconds == 0 and run.started_at
+
+
+def test_a_restart_request_names_the_launch_it_is_given(tmp_path):
+    run = RunDirectory(tmp_path, writable=False)
+    run.request_restart("nan", 3, rank=0, launch="abc")
+    assert run.pending_restart() == {"kind": "nan", "step": 3, "rank": 0, "launch": "abc"}
+
+
+def chat(monkeypatch, capsys, typed: str) -> tuple[list[list[dict]], str]:
+    from llmcustoms import dialog
+
+    seen = []
+
+    def reply(messages, on_text):
+        seen.append([dict(m) for m in messages])
+        on_text("fine")
+        return "fine"
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(typed))
+    dialog.chat_loop(reply, [{"role": "system", "content": "be brief"}], "runs/r", "tiny")
+    return seen, capsys.readouterr().out
+
+
+def test_the_chat_loop_streams_replies_and_resets(monkeypatch, capsys):
+    seen, out = chat(monkeypatch, capsys, "hi\n\n/reset\nagain\n/quit\nnever read\n")
+    assert "Chatting with runs/r (tiny + adapter)" in out and out.count("model> fine\n") == 2
+    assert seen[0] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert seen[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}]
+
+
+def test_the_chat_loop_ends_at_the_end_of_input(monkeypatch, capsys):
+    seen, out = chat(monkeypatch, capsys, "hi\n")
+    assert len(seen) == 1 and out.count("you>") == 2

@@ -1,0 +1,93 @@
+"""The rules of CONTRIBUTING.md that a machine can check: planning never
+imports torch, Rich stays in the UI module, no import cycles, and modules
+and functions small enough to read."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "llmcustoms"
+MODULES = sorted(PACKAGE.glob("*.py"))
+# The modules that may import Rich: everything the user sees is drawn there.
+UI_MODULES = {"console.py"}
+# Planning and everything `--help` touches: importable without torch.
+WITHOUT_TORCH = ("llmcustoms.cli", "llmcustoms.options", "llmcustoms.flags", "llmcustoms.settings",
+                 "llmcustoms.presets", "llmcustoms.hardware", "llmcustoms.memory", "llmcustoms.planning",
+                 "llmcustoms.plan", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            if node.module == "llmcustoms":  # `from llmcustoms import console`
+                names.update(f"llmcustoms.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_planning_and_the_cli_import_no_torch():
+    present = [m for m in WITHOUT_TORCH if (PACKAGE / f"{m.split('.')[-1]}.py").exists()]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in present)
+            + "heavy = [m for m in ('torch', 'transformers', 'peft', 'optuna') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_rich_only_in_the_ui_module():
+    offenders = [p.name for p in MODULES if p.name not in UI_MODULES
+                 and any(name == "rich" or name.startswith("rich.") for name in imported_modules(p))]
+    assert not offenders, f"Rich imported outside {sorted(UI_MODULES)}: {offenders}"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in MODULES:
+        name = f"llmcustoms.{path.stem}"
+        graph[name] = {m for m in imported_modules(path) if m.startswith("llmcustoms.") and m != name}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt in graph and state.get(nxt) is None:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if state.get(module) is None:
+            visit(module)
+
+
+def test_modules_and_functions_are_small():
+    too_long = {p.name: n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    assert not too_long, f"modules over 450 lines: {too_long}"
+    assert len((PACKAGE / "cli.py").read_text().splitlines()) < 350
+    long_functions = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 70:
+                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
+    assert not long_functions, f"functions over 70 lines: {long_functions}"
