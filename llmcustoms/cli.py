@@ -274,13 +274,9 @@ def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
 
 
 def _run_directory(path: Path) -> Any:
-    from llmcustoms.errors import ConfigError
     from llmcustoms.rundir import RunDirectory
 
-    if not (path / "plan.json").is_file():
-        raise ConfigError(f"{path} is not an llmcustoms run directory (no plan.json).",
-                          "`llmcustoms runs` lists the runs under ./runs.")
-    return RunDirectory(path)
+    return RunDirectory.existing(path)
 
 
 @app.command()
@@ -311,8 +307,7 @@ def generate(
     """Generate a reply to one prompt with the run's model."""
     with ending():
         _quiet_libraries()
-        import sys
-
+        from llmcustoms import dialog
         from llmcustoms.generation import generate as reply
         from llmcustoms.generation import load_trained
 
@@ -322,8 +317,8 @@ def generate(
             set_seed(seed)
         model, tokenizer, plan = load_trained(_run_directory(run))
         reply(model, tokenizer, plan, [{"role": "user", "content": prompt}], max_new_tokens, temperature,
-              on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        sys.stdout.write("\n")
+              on_text=dialog.write_piece)
+        dialog.write_piece("\n")
 
 
 @app.command()
@@ -336,34 +331,14 @@ def chat(
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
     with ending():
         _quiet_libraries()
-        import sys
-
+        from llmcustoms import dialog
         from llmcustoms.generation import generate as reply
         from llmcustoms.generation import load_trained
 
         model, tokenizer, plan = load_trained(_run_directory(run))
         start = [{"role": "system", "content": system}] if system else []
-        messages = list(start)
-        console.print(f"Chatting with [bold]{run}[/] ({plan.model} + adapter). /exit or Ctrl-D to quit, /reset to start over.")
-        while True:
-            try:
-                text = console.input("[bold green]you>[/] ")
-            except (EOFError, KeyboardInterrupt):
-                console.print()
-                break
-            if text.strip() in ("/exit", "/quit"):
-                break
-            if text.strip() == "/reset":
-                messages = list(start)
-                continue
-            if not text.strip():
-                continue
-            messages.append({"role": "user", "content": text})
-            console.print("[bold blue]model>[/] ", end="")
-            answer = reply(model, tokenizer, plan, messages, max_new_tokens, temperature,
-                           on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": answer})
+        dialog.chat_loop(lambda messages, on_text: reply(model, tokenizer, plan, messages, max_new_tokens,
+                                                         temperature, on_text=on_text), start, str(run), plan.model)
 
 
 @app.command()

@@ -29,18 +29,17 @@ import math
 import signal
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from llmcustoms.batching import TrainingRows, count_loss_tokens
-from llmcustoms.checkpoints import Checkpoint, CheckpointManager, rng_state, set_rng_state
+from llmcustoms.checkpoints import Checkpoint, CheckpointManager
 from llmcustoms.faults import FaultInjector
 from llmcustoms.losses import Loss, select_logits, token_cross_entropy
-from llmcustoms.modeling import load_model, save_trained
+from llmcustoms.modeling import load_model
 from llmcustoms.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
-from llmcustoms.planning import Plan
+from llmcustoms.plan import Plan
 from llmcustoms.position import Position, StopCause, StopReason, TrainResult
 from llmcustoms.processes import Processes, StopSignals
 from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem,
@@ -100,8 +99,8 @@ class FineTuner:
             except RestartNeeded as restart:
                 self.run_dir.write_status("failed", step=self.position.step, reason=restart.reason)
                 raise
-            except (TrainingInterrupted, KeyboardInterrupt):
-                raise
+            except TrainingInterrupted:
+                raise  # status.json already says so
             except Exception as error:
                 raise self._failure(error) from error
             finally:
@@ -175,7 +174,7 @@ class FineTuner:
         while self.position.step < self.plan.total_steps and stop is None:
             steps = self.data.epoch_steps(self.plan.effective_batch_size, self.plan.seed, self.position.epoch)
             if self.position.index >= len(steps):
-                self.position.epoch, self.position.index = self.position.epoch + 1, 0
+                self.position.next_epoch()
                 continue
             metrics, failure = self._attempt(steps[self.position.index])
             if failure is not None:
@@ -264,10 +263,7 @@ class FineTuner:
 
     def _record(self, metrics: dict[str, float], steps_in_epoch: int) -> None:
         position = self.position
-        position.index += 1
-        position.step += 1
-        position.tokens += metrics["tokens"]
-        position.final_loss = metrics["loss"]
+        position.advance(metrics["tokens"], metrics["loss"])
         row = {"step": position.step, "epoch": round(position.epoch + position.index / steps_in_epoch, 4),
                **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}}
         self.run_dir.append_metrics(row)
@@ -337,17 +333,9 @@ class FineTuner:
     # ------------------------------------------------------------ checkpoints
 
     def _save_checkpoint(self) -> None:
-        weights, optimizer_tensors, groups = self.processes.training_state(self.model, self.optimizer)
-        rng_tensors, rng_json = rng_state()
-        state = {**asdict(self.position), "scheduler": self.scheduler.state_dict(), "optimizer_groups": groups,
-                 "rng": rng_json, "micro_batch_size": self.plan.micro_batch_size}
-        if self.processes.is_main:  # the same on every rank (or gathered here): one writer
-            self.checkpoints.save(self.position.step, {"model.safetensors": weights,
-                                                       "optimizer.safetensors": optimizer_tensors,
-                                                       "rng.safetensors": rng_tensors}, state)
-            self.checkpoints.prune(self.checkpoints.best_step())
-        # No rank goes on (and might roll back to it) before the checkpoint is whole.
-        self.accelerator.wait_for_everyone()
+        state = {**asdict(self.position), "scheduler": self.scheduler.state_dict(),
+                 "micro_batch_size": self.plan.micro_batch_size}
+        self.processes.save_checkpoint(self.checkpoints, self.position.step, self.model, self.optimizer, state)
 
     def _stop_if_signalled(self, saved: bool, last: bool) -> None:
         """After a step: stop for SIGINT / SIGTERM, with a checkpoint of this step."""
@@ -362,12 +350,10 @@ class FineTuner:
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Put model, optimizer, schedule, RNG and loop position back as they were."""
-        state = checkpoint.state()
-        self.processes.load_training_state(self.model, self.optimizer, checkpoint, state["optimizer_groups"])
+        state = self.processes.restore_checkpoint(checkpoint, self.model, self.optimizer)
         self.position = Position.from_state(state)
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_learning_rate()  # needs the restored step
-        set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
         self.run_dir.truncate_metrics(self.position.step)
 
     # --------------------------------------------------------------- recovery
@@ -433,7 +419,7 @@ class FineTuner:
     def _finish(self, stop: StopReason | None, seconds: float, tokens: int) -> TrainResult:
         output = self.run_dir.output_path(self.plan.method)
         if self.save_artifacts:
-            self._save_output(output)
+            self.processes.save_trained(self.model, self.tokenizer, output)
         position, reason = self.position, stop.text if stop else None
         self.run_dir.write_status("completed", step=position.step, reason=reason, final_loss=position.final_loss,
                                   best_eval_loss=position.best_eval, best_eval_step=position.best_step)
@@ -442,10 +428,3 @@ class FineTuner:
         return TrainResult(status="completed", steps=position.step, final_loss=position.final_loss,
                            best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
                            tokens_per_s=tokens / max(seconds, 1e-9), output_path=output, stop=stop)
-
-    def _save_output(self, output: Path) -> None:
-        """The adapter (or full model), written once, by the main process."""
-        weights = self.processes.output_weights(self.model)
-        if self.processes.is_main:
-            save_trained(self.accelerator.unwrap_model(self.model), self.tokenizer, output, weights)
-        self.accelerator.wait_for_everyone()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.planning import Plan
+from llmcustoms.plan import Plan
 
 Schedule = Callable[[int, Plan], float]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcustoms.duration import duration_reason, estimate_seconds
+from llmcustoms import options
 from llmcustoms.errors import ConfigError
 from llmcustoms.sizing import best_fit, does_not_fit
 from llmcustoms.hardware import GIB, Hardware
@@ -33,14 +34,8 @@ MICRO_BATCH_CAP = 16
 LENGTH_PERCENTILE = 99
 
 
-# Values a user may set with a flag (or, later, an environment variable).
-OVERRIDABLE = (
-    "method", "micro_batch_size", "grad_accum", "max_seq_len", "gradient_checkpointing",
-    "mixed_precision", "lr", "lr_scheduler", "warmup_ratio", "weight_decay", "max_grad_norm",
-    "epochs", "max_steps", "eval_every", "early_stopping_patience", "save_every",
-    "keep_checkpoints", "seed", "train_on_prompt", "trust_remote_code", "lora_r",
-    "lora_alpha", "lora_dropout", "eval_split", "distributed",
-)
+# Values a flag, a variable or a preset may set: the options table's plan values.
+OVERRIDABLE = options.plan_overridable()
 
 
 class _Resolver:
@@ -170,15 +165,6 @@ def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> 
     return max(1, -(-train_rows // (micro_batch_size * grad_accum)))
 
 
-def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
-    """The share of rows held out for evaluation, and where it came from.
-    Needed before planning proper, since the split decides the training rows."""
-    if "eval_split" in overrides:
-        return overrides["eval_split"]
-    values, bucket = preset.for_dataset_size(total_rows)
-    return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
-
-
 def _memory_summary(estimate: MemoryEstimate) -> str:
     return f"{estimate.total_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB"
 
@@ -246,8 +232,10 @@ def _schedule(r: _Resolver, train_rows: int, micro: int, accum_over_processes: i
     return _Schedule(per_epoch, epochs, total, warmup_steps)
 
 
-def _evaluation_and_saving(r: _Resolver, eval_rows: int, evals_per_epoch: int, schedule: _Schedule) -> tuple[int, int, int]:
+def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) -> tuple[int, int, int]:
     """(eval_every, early-stopping patience, save_every)."""
+    evals_per_epoch = r.get("evals_per_epoch", 1)
+    r.sources.pop("evals_per_epoch")  # not a plan value: eval_every is
     if eval_rows == 0:
         eval_every = 0
         r.sources["eval_every"] = "optimizer"
@@ -421,8 +409,7 @@ class ParameterOptimizer:
         accum, effective = _accumulation(r, target, micro, world_size)
         memory = self._memory(r, model, batch, max_seq_len, precision)
         schedule = _schedule(r, train_rows, micro, accum * world_size)
-        eval_every, patience, save_every = _evaluation_and_saving(
-            r, stats.eval_rows, preset_values.get("evals_per_epoch", 1), schedule)
+        eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
         seconds = _what_to_expect(r, hardware, stats, model, batch, max_seq_len, train_rows,
                                   schedule.total_steps * effective)

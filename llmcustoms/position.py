@@ -44,6 +44,16 @@ class Position:
         """The position saved in a checkpoint's state (other keys are ignored)."""
         return cls(**{f.name: state[f.name] for f in fields(cls)})
 
+    def advance(self, tokens: int, loss: float) -> None:
+        """One optimizer step done."""
+        self.index += 1
+        self.step += 1
+        self.tokens += tokens
+        self.final_loss = loss
+
+    def next_epoch(self) -> None:
+        self.epoch, self.index = self.epoch + 1, 0
+
     def early_stop(self, eval_loss: float, patience: int) -> StopReason | None:
         """Count an evaluation towards early stopping: a reason to stop once eval
         loss has not improved for `patience` evaluations (0: never)."""

@@ -19,8 +19,8 @@ from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
 from llmcustoms.plan import DataStats, Plan
-from llmcustoms.planning import ParameterOptimizer, eval_fraction
-from llmcustoms.presets import find_model_spec, load_families, load_preset
+from llmcustoms.planning import ParameterOptimizer
+from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 
 DEFAULT_PRESET = "quality"
@@ -89,6 +89,15 @@ def estimated_stats(train: list[Example], eval_rows: int, fmt: str) -> DataStats
             firsts.append(max(1, tokens(len(e.prompt), 0)))
     return DataStats(lengths=tuple(lengths), first_loss_positions=tuple(firsts), eval_rows=eval_rows, format=fmt,
                      length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
+
+
+def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
+    """The share of rows held out for evaluation, and where it came from.
+    Needed before planning proper, since the split decides the training rows."""
+    if "eval_split" in overrides:
+        return overrides["eval_split"]
+    values, bucket = preset.for_dataset_size(total_rows)
+    return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
 
 
 def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[Example], list[Example], str, float]:

@@ -28,13 +28,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from llmcustoms.batching import micro_batches
-from llmcustoms.checkpoints import Checkpoint, load_optimizer_state, optimizer_state
-from llmcustoms.planning import Plan
+from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
+                                    set_rng_state)
+from llmcustoms.modeling import save_trained
+from llmcustoms.plan import Plan
 from llmcustoms.recovery import RestartNeeded
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
@@ -146,11 +149,11 @@ class Processes:
 
     # ------------------------------------------------------- shares of work
 
-    def share(self, rows: list[int], lengths: list[int], rank: int | None = None) -> list[int]:
+    def share(self, rows: list[int], lengths: list[int], rank: int) -> list[int]:
         """A rank's share of a step: every world-th row by length, so ranks get
         similar lengths. With one process, all of them."""
         ordered = sorted(rows, key=lambda i: -lengths[i])
-        return ordered[self.rank if rank is None else rank::self.world]
+        return ordered[rank::self.world]
 
     def micro_batches(self, rows: list[int], lengths: list[int], size: int) -> list[tuple[list[int], float]]:
         """This rank's micro-batches of a step, each with its weight in the loss.
@@ -261,9 +264,23 @@ class Processes:
 
     # ------------------------------------------------- saving and restoring
 
-    def training_state(self, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-        """(trainable weights, optimizer tensors, optimizer groups), whole; under
-        FSDP gathered onto the main process (empty elsewhere)."""
+    def save_checkpoint(self, checkpoints: CheckpointManager, step: int, model: Any, optimizer: Any,
+                        state: dict[str, Any]) -> None:
+        """Trainable weights, optimizer and RNG, with the loop's `state`, as one
+        checkpoint: whole (under FSDP gathered), written once, by the main process."""
+        weights, optimizer_tensors, groups = self._training_state(model, optimizer)
+        rng_tensors, rng_json = rng_state()
+        if self.is_main:  # the same on every rank (or gathered here): one writer
+            checkpoints.save(step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
+                                    "rng.safetensors": rng_tensors},
+                             {**state, "optimizer_groups": groups, "rng": rng_json})
+            checkpoints.prune(checkpoints.best_step())
+        # No rank goes on (and might roll back to it) before the checkpoint is whole.
+        self.accelerator.wait_for_everyone()
+
+    def _training_state(self, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """(trainable weights, optimizer tensors, optimizer groups); under FSDP
+        gathered onto the main process (empty elsewhere)."""
         if self.fsdp:
             return (gather_weights(model, self.trainable_names),
                     *gather_optimizer(model, optimizer.optimizer))
@@ -271,28 +288,34 @@ class Processes:
         weights = {name: param for name, param in unwrapped.named_parameters() if param.requires_grad}
         return (weights, *optimizer_state(optimizer))
 
-    def load_training_state(self, model: Any, optimizer: Any, checkpoint: Checkpoint,
-                            groups: list[dict[str, Any]]) -> None:
-        """Weights and optimizer back from a checkpoint. Under FSDP the main process
-        reads the whole tensors and every rank keeps its shard."""
+    def restore_checkpoint(self, checkpoint: Checkpoint, model: Any, optimizer: Any) -> dict[str, Any]:
+        """Weights, optimizer and RNG back from a checkpoint; returns the loop's state.
+        Under FSDP the main process reads the whole tensors and every rank keeps its shard."""
+        state = checkpoint.state()
+        groups = state["optimizer_groups"]
         if self.fsdp:
             load_weights(model, checkpoint.tensors("model.safetensors") if self.is_main else {})
             load_optimizer(model, optimizer.optimizer,
                            checkpoint.tensors("optimizer.safetensors") if self.is_main else {}, groups)
-            return
-        weights = checkpoint.tensors("model.safetensors")
-        with torch.no_grad():
-            for name, param in self.accelerator.unwrap_model(model).named_parameters():
-                if param.requires_grad:
-                    param.copy_(weights[name].to(param.device, param.dtype))
-        load_optimizer_state(optimizer, checkpoint.tensors("optimizer.safetensors"), groups)
+        else:
+            weights = checkpoint.tensors("model.safetensors")
+            with torch.no_grad():
+                for name, param in self.accelerator.unwrap_model(model).named_parameters():
+                    if param.requires_grad:
+                        param.copy_(weights[name].to(param.device, param.dtype))
+            load_optimizer_state(optimizer, checkpoint.tensors("optimizer.safetensors"), groups)
+        set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
+        return state
 
-    def output_weights(self, model: Any) -> dict[str, Any] | None:
-        """The weights to save as the trained model: None lets the model save its
-        own; under FSDP every entry of its state dict once, gathered (a tied head
-        is the embedding, saved as such)."""
-        if not self.fsdp:
-            return None
-        keys = set(model.state_dict())
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in keys]
-        return gather_weights(model, names)
+    def save_trained(self, model: Any, tokenizer: Any, output: Path) -> None:
+        """The adapter (or full model), written once, by the main process. Under
+        FSDP every entry of the state dict is gathered once (a tied head is the
+        embedding, saved as such)."""
+        weights = None
+        if self.fsdp:
+            keys = set(model.state_dict())
+            names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in keys]
+            weights = gather_weights(model, names)
+        if self.is_main:
+            save_trained(self.accelerator.unwrap_model(model), tokenizer, output, weights)
+        self.accelerator.wait_for_everyone()

@@ -74,6 +74,14 @@ class RunDirectory:
                               "Use a name without slashes, such as my-run; --output-dir says where it goes.")
         return cls(Path(output_dir) / run_name)
 
+    @classmethod
+    def existing(cls, path: Path) -> "RunDirectory":
+        """A run made by `train`, for `report`, `generate`, `chat` and `export`."""
+        if not (Path(path) / "plan.json").is_file():
+            raise ConfigError(f"{path} is not an llmcustoms run directory (no plan.json).",
+                              "`llmcustoms runs` lists the runs under ./runs.")
+        return cls(Path(path))
+
     def check_available(self, overwrite: bool = False) -> None:
         """Refuse to reuse a run directory that holds a run (unless told to), or a
         path where a file is in the way."""

@@ -14,7 +14,7 @@ for the rest of llmcustoms:
   with 1, 2 or 8, sharded or not.
 - Gathering weights and reducing gradients are collectives inside forward and
   backward, so every process must run the same number of them: callers pad
-  with zero-weight micro-batches (see FineTuner).
+  with zero-weight micro-batches (see `processes.Processes`).
 
 Every function but `shard` is a collective: every process must call it.
 """

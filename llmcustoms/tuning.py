@@ -25,7 +25,7 @@ from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import MemoryOptimizer
-from llmcustoms.planning import LoraSettings, Plan
+from llmcustoms.plan import LoraSettings, Plan
 from llmcustoms.preparation import PreparedRun
 from llmcustoms.presets import TUNABLE_FIELDS, TrainingPreset, load_families, find_model_spec, parse_preset
 from llmcustoms.rundir import RunDirectory
@@ -178,6 +178,7 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
 
     from llmcustoms.faults import FaultInjector
     from llmcustoms.finetuner import FineTuner
+    from llmcustoms.position import StopCause
     from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
 
     base = prepared.plan
@@ -185,16 +186,7 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
                           "Pass --eval-split 0.1 (or more), or --eval-data FILE.")
     space = search_space(base, hardware)
-    settings.study_dir.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.create_study(study_name=settings.study_name, storage=open_storage(settings.storage, settings.study_dir),
-                                    sampler=make_sampler(settings.sampler, space, settings.seed),
-                                    pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-                                    direction="minimize", load_if_exists=True)
-    except (ValueError, ImportError, RuntimeError) as exc:
-        raise ConfigError(f"Cannot open the study storage: {exc}",
-                          "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
+    study = open_study(settings, space)
     _check_same_study(study, base)
     faults = faults or FaultInjector.from_env()  # one injector: each fault fires once per process
     outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
@@ -206,19 +198,8 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
         last: dict[str, float] = {}
-
-        reported: set[int] = set()
-
-        def report(step: int, eval_loss: float) -> bool:
-            last["eval_loss"] = eval_loss
-            if step not in reported:  # a rollback replays steps; each is reported once
-                reported.add(step)
-                trial.report(eval_loss, step)
-            _refresh(study, on_update, running=(trial.number, step, eval_loss))
-            return trial.should_prune()
-
         tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, SilentReporter(),
-                          faults=faults, on_evaluate=report, save_artifacts=False)
+                          faults=faults, on_evaluate=_pruning_report(trial, study, on_update, last), save_artifacts=False)
         started = time.perf_counter()
         try:
             result = tuner.run()
@@ -229,16 +210,12 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
             trial.set_user_attr("reason", "interrupted")
             raise
         finally:
-            outcome.steps_run += tuner.step
+            outcome.steps_run += tuner.position.step
             outcome.steps_budgeted += settings.steps
-            trial.set_user_attr("steps", tuner.step)
-            trial.set_user_attr("seconds", round(time.perf_counter() - started, 2))
-            recoveries = run_dir.read_status().get("recoveries", [])
-            if recoveries:
-                trial.set_user_attr("recoveries", [f"{r['kind']} at step {r['step']}: {r['action']}" for r in recoveries])
-        if result.stop_reason and "by the caller" in result.stop_reason:
-            trial.set_user_attr("reason", f"pruned at step {tuner.step}")
-            raise optuna.TrialPruned(f"pruned at step {tuner.step}")
+            _note_trial(trial, run_dir, tuner.position.step, time.perf_counter() - started)
+        if result.stop is not None and result.stop.cause is StopCause.CALLER:
+            trial.set_user_attr("reason", f"pruned at step {tuner.position.step}")
+            raise optuna.TrialPruned(f"pruned at step {tuner.position.step}")
         return last.get("eval_loss", float("nan"))
 
     def after_trial(study: Any, trial: Any) -> None:
@@ -255,6 +232,48 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
     if _best_trial(study) is not None:
         outcome.best_preset_path = write_best_preset(study, base, preset, prepared, settings)
     return outcome
+
+
+def open_study(settings: TuneSettings, space: SearchSpace) -> Any:
+    """The study in its storage, created if it is new."""
+    import optuna
+
+    settings.study_dir.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return optuna.create_study(study_name=settings.study_name, storage=open_storage(settings.storage, settings.study_dir),
+                                   sampler=make_sampler(settings.sampler, space, settings.seed),
+                                   pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+                                   direction="minimize", load_if_exists=True)
+    except (ValueError, ImportError, RuntimeError) as exc:
+        raise ConfigError(f"Cannot open the study storage: {exc}",
+                          "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
+
+
+def _pruning_report(trial: Any, study: Any, on_update: Callable[[list[dict[str, Any]]], None],
+                    last: dict[str, float]) -> Callable[[int, float], bool]:
+    """The trial's `on_evaluate`: reports eval loss to Optuna (keeping the latest
+    in `last`) and says whether the pruner stops the trial."""
+    reported: set[int] = set()
+
+    def report(step: int, eval_loss: float) -> bool:
+        last["eval_loss"] = eval_loss
+        if step not in reported:  # a rollback replays steps; each is reported once
+            reported.add(step)
+            trial.report(eval_loss, step)
+        _refresh(study, on_update, running=(trial.number, step, eval_loss))
+        return trial.should_prune()
+
+    return report
+
+
+def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, seconds: float) -> None:
+    """What a trial did, kept with it in the study: steps, time, recoveries."""
+    trial.set_user_attr("steps", steps)
+    trial.set_user_attr("seconds", round(seconds, 2))
+    recoveries = run_dir.read_status().get("recoveries", [])
+    if recoveries:
+        trial.set_user_attr("recoveries", [f"{r['kind']} at step {r['step']}: {r['action']}" for r in recoveries])
 
 
 def _check_same_study(study: Any, base: Plan) -> None:

@@ -64,7 +64,9 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
     output_dir = dialog.ask("Where to put runs", "runs")
     save_every = ask_save_every()
 
-    values = {f"{PREFIX}PRESET": preset_name, f"{PREFIX}MODEL": model, f"{PREFIX}OUTPUT_DIR": output_dir}
+    # The data too, so `llmcustoms train`, `plan` and `tune` need no argument.
+    values = {f"{PREFIX}DATA": data_path, f"{PREFIX}PRESET": preset_name, f"{PREFIX}MODEL": model,
+              f"{PREFIX}OUTPUT_DIR": output_dir}
     if save_every != "auto":
         values[f"{PREFIX}SAVE_EVERY"] = save_every
     if env_file.exists():
@@ -75,7 +77,7 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
             return []
     write_env(env_file, values)
     dialog.say(f"Wrote {env_file}.")
-    command = ["llmcustoms", "train", data_path]
+    command = ["llmcustoms", "train"]
     if env_file.resolve() != Path(".env").resolve():
         command += ["--env-file", str(env_file)]
     return command

@@ -1,24 +1,14 @@
-"""The UI boundary: Rich only in the UI modules, which render what others work out."""
+"""The UI boundary: the UI modules render what fitting and the run directory work out,
+and run the chat's input and output."""
 
 from __future__ import annotations
 
 import io
-import re
-from pathlib import Path
 
 from llmcustoms.fitting import fit_table, fitting_models
 from llmcustoms.hardware import Hardware
 from llmcustoms.presets import load_families
 from llmcustoms.rundir import RunDirectory, list_runs
-
-UI_MODULES = {"console.py", "dialog.py"}
-
-
-def test_rich_is_imported_by_the_ui_modules_only():
-    package = Path(__file__).parent.parent / "llmcustoms"
-    importers = {path.name for path in package.glob("*.py")
-                 if re.search(r"^\s*(from|import) rich\b", path.read_text(), re.MULTILINE)}
-    assert importers <= UI_MODULES, importers - UI_MODULES
 
 
 def test_the_fit_table_says_how_each_method_fits():

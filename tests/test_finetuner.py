@@ -13,16 +13,20 @@ from transformers import AutoModelForCausalLM
 
 from llmcustoms.batching import collate
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.finetuner import FineTuner, lr_multiplier
+from llmcustoms.finetuner import FineTuner
 from llmcustoms.hardware import Hardware
+from llmcustoms.optimization import lr_multiplier
 from llmcustoms.plan import Plan
+from llmcustoms.position import Position, StopCause
 from llmcustoms.preparation import TrainOptions, prepare_run
 from llmcustoms.rundir import RunDirectory
 from tiny_models import FIXTURES
 
 
-def train(tmp_path: Path, model_dir: Path, data: str = "alpaca.jsonl", name: str = "run", **overrides):
-    """Prepare and run a training exactly as `llmcustoms train` does, in-process."""
+def train(tmp_path: Path, model_dir: Path, data: str = "alpaca.jsonl", name: str = "run", tuner_args: dict | None = None,
+          **overrides):
+    """Prepare and run a training exactly as `llmcustoms train` does, in-process
+    (`tuner_args`: more keyword arguments for FineTuner)."""
     settings = {"max_steps": 4, "lora_dropout": 0.0, "lr": 1e-2, "warmup_ratio": 0.0, **overrides}
     options = TrainOptions(data=str(FIXTURES / data), model=str(model_dir),
                            overrides={k: (v, "flag") for k, v in settings.items()})
@@ -31,7 +35,8 @@ def train(tmp_path: Path, model_dir: Path, data: str = "alpaca.jsonl", name: str
     run_dir.create()
     run_dir.write_plan(prepared.plan)
     reporter = SilentReporter()
-    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter)
+    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
+                      **(tuner_args or {}))
     result = tuner.run()
     return tuner, result, run_dir, reporter
 
@@ -85,7 +90,7 @@ def test_saved_adapter_reproduces_the_trained_models_logits(tmp_path, tiny_model
     from transformers import BitsAndBytesConfig
 
     tuner, _, run_dir, _ = train(tmp_path, tiny_models[family], method=method)
-    batch = collate(tuner.train_rows[:3], tuner.tokenizer.pad_token_id)
+    batch = collate(tuner.data.train[:3], tuner.tokenizer.pad_token_id)
     trained = tuner.accelerator.unwrap_model(tuner.model).eval()
     with torch.no_grad():
         expected = trained(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -130,7 +135,7 @@ def test_full_fine_tuning_saves_a_loadable_model(tmp_path, tiny_models):
     tuner, _, run_dir, _ = train(tmp_path, tiny_models["llama"], method="full", lr=1e-3)
     saved = AutoModelForCausalLM.from_pretrained(run_dir.path / "model", dtype=torch.float32).eval()
     original = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
-    batch = collate(tuner.train_rows[:2], tuner.tokenizer.pad_token_id)
+    batch = collate(tuner.data.train[:2], tuner.tokenizer.pad_token_id)
     with torch.no_grad():
         expected = tuner.accelerator.unwrap_model(tuner.model).eval()(input_ids=batch["input_ids"]).logits
         assert torch.allclose(saved(input_ids=batch["input_ids"]).logits, expected, atol=1e-5)
@@ -162,6 +167,7 @@ def test_early_stopping_ends_the_run_when_eval_loss_stops_improving(tmp_path, ti
                                          eval_every=1, early_stopping_patience=2)
     evals = [row["eval_loss"] for row in reporter.evals]
     assert result.steps < 40
+    assert result.stop.cause is StopCause.EARLY_STOPPING and result.stop.step == result.steps
     assert result.stop_reason and "early stopping" in result.stop_reason
     best = min(range(len(evals)), key=evals.__getitem__)
     assert len(evals) - 1 - best == 2  # stopped exactly `patience` evaluations after the best
@@ -198,9 +204,40 @@ def test_gradient_checkpointing_saves_memory_without_changing_the_result(tmp_pat
 
 
 def test_gradients_are_all_reduced_in_buckets_of_one_dtype_up_to_the_limit():
-    from llmcustoms.finetuner import _buckets
+    from llmcustoms.processes import buckets as bucketed
 
     tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3)]
-    buckets = _buckets(tensors, limit=80)  # bytes: 40 + 40 fit, 120 is alone, a dtype change starts a bucket
+    buckets = bucketed(tensors, limit=80)  # bytes: 40 + 40 fit, 120 is alone, a dtype change starts a bucket
     assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [5], [3]]
     assert sum(len(b) for b in buckets) == len(tensors)
+
+
+def test_a_caller_stopping_the_run_is_a_typed_reason_not_a_message(tmp_path, tiny_models):
+    _, result, run_dir, _ = train(tmp_path, tiny_models["llama"], max_steps=8, eval_every=2,
+                                  tuner_args={"on_evaluate": lambda step, loss: step >= 4})
+    assert result.steps == 4 and result.stop.cause is StopCause.CALLER and result.stop.step == 4
+    assert json.loads(run_dir.status_path.read_text())["reason"] == result.stop_reason == result.stop.text
+
+
+def test_the_loss_and_the_schedule_are_arguments(tmp_path, tiny_models):
+    from llmcustoms.losses import token_cross_entropy
+
+    calls = []
+
+    def counted(model, batch, normaliser):
+        calls.append(batch["input_ids"].shape[0])
+        return token_cross_entropy(model, batch, normaliser)
+
+    tuner, _, run_dir, reporter = train(tmp_path, tiny_models["llama"], max_steps=2, micro_batch_size=4, grad_accum=2,
+                                        eval_every=0, tuner_args={"loss": counted, "schedule": lambda step, plan: 0.5})
+    assert len(calls) == 2 * 2  # every micro-batch of both steps
+    assert [row["lr"] for row in reporter.steps] == pytest.approx([0.5e-2, 0.5e-2])
+
+
+def test_the_loop_position_is_one_record_read_from_flat_checkpoint_state():
+    # state.json keeps the position's fields as flat keys, beside the scheduler's and others.
+    state = {"step": 6, "epoch": 1, "index": 2, "tokens": 900, "final_loss": 1.5, "best_eval": 1.7, "best_step": 4,
+             "last_eval": 1.8, "evals_since_best": 1, "scheduler": {}, "micro_batch_size": 4}
+    position = Position.from_state(state)
+    assert (position.step, position.epoch, position.index, position.best_step) == (6, 1, 2, 4)
+    assert position.early_stop(1.9, patience=2).cause is StopCause.EARLY_STOPPING

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).parent.parent / "llmcustoms"
 MODULES = sorted(PACKAGE.glob("*.py"))
 # The modules that may import Rich: everything the user sees is drawn there.
-UI_MODULES = {"console.py"}
+UI_MODULES = {"console.py", "dialog.py"}
 # Planning and everything `--help` touches: importable without torch.
 WITHOUT_TORCH = ("llmcustoms.cli", "llmcustoms.options", "llmcustoms.flags", "llmcustoms.settings",
                  "llmcustoms.presets", "llmcustoms.hardware", "llmcustoms.memory", "llmcustoms.planning",

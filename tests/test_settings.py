@@ -120,11 +120,14 @@ def test_setup_with_enter_throughout_writes_a_sensible_env_file(tmp_path):
     assert values["LLMCUSTOMS_PRESET"] == "quality"
     assert values["LLMCUSTOMS_MODEL"] == "Qwen/Qwen2.5-0.5B-Instruct"  # no GPU here: the smallest that fits
     assert values["LLMCUSTOMS_OUTPUT_DIR"] == "runs"
-    assert f"llmcustoms train {DATA_FILES['alpaca']} --env-file {env_file}" in result.stdout
+    assert values["LLMCUSTOMS_DATA"] == str(DATA_FILES["alpaca"])
+    assert f"llmcustoms train --env-file {env_file}" in result.stdout  # the data is in the file
     assert "ok: Alpaca" in result.stdout  # the data was validated on the spot
     # What it wrote is what `plan` then uses.
-    plan = plan_json("--env-file", str(env_file))
+    result = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
+    plan = json.loads(result.output)
     assert plan["preset"] == "quality" and plan["sources"]["preset"] == "env LLMCUSTOMS_PRESET"
+    assert plan["data"] == str(DATA_FILES["alpaca"].resolve())
 
 
 def test_setup_answers_are_used_and_other_variables_are_kept(tmp_path):
