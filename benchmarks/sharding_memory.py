@@ -68,7 +68,7 @@ def measure(model_dir: Path, distributed: str) -> dict:
     for step in range(STEPS):
         _, failure = tuner._attempt(list(range(step * rows_per_step, (step + 1) * rows_per_step)))
         assert failure is None, failure
-    return {"rank": tuner.rank, "measured_bytes": _rss("VmHWM") - before}
+    return {"rank": tuner.processes.rank, "measured_bytes": _rss("VmHWM") - before}
 
 
 def predict(distributed: str) -> dict:

@@ -20,6 +20,7 @@ from llmcustoms import __version__, flags
 from llmcustoms.console import console, print_error
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.flags import takes_options
+from llmcustoms.modeling import quiet_libraries
 
 app = typer.Typer(
     name="llmcustoms",
@@ -59,24 +60,6 @@ def ending() -> Iterator[None]:
         if code is None:
             raise
         raise typer.Exit(code) from None
-
-
-def _quiet_libraries() -> None:
-    """Keep the libraries' own progress bars and advice out of the user's terminal."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    import logging
-    import warnings
-
-    # bitsandbytes announces on import that an optional Hub-hosted CPU kernel is
-    # missing; it falls back to its own kernel, so the notice only confuses.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|transformers|peft|bitsandbytes)\..*")
 
 
 def _version_callback(value: bool) -> None:
@@ -123,7 +106,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
         if not launch.needs_relaunch():
-            _quiet_libraries()
+            quiet_libraries()
         session = _session(values, env_file, quiet)
         options = _options(values, session)
         if launch.needs_relaunch():
@@ -149,7 +132,7 @@ def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file
         session = _session(values, env_file, quiet)
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
-        _quiet_libraries()
+        quiet_libraries()
         from llmcustoms import console as ui
 
         result = training.resume(run_dir, session)
@@ -163,7 +146,7 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
          num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None, **values: Any) -> None:
     """Show what `train` would do with DATA, and whether it fits, without training."""
     with ending():
-        _quiet_libraries()
+        quiet_libraries()
         from llmcustoms import console as ui
         from llmcustoms.hardware import GIB, Hardware, detect
         from llmcustoms.preparation import prepare_run
@@ -189,35 +172,21 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
          sampler: flags.SamplerOpt = flags.Sampler.tpe, env_file: flags.EnvFile = None, **values: Any) -> None:
     """Search learning rate and LoRA shape with Optuna; write the best as a preset `train` accepts."""
     with ending():
-        if max_steps and budget_tokens:
-            raise LlmcustomsError("--max-steps and --budget-tokens both set the length of a trial.",
-                                  "Pass one of them.")
-        _quiet_libraries()
-        import re
-
+        quiet_libraries()
         from llmcustoms import console as ui
-        from llmcustoms.hardware import detect
-        from llmcustoms.preparation import prepare_run
         from llmcustoms.presets import load_preset
-        from llmcustoms.tuning import TuneSettings, run_study, search_space, trial_steps
+        from llmcustoms.tuning import StudyRequest, prepare_study, run_study
 
         session = _session(values, env_file)
         options = _options(values, session)
-        options.overrides.pop("max_steps", None)  # --max-steps is per trial here
-        hardware = detect()
-        prepared = prepare_run(options, hardware)
-        base = prepared.plan
-        mean_tokens = sum(len(e.input_ids) for e in prepared.train) / max(1, len(prepared.train))
-        steps = trial_steps(base, max_steps, budget_tokens, mean_tokens)
-        name = study_name or re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(options.data).stem}-{Path(base.model.rstrip('/')).name}").lower()
-        settings = TuneSettings(trials=trials, steps=steps, study_name=name, study_dir=session.output_dir / f"tune-{name}",
-                                storage=storage, sampler=sampler.value, timeout=timeout, seed=base.seed)
-        ui.show_prepared(prepared, options.data)
-        ui.show_search(search_space(base, hardware), base, settings, round(steps * base.effective_batch_size * mean_tokens))
+        request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value)
+        study = prepare_study(options, session.output_dir, request)
+        ui.show_prepared(study.prepared, options.data)
+        ui.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
         with ui.TrialsDisplay() as display:
-            outcome = run_study(prepared, load_preset(options.preset or "quality"), hardware, settings,
-                                on_update=display.update)
-        ui.show_study_outcome(outcome, options.data, options.model)
+            outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
+                                study.settings, on_update=display.update)
+    ui.show_study_outcome(outcome, options.data, options.model)
     if outcome.interrupted:
         raise typer.Exit(130)
 
@@ -306,7 +275,7 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt with the run's model."""
     with ending():
-        _quiet_libraries()
+        quiet_libraries()
         from llmcustoms import dialog
         from llmcustoms.generation import generate as reply
         from llmcustoms.generation import load_trained
@@ -330,7 +299,7 @@ def chat(
 ) -> None:
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
     with ending():
-        _quiet_libraries()
+        quiet_libraries()
         from llmcustoms import dialog
         from llmcustoms.generation import generate as reply
         from llmcustoms.generation import load_trained
@@ -351,7 +320,7 @@ def export(
 ) -> None:
     """Copy the adapter (with tokenizer and a model card), or merge it into a standalone model."""
     with ending():
-        _quiet_libraries()
+        quiet_libraries()
         from llmcustoms.export import export_run
 
         written = export_run(_run_directory(run), output, merge, dtype, overwrite)

@@ -15,7 +15,9 @@ memory, non-finite loss) are caught in `_attempt` and go to the
 `TrainingRecoverySystem`, which returns a changed plan; the loop rolls back to
 the last checkpoint and carries on. Out of memory while evaluating is caught
 in `evaluate`, which lowers the micro-batch and evaluates again without a
-rollback. SIGINT and SIGTERM finish the current step, checkpoint, and stop.
+rollback. Anything else ends the run in `run`, with status.json saying why
+(under FSDP, out of memory there asks for a restart of every process).
+SIGINT and SIGTERM finish the current step, checkpoint, and stop.
 
 Whatever depends on the number of processes (agreeing on a step's outcome,
 all-reducing, a rank's share of rows, FSDP's padding, gathering and restart

@@ -221,3 +221,21 @@ def save_trained(model: Any, tokenizer: Any, directory: Path, state_dict: dict[s
     extra = {} if state_dict is None else {"state_dict": state_dict}
     model.save_pretrained(str(directory), safe_serialization=True, **extra)
     tokenizer.save_pretrained(str(directory))
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own progress bars and advice out of the user's terminal."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import logging
+    import warnings
+
+    # bitsandbytes announces on import that an optional Hub-hosted CPU kernel is
+    # missing; it falls back to its own kernel, so the notice only confuses.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|transformers|peft|bitsandbytes)\..*")

@@ -137,6 +137,51 @@ class TuneSettings:
     seed: int = 42
 
 
+@dataclass(frozen=True)
+class StudyRequest:
+    """What `tune` was asked for, besides the plan's values."""
+
+    trials: int
+    max_steps: int | None = None
+    budget_tokens: int | None = None
+    timeout: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    sampler: str = "tpe"
+
+
+@dataclass
+class PreparedStudy:
+    prepared: PreparedRun
+    hardware: Hardware
+    settings: TuneSettings
+    space: SearchSpace
+    tokens_per_trial: int
+
+
+def prepare_study(options: Any, output_dir: Path, request: StudyRequest) -> PreparedStudy:
+    """The base plan (as `train` would make it), the trial length and the study's name and place."""
+    import re
+
+    from llmcustoms.hardware import detect
+    from llmcustoms.preparation import prepare_run
+
+    if request.max_steps and request.budget_tokens:
+        raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
+    options.overrides.pop("max_steps", None)  # a trial's length, not the base plan's
+    hardware = detect()
+    prepared = prepare_run(options, hardware)
+    base = prepared.plan
+    mean_tokens = sum(len(e.input_ids) for e in prepared.train) / max(1, len(prepared.train))
+    steps = trial_steps(base, request.max_steps, request.budget_tokens, mean_tokens)
+    default_name = f"{Path(options.data).stem}-{Path(base.model.rstrip('/')).name}"
+    name = request.study_name or re.sub(r"[^A-Za-z0-9._-]+", "-", default_name).lower()
+    settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=output_dir / f"tune-{name}",
+                            storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed)
+    return PreparedStudy(prepared, hardware, settings, search_space(base, hardware),
+                         round(steps * base.effective_batch_size * mean_tokens))
+
+
 def open_storage(url: str | None, study_dir: Path) -> Any:
     """An Optuna storage: the SQLite file in the study directory by default, any
     RDB URL, or `journal:PATH` for a journal file several processes can share."""

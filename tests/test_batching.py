@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmcustoms.batching import epoch_steps, eval_batches, micro_batches
+from llmcustoms.batching import TrainingRows, epoch_steps, eval_batches, micro_batches
+from llmcustoms.tokenization import TokenizedExample
 
 
 def skewed_lengths(n: int = 500, seed: int = 0) -> list[int]:
@@ -63,3 +64,17 @@ def test_eval_batches_cover_every_row_sorted_by_length():
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(37))
     assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+
+
+def test_shortened_rows_keep_the_steps_they_were_in():
+    # Recovery may halve sequences mid-run: the epoch's steps must not change, or
+    # rows would be skipped or seen twice.
+    lengths = skewed_lengths(64)
+    rows = TrainingRows([TokenizedExample(i, [1] * n, [1] * n) for i, n in enumerate(lengths)], [], pad_token_id=0)
+    before = rows.epoch_steps(step_rows=8, seed=3, epoch=0)
+    rows.cut(32)
+    assert rows.epoch_steps(step_rows=8, seed=3, epoch=0) == before
+    assert max(len(e.input_ids) for e in rows.train) == 32 and len(rows.train) == 64
+    batch = rows.collate(before[0])
+    assert batch["input_ids"].shape == (len(before[0]), 32)
+    assert rows.token_counts(before[0])[1] == sum(min(lengths[i], 32) for i in before[0])
