@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from llmcustoms import launching
 from llmcustoms.batching import micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
@@ -203,7 +204,7 @@ class Processes:
         """Under FSDP a rank that failed inside forward or backward left the others
         waiting inside a collective: ask for a restart of every process."""
         if self.fsdp:
-            self.run_dir.request_restart(failure, step, self.rank)
+            self.run_dir.request_restart(failure, step, self.rank, launching.launch_token())
             raise RestartNeeded(failure, step, self.rank)
 
     def restart_after(self, error: Exception, step: int) -> RestartNeeded | None:
@@ -211,7 +212,7 @@ class Processes:
         if self.fsdp and isinstance(error, torch.OutOfMemoryError):
             # Out of memory outside a step's forward and backward (evaluation,
             # the optimizer, a checkpoint's gathers): the others cannot learn of it either.
-            self.run_dir.request_restart("oom", step, self.rank)
+            self.run_dir.request_restart("oom", step, self.rank, launching.launch_token())
         restart = self.run_dir.pending_restart() if self.world > 1 else None
         if restart is None:
             return None

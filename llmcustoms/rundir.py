@@ -26,8 +26,6 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
 
 STATUSES = ("running", "completed", "failed", "interrupted")
-# launching.RESTARTS_ENV, named again here: launching imports this module.
-RESTARTS_ENV = "LLMCUSTOMS_RESTARTS_ON_REQUEST"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -144,7 +142,7 @@ class RunDirectory:
     def restart_path(self) -> Path:
         return self.path / "restart.json"
 
-    def request_restart(self, kind: str, step: int, rank: int, launch: str | None = None) -> None:
+    def request_restart(self, kind: str, step: int, rank: int, launch: str | None) -> None:
         """Ask for every process to restart from the last checkpoint and recover
         from `kind` first. The one file any process may write, whether or not it
         is the main one: under FSDP a failing process cannot reach the others (they
@@ -153,10 +151,7 @@ class RunDirectory:
 
         `launch` is `launching.launch_token()`, which the note names so a launcher
         acts only on its own processes' requests. The caller passes it, since
-        launching imports this module; until every caller does, it is read from
-        the same environment variable."""
-        if launch is None:
-            launch = os.environ.get(RESTARTS_ENV) or None
+        launching imports this module."""
         tmp = self.restart_path.with_name(f".restart.json.{rank}.tmp")
         tmp.write_text(json.dumps({"kind": kind, "step": step, "rank": rank, "launch": launch}))
         os.replace(tmp, self.restart_path)

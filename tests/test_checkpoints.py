@@ -168,7 +168,7 @@ def test_a_restart_request_is_written_by_any_process_and_cleared_by_the_main_one
 
     worker, main = RunDirectory(tmp_path, writable=False), RunDirectory(tmp_path)
     assert main.pending_restart() is None
-    worker.request_restart("oom", 6, rank=1)
+    worker.request_restart("oom", 6, rank=1, launch=None)
     assert main.pending_restart() == {"kind": "oom", "step": 6, "rank": 1, "launch": None}  # not under relaunch
     worker.clear_restart()  # a read-only view leaves it for the main process
     assert main.pending_restart() is not None
