@@ -106,7 +106,7 @@ def measure(config: Config, model_dir: Path, device: str) -> dict:
 
     from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
-    from llmcustoms.planning import LoraSettings, Plan
+    from llmcustoms.plan import LoraSettings, Plan
     from llmcustoms.rundir import RunDirectory
     from llmcustoms.tokenization import TokenizedExample
 

@@ -42,7 +42,7 @@ def measure(model_dir: Path, distributed: str) -> dict:
 
     from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
-    from llmcustoms.planning import Plan
+    from llmcustoms.plan import Plan
     from llmcustoms.rundir import RunDirectory
     from llmcustoms.tokenization import TokenizedExample
 

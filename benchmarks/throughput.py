@@ -189,7 +189,8 @@ def run_trl(assets: dict) -> dict:
 def run_llmcustoms(assets: dict) -> dict:
     from llmcustoms.reporting import SilentReporter
     from llmcustoms.finetuner import FineTuner
-    from llmcustoms.planning import LoraSettings, Plan, steps_per_epoch
+    from llmcustoms.plan import LoraSettings, Plan
+    from llmcustoms.planning import steps_per_epoch
     from llmcustoms.rundir import RunDirectory
 
     train, evaluation, tokenizer = load_rows(assets)

@@ -9,7 +9,6 @@ The options that set values come from the table in `options.py` (through
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
@@ -28,14 +27,21 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    # Plain help: at 80 columns Rich's help panels cut the variable names short.
+    rich_markup_mode=None,
 )
 
 
 def exit_code(error: BaseException) -> int | None:
     """The exit code for an exception that ends a command, None for one that is
     a bug (it propagates with its traceback). Messages were shown already,
-    except for user errors, shown here."""
+    except for user errors, shown here.
+
+    The exits that are not exceptions: Ctrl-C anywhere else is 130 (`main`,
+    `setup`, an interrupted `tune`); a process that asks every process of an
+    FSDP run to restart leaves with 75 at once (`training._exit_for_restart`),
+    and a second Ctrl-C during training quits at once with 128 + the signal
+    (`processes.StopSignals`): both skip the interpreter's shutdown on purpose."""
     from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
 
     if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2
@@ -75,23 +81,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version_cal
 
 
 def _session(values: dict[str, Any], env_file: Optional[Path], quiet: bool = False) -> Any:
-    """The settings (flag > environment) and how the command was asked to behave."""
-    from llmcustoms.settings import load_settings
     from llmcustoms.training import Session
 
-    settings = load_settings(env_file)
-    given = flags.given_values(values)
-    for name in ("output_dir", "report_to"):  # flags that beat their variables here too
-        if name in given:
-            settings.values[name] = (str(given[name]), "flag")
-    return Session(settings, quiet=quiet, env_file=env_file, report_to=given.get("report_to"))
-
-
-def _options(values: dict[str, Any], session: Any) -> Any:
-    from llmcustoms.settings import resolve
-
-    given = flags.given_values(values)
-    return resolve({k: v for k, v in given.items() if k not in ("output_dir", "report_to")}, session.settings)
+    return Session.load(flags.given_values(values), env_file, quiet)
 
 
 @app.command()
@@ -100,7 +92,9 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
           quiet: flags.Quiet = False, env_file: flags.EnvFile = None, num_processes: flags.NumProcesses = None,
           num_machines: flags.NumMachines = None, machine_rank: flags.MachineRank = 0,
           main_process_ip: flags.MainIp = None, main_process_port: flags.MainPort = None, **values: Any) -> None:
-    """Fine-tune a model on DATA and save a LoRA adapter (or full model) into a run directory."""
+    """Fine-tune a model on DATA into a run directory.
+
+    Saves a LoRA adapter (or the full model), with checkpoints along the way."""
     from llmcustoms import training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
@@ -108,7 +102,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
         if not launch.needs_relaunch():
             quiet_libraries()
         session = _session(values, env_file, quiet)
-        options = _options(values, session)
+        options = session.train_options()
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_train(options, session, launch, run_name, overwrite, yes))
         from llmcustoms import console as ui
@@ -124,7 +118,9 @@ def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
            machine_rank: flags.MachineRank = 0, main_process_ip: flags.MainIp = None,
            main_process_port: flags.MainPort = None, **values: Any) -> None:
-    """Continue an interrupted or failed run from its last good checkpoint (with any number of processes)."""
+    """Continue an interrupted or failed run from its checkpoint.
+
+    From the last good checkpoint, with any number of processes."""
     from llmcustoms import training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
@@ -144,14 +140,16 @@ def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file
 @takes_options("plan")
 def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: flags.EnvFile = None,
          num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None, **values: Any) -> None:
-    """Show what `train` would do with DATA, and whether it fits, without training."""
+    """Show what `train` would do with DATA, without training.
+
+    The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending():
         quiet_libraries()
         from llmcustoms import console as ui
         from llmcustoms.hardware import GIB, Hardware, detect
         from llmcustoms.preparation import prepare_run
 
-        options = _options(values, _session(values, env_file))
+        options = _session(values, env_file).train_options()
         hardware = detect()
         if vram is not None:  # cards sold as "24 GB" have 24 GiB
             hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=hardware.ram_bytes / GIB,
@@ -170,7 +168,9 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
 def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_tokens: flags.BudgetTokens = None,
          timeout: flags.Timeout = None, storage: flags.Storage = None, study_name: flags.StudyName = None,
          sampler: flags.SamplerOpt = flags.Sampler.tpe, env_file: flags.EnvFile = None, **values: Any) -> None:
-    """Search learning rate and LoRA shape with Optuna; write the best as a preset `train` accepts."""
+    """Search hyperparameters with Optuna; write the best preset.
+
+    Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
     with ending():
         quiet_libraries()
         from llmcustoms import console as ui
@@ -178,7 +178,7 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         from llmcustoms.tuning import StudyRequest, prepare_study, run_study
 
         session = _session(values, env_file)
-        options = _options(values, session)
+        options = session.train_options()
         request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value)
         study = prepare_study(options, session.output_dir, request)
         ui.show_prepared(study.prepared, options.data)
@@ -193,18 +193,20 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
 
 @app.command()
 def hardware() -> None:
-    """Show this machine's GPUs, CPU and memory, and which models and methods fit."""
+    """Show this machine and which models and methods fit it."""
     with ending():
         from llmcustoms import console as ui
+        from llmcustoms.fitting import fit_table
         from llmcustoms.hardware import detect
         from llmcustoms.presets import load_families
 
-        ui.show_hardware(detect(), load_families())
+        machine = detect()
+        ui.show_hardware(machine, fit_table(machine, load_families()))
 
 
 @app.command()
 def presets() -> None:
-    """List the training presets and the model families they choose from."""
+    """List the presets and the model families they choose from."""
     with ending():
         from llmcustoms import console as ui
         from llmcustoms.presets import builtin_preset_names, load_families, load_preset
@@ -217,7 +219,9 @@ def setup(
     data: Annotated[Optional[str], typer.Option("--data", help="Your training data (asked for if not given).")] = None,
     env_file: Annotated[Path, typer.Option("--env-file", help="The settings file to write.")] = Path(".env"),
 ) -> None:
-    """Interactive set-up: checks your data, picks a goal and a model that fits, writes .env."""
+    """Interactive set-up: data, goal and model; writes .env.
+
+    Checks your data, picks a goal and a model that fits, and writes .env."""
     with ending():
         from llmcustoms.hardware import detect
         from llmcustoms.wizard import run_wizard
@@ -235,11 +239,13 @@ def setup(
 @app.command()
 @takes_options("runs")
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
-    """List the runs under the output directory: model, method, status, steps, best eval loss."""
+    """List the runs: model, method, status, steps, best eval loss."""
     with ending():
         from llmcustoms import console as ui
+        from llmcustoms.rundir import list_runs
 
-        ui.show_runs(_session(values, env_file).output_dir)
+        output_dir = _session(values, env_file).output_dir
+        ui.show_runs(output_dir, list_runs(output_dir))
 
 
 def _run_directory(path: Path) -> Any:
@@ -253,7 +259,9 @@ def report(
     run: flags.RunArg,
     plot: Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")] = False,
 ) -> None:
-    """Analyse a run: convergence, overfitting, learning rate, throughput, recoveries, and what to change."""
+    """Analyse a run and say what to change.
+
+    Convergence, overfitting, learning rate, throughput and recoveries."""
     with ending():
         from llmcustoms import console as ui
         from llmcustoms.report import analyse
@@ -318,7 +326,7 @@ def export(
     dtype: Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")] = False,
 ) -> None:
-    """Copy the adapter (with tokenizer and a model card), or merge it into a standalone model."""
+    """Copy the adapter, or merge it into a standalone model."""
     with ending():
         quiet_libraries()
         from llmcustoms.export import export_run

@@ -16,19 +16,31 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmcustoms.reporting import Reporter, SilentReporter
+from llmcustoms.presets import MEDIUM_DATASET_ROWS, SMALL_DATASET_ROWS
+from llmcustoms.reporting import Reporter
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 
-class QuietReporter(SilentReporter):
+class QuietReporter:
     """For scripts (--quiet): only warnings, on stderr."""
 
     def message(self, text: str, warning: bool = False) -> None:
-        super().message(text, warning)
         if warning:
             err_console.print(f"[yellow]warning:[/] {text}")
+
+    def training_started(self, total_steps: int, start_step: int = 0) -> None:
+        pass  # nothing to draw
+
+    def step(self, row: dict[str, Any]) -> None:
+        pass  # scripts want the result, not the steps
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        pass  # scripts want the result, not the steps
+
+    def training_finished(self) -> None:
+        pass  # nothing to tear down
 
 
 class RichReporter:
@@ -227,11 +239,10 @@ def confirm(question: str) -> bool:
     return Confirm.ask(question, default=True, console=console)
 
 
-def show_hardware(hardware: Any, families: dict[str, Any]) -> None:
-    from llmcustoms.fitting import fit_table
-
+def show_hardware(hardware: Any, fits: Any) -> None:
+    """The machine, and `fitting.FitTable`: which models and methods fit it."""
     console.print(machine_table(hardware))
-    console.print(fits_table(fit_table(hardware, families)))
+    console.print(fits_table(fits))
     if not hardware.has_gpu:
         console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
                       "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
@@ -288,8 +299,9 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
     console.print(table)
     for p in presets:
         console.print(f"[bold]{p.name}[/] uses the first that fits: " + escape(", ".join(m.split("/")[-1] for m in p.models)))
-    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < 1,000 rows, "
-                  "medium < 10,000, large). `--preset FILE.yaml` takes your own preset of the same shape.\n")
+    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < "
+                  f"{SMALL_DATASET_ROWS:,} rows, medium < {MEDIUM_DATASET_ROWS:,}, large). "
+                  "`--preset FILE.yaml` takes your own preset of the same shape.\n")
     table = Table(title="Model families")
     table.add_column("family", no_wrap=True)
     table.add_column("models")
@@ -328,12 +340,10 @@ def trials_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Trials")
     for column in ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time", "note"):
         table.add_column(column, no_wrap=column != "note")
-    finished = [r["eval_loss"] for r in rows if r["state"] == "complete" and r["eval_loss"] is not None]
-    best = min(finished) if finished else None
     colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan"}
     for r in rows[-30:]:  # the newest, so a long study still fits the screen
         loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        if best is not None and r["eval_loss"] == best and r["state"] == "complete":
+        if r["best"]:
             loss = f"[bold green]{loss}[/]"
         table.add_row(str(r["trial"]), f"[{colours.get(r['state'], 'white')}]{r['state']}[/]", loss,
                       "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
@@ -365,9 +375,8 @@ class TrialsDisplay:
 
 
 def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
-    rows = outcome.rows
-    counts = {state: sum(1 for r in rows if r["state"] == state) for state in ("complete", "pruned", "fail")}
-    console.print(f"Study: {len(rows)} trials in all ({counts['complete']} complete, {counts['pruned']} pruned, "
+    counts = outcome.counts()
+    console.print(f"Study: {len(outcome.rows)} trials in all ({counts['complete']} complete, {counts['pruned']} pruned, "
                   f"{counts['fail']} failed); {outcome.trials_this_run} ran now.")
     if outcome.steps_budgeted:
         saved = 1 - outcome.steps_run / outcome.steps_budgeted
@@ -375,10 +384,10 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
                       f"({saved:.0%} saved).")
     if outcome.interrupted:
         console.print("[yellow]Interrupted.[/] The study is saved; run the same command again to continue it.")
-    if outcome.best_preset_path is None:
+    best = outcome.best_row()
+    if outcome.best_preset_path is None or best is None:
         console.print("No trial completed yet, so there is no best preset.")
         return
-    best = min((r for r in rows if r["state"] == "complete" and r["eval_loss"] is not None), key=lambda r: r["eval_loss"])
     console.print(f"Best: trial {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
                   + (f", r {best['lora_r']}, alpha/r {best['alpha_ratio']:g}, dropout {best['lora_dropout']:g}"
                      if best["lora_r"] is not None else "") + f", warmup {best['warmup_ratio']:g}).")
@@ -389,10 +398,8 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
     console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied
 
 
-def show_runs(output_dir: Any) -> None:
-    from llmcustoms.rundir import list_runs
-
-    runs = list_runs(output_dir)
+def show_runs(output_dir: Any, runs: list[Any]) -> None:
+    """`rundir.list_runs(output_dir)` as a table."""
     if not runs:
         console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
         return

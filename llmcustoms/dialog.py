@@ -1,9 +1,9 @@
 """What llmcustoms asks at the terminal: `setup`'s questions and screens, and
 the `chat` conversation.
 
-`console.py` shows results; this module reads answers. Both are the UI: the
-wizard decides which questions to ask and what to write, and the chat command
-decides how to answer; neither touches Rich.
+`console.py` shows results; this module reads answers. These two are the
+UI, the only modules that import Rich: the wizard (`wizard.py`) decides which
+questions to ask and what to write, and `generation.py` how to answer.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def show_goals(goals: list[tuple[str, str]]) -> None:
 
 
 def show_model_choices(choices: list[Any], seq_len: int) -> None:
-    """`fitting.ModelChoice`s, numbered from 1 so a number answers the next question."""
+    """`fitting.FittingModel`s, numbered from 1 so a number answers the next question."""
     console.print(f"Models that fit this machine ({seq_len}-token sequences):")
     for index, choice in enumerate(choices, start=1):
         need = f"{choice.params / 1e9:.1f}B params, {choice.method}, about {choice.total_bytes / GIB:.1f} GiB"

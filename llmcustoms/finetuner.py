@@ -117,6 +117,8 @@ class FineTuner:
 
     def _setup_processes(self) -> None:
         """Once per run: a rollback keeps them."""
+        # `Processes` keeps the writable run directory: any rank may have to
+        # leave a restart request. The loop itself writes only from the main one.
         self.processes = Processes.start(self.plan, self.run_dir, self.signals)
         self.accelerator = self.processes.accelerator
         self.device = self.processes.device

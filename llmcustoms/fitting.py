@@ -1,5 +1,7 @@
 """What fits this machine, worked out for the UI to show: the `hardware`
 command's table (per model and method) and the models `setup` offers.
+(`sizing.py` answers the planner's own question: which method and
+micro-batch for the one model being planned, or why nothing fits.)
 
 Pure, like the rest of planning: `MemoryOptimizer` estimates only, no torch.
 """
@@ -10,12 +12,11 @@ from dataclasses import dataclass
 
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import MemoryOptimizer
+from llmcustoms.planning import MICRO_BATCH_CAP
 from llmcustoms.presets import Family
 
 TABLE_METHODS = ("lora", "qlora", "full")
 TABLE_SEQ_LEN = 1024
-# The table's largest micro-batch is looked for up to this.
-TABLE_MICRO_BATCH_CAP = 16
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class FitTable:
 
 
 @dataclass(frozen=True)
-class ModelChoice:
+class FittingModel:
     """A catalog model that fits, with the cheapest method that does and its estimate."""
 
     hub_id: str
@@ -60,10 +61,10 @@ class ModelChoice:
 
 
 def _method_fit(memory: MemoryOptimizer, method: str, seq_len: int, precision: str) -> MethodFit:
-    batch = memory.largest_micro_batch(method, seq_len, precision, False, TABLE_MICRO_BATCH_CAP)
+    batch = memory.largest_micro_batch(method, seq_len, precision, False, MICRO_BATCH_CAP)
     if batch:
         return MethodFit(batch, False, 0)
-    if memory.largest_micro_batch(method, seq_len, precision, True, TABLE_MICRO_BATCH_CAP):
+    if memory.largest_micro_batch(method, seq_len, precision, True, MICRO_BATCH_CAP):
         return MethodFit(0, True, 0)
     return MethodFit(0, False, memory.estimate(method, 1, seq_len, precision, True).total_bytes)
 
@@ -80,7 +81,7 @@ def fit_table(hardware: Hardware, families: dict[str, Family], seq_len: int = TA
     return FitTable(budget, hardware.has_gpu, seq_len, TABLE_METHODS, tuple(models))
 
 
-def fitting_models(hardware: Hardware, families: dict[str, Family], seq_len: int) -> list[ModelChoice]:
+def fitting_models(hardware: Hardware, families: dict[str, Family], seq_len: int) -> list[FittingModel]:
     """Every catalog model that fits this machine with LoRA or QLoRA at micro-batch 1
     (with checkpointing), smallest first."""
     fits = []
@@ -90,6 +91,6 @@ def fitting_models(hardware: Hardware, families: dict[str, Family], seq_len: int
             for method in ("lora", "qlora"):
                 estimate = memory.estimate(method, 1, seq_len, hardware.mixed_precision, True)
                 if estimate.fits:
-                    fits.append(ModelChoice(spec.hub_id, spec.params, method, estimate.total_bytes))
+                    fits.append(FittingModel(spec.hub_id, spec.params, method, estimate.total_bytes))
                     break
     return sorted(fits, key=lambda choice: round(choice.params / 1e9, 1))

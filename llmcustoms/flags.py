@@ -107,8 +107,6 @@ MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Po
 Vram = Annotated[Optional[float], typer.Option("--vram", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
 ResumeRun = Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")]
-OutputDir = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help=options.BY_NAME["output_dir"].help)]
-ReportTo = Annotated[Optional[str], typer.Option("--report-to", help=options.BY_NAME["report_to"].help)]
 
 # `tune`'s own.
 Trials = Annotated[int, typer.Option("--trials", "-n", min=1, help="Trials to run now (added to the study's earlier ones).")]

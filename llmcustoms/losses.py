@@ -24,7 +24,7 @@ Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 def select_logits(model: Any) -> None:
     """Let the LM head compute logits only at `head.logit_selection` (a boolean
-    mask over batch and position; None: everywhere, as before).
+    mask over batch and position; None: every position, as an unpatched head).
 
     The head's forward is patched (not replaced) so every call still goes
     through the top-level model (FSDP's hooks are there) and the state dict is

@@ -30,8 +30,9 @@ PLANNING = frozenset({TRAIN, PLAN, TUNE})
 @dataclass(frozen=True)
 class Option:
     """One option. `flag=None`: not a command-line flag; `env=None`: no
-    environment variable; `plan=None`: not a plan value (it picks the model,
-    the data or where output goes)."""
+    environment variable; `plan=None`: not a value a user overrides in the
+    plan (it picks the model, the data or where output goes, or only a preset
+    sets it)."""
 
     name: str  # the command parameter's name
     kind: type  # int, float, bool or str
@@ -151,8 +152,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("grad_accum", int, "Micro-batches per optimizer step.", flag="--grad-accum", env="GRAD_ACCUM",
            plan="grad_accum", minimum=1),
     Option("effective_batch_size", int, "Rows per optimizer step, over micro-batches and processes (the planner "
-           "picks the micro-batch and accumulation to reach it).", preset="effective_batch_size",
-           plan="effective_batch_size", minimum=1),
+           "picks the micro-batch and accumulation to reach it).", preset="effective_batch_size", minimum=1),
     Option("max_seq_len", int, "Longest sequence in tokens; longer rows are truncated.", flag="--max-seq-len",
            env="MAX_SEQ_LEN", preset="max_seq_len", plan="max_seq_len", minimum=16),
     # The optimizer and its schedule.
@@ -179,7 +179,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("eval_every", int, "Evaluate every N optimizer steps. Default: from the preset's evaluations per epoch.",
            flag="--eval-every", env="EVAL_EVERY", plan="eval_every", minimum=1, commands=_BOTH),
     Option("evals_per_epoch", int, "Evaluations per epoch (0: only at the end), when --eval-every is not given.",
-           preset="evals_per_epoch", plan="evals_per_epoch", minimum=0),
+           preset="evals_per_epoch", minimum=0),
     Option("early_stopping_patience", int, "Stop after N evaluations without a better eval loss (0: never).",
            flag="--early-stopping-patience", env="EARLY_STOPPING_PATIENCE", preset="early_stopping_patience",
            plan="early_stopping_patience", minimum=0, commands=_BOTH),
@@ -225,10 +225,6 @@ def plan_overridable() -> tuple[str, ...]:
 def preset_keys() -> tuple[str, ...]:
     """The keys a preset file may set that become plan values."""
     return tuple(o.preset for o in OPTIONS if o.preset)
-
-
-def by_plan_name(plan_name: str) -> Option:
-    return next(o for o in OPTIONS if o.plan == plan_name)
 
 
 def by_preset_key(key: str) -> Option:

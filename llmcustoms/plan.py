@@ -1,8 +1,8 @@
 """The plan and what planning reads: the frozen `Plan` a run trains by (saved
 as plan.json), the model choice, the data statistics and the LoRA settings.
 
-Plain values, no behaviour beyond reading and writing plan.json; the choices
-themselves are made in `planning.py`.
+Values and the arithmetic on them (plan.json in and out, percentiles of row
+lengths); the choices themselves are made in `planning.py`.
 """
 
 from __future__ import annotations

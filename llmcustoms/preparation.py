@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
+from llmcustoms import options
 from llmcustoms.errors import ConfigError, DataError, ModelError
+from llmcustoms.settings import Settings
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
 from llmcustoms.plan import DataStats, Plan
@@ -47,6 +49,28 @@ class TrainOptions:
 
     def override(self, name: str, default: Any) -> Any:
         return self.overrides.get(name, (default, ""))[0]
+
+
+def train_options(settings: Settings) -> TrainOptions:
+    """What the user asked for, from the settings with the command's flags
+    already merged in (flag > environment); what neither gives, the plan decides."""
+    chosen = settings.values
+    if chosen.get("data") is None:
+        raise ConfigError("No training data given.",
+                          "Pass the data file (`llmcustoms train data.jsonl`), or set LLMCUSTOMS_DATA "
+                          "(`llmcustoms setup` writes it).")
+    overrides = {options.BY_NAME[name].plan: pair for name, pair in chosen.items() if options.BY_NAME[name].plan}
+
+    def value(name: str, default: Any = None) -> Any:
+        return chosen[name][0] if name in chosen else default
+
+    def source(name: str, default: str) -> str:
+        return chosen[name][1] if name in chosen else default
+
+    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
+                        eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
+                        overrides=overrides, model_source=source("model", "flag"),
+                        preset_source=source("preset", "default"))
 
 
 @dataclass

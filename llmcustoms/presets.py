@@ -20,7 +20,6 @@ from llmcustoms.errors import ConfigError
 SMALL_DATASET_ROWS = 1_000
 MEDIUM_DATASET_ROWS = 10_000
 
-METHODS = options.BY_NAME["method"].choices
 
 
 def presets_dir() -> Path:

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.options import BY_NAME, BY_VARIABLE, OPTIONS, PREFIX
+from llmcustoms.options import BY_VARIABLE, OPTIONS, PREFIX
 
 # Variables with the prefix that are not settings: a testing aid, the
 # tokenization cache's place, and what the launcher tells its processes.
 NOT_SETTINGS = ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR", "LLMCUSTOMS_RESTARTS_ON_REQUEST")
-SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 # The settings: every option of the table that has a variable.
 SETTINGS = tuple(option for option in OPTIONS if option.env)
 
@@ -38,13 +37,6 @@ class Settings:
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.values.get(name, (default, ""))[0]
-
-    def source(self, name: str) -> str | None:
-        return self.values[name][1] if name in self.values else None
-
-    def plan_overrides(self) -> dict[str, tuple[Any, str]]:
-        """The values that are plan values, under planning's names."""
-        return {BY_NAME[name].plan: value for name, value in self.values.items() if BY_NAME[name].plan}
 
 
 def read_env_file(path: Path) -> dict[str, tuple[str, int]]:
@@ -130,27 +122,3 @@ def example_file() -> str:
               ""]
     return "\n".join(lines)
 
-
-def resolve(values: dict[str, Any], settings: Settings) -> Any:
-    """`TrainOptions` from a command's table options (None: not given) and the
-    settings: flag > environment; what neither gives, the plan decides."""
-    from llmcustoms.preparation import TrainOptions
-
-    given = {name: (value, "flag") for name, value in values.items() if value is not None}
-    chosen = {**settings.values, **given}
-    if chosen.get("data") is None:
-        raise ConfigError("No training data given.",
-                          "Pass the data file (`llmcustoms train data.jsonl`), or set LLMCUSTOMS_DATA "
-                          "(`llmcustoms setup` writes it).")
-    overrides = {BY_NAME[name].plan: pair for name, pair in chosen.items() if BY_NAME[name].plan}
-
-    def value(name: str, default: Any = None) -> Any:
-        return chosen[name][0] if name in chosen else default
-
-    def source(name: str, default: str) -> str:
-        return chosen[name][1] if name in chosen else default
-
-    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
-                        eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
-                        overrides=overrides, model_source=source("model", "flag"),
-                        preset_source=source("preset", "default"))

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from llmcustoms import launching
 from llmcustoms.errors import LlmcustomsError
-from llmcustoms.settings import Settings
+from llmcustoms.settings import Settings, load_settings
 
 
 @dataclass(frozen=True)
@@ -51,17 +51,30 @@ class Session:
     settings: Settings
     quiet: bool = False
     env_file: Path | None = None
-    report_to: str | None = None
+    report_to: str | None = None  # as a flag, for the processes a relaunch starts
+
+    @classmethod
+    def load(cls, given: dict[str, Any], env_file: Path | None, quiet: bool = False) -> "Session":
+        """The settings with the command's flags over them: flag > environment."""
+        settings = load_settings(env_file)
+        settings.values.update({name: (value, "flag") for name, value in given.items()})
+        return cls(settings, quiet=quiet, env_file=env_file, report_to=given.get("report_to"))
+
+    def train_options(self) -> Any:
+        """What to train, as `preparation.TrainOptions`; what is not given, the plan decides."""
+        from llmcustoms.preparation import train_options
+
+        return train_options(self.settings)
 
     @property
     def output_dir(self) -> Path:
         return Path(self.settings.get("output_dir") or "runs")
 
-    @property
     def tracker(self) -> str:
+        """The metrics tracker asked for; an error now if its package is missing."""
         from llmcustoms.tracking import check_tracker
 
-        return check_tracker(self.report_to or self.settings.get("report_to") or "none")
+        return check_tracker(self.settings.get("report_to") or "none")
 
     def resume_options(self) -> list[str]:
         """The options a relaunched or restarted `resume` passes on."""
@@ -104,7 +117,7 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
     from llmcustoms.preparation import prepare_run
     from llmcustoms.rundir import RunDirectory
 
-    tracker = session.tracker
+    tracker = session.tracker()
     world = launching.world_size()
     quiet = session.quiet or not launching.is_main_process()  # one display, from the main process
     # Fail before any slow work, not after it.
@@ -180,7 +193,7 @@ def resume(run_dir: Path | None, session: Session) -> Any:
     if not quiet:
         ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                          f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
-    return run_training(prepared, directory, quiet, resume=True, tracker=session.tracker,
+    return run_training(prepared, directory, quiet, resume=True, tracker=session.tracker(),
                         faults_spent_through=restart["step"] if restart else 0)
 
 

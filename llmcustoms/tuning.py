@@ -13,6 +13,7 @@ one study through an RDB or journal storage.
 from __future__ import annotations
 
 import csv
+import re
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -37,7 +38,6 @@ WARMUPS = (0.0, 0.03, 0.1)
 LR_SPAN = 10.0  # search lr within [preset lr / 10, preset lr * 10]
 DEFAULT_TRIAL_STEPS = 100
 REPORTS_PER_TRIAL = 5
-SAMPLERS = ("tpe", "random", "grid")
 
 
 class TrialFailed(Exception):
@@ -161,14 +161,11 @@ class PreparedStudy:
 
 def prepare_study(options: Any, output_dir: Path, request: StudyRequest) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
-    import re
-
     from llmcustoms.hardware import detect
     from llmcustoms.preparation import prepare_run
 
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
-    options.overrides.pop("max_steps", None)  # a trial's length, not the base plan's
     hardware = detect()
     prepared = prepare_run(options, hardware)
     base = prepared.plan
@@ -214,6 +211,14 @@ class StudyOutcome:
     best_preset_path: Path | None
     interrupted: bool = False
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Trials of the whole study by state: complete, pruned, fail."""
+        return {state: sum(1 for r in self.rows if r["state"] == state) for state in ("complete", "pruned", "fail")}
+
+    def best_row(self) -> dict[str, Any] | None:
+        """The complete trial with the lowest eval loss, as its table row."""
+        return next((r for r in self.rows if r["best"]), None)
 
 
 def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
@@ -341,12 +346,18 @@ def _best_trial(study: Any) -> Any:
 
 
 def trial_rows(study: Any) -> list[dict[str, Any]]:
+    """One row per trial, for the live table and trials.csv; `best` marks the
+    complete trial with the lowest eval loss."""
     rows = []
     for t in study.trials:
         rows.append({"trial": t.number, "state": t.state.name.lower(), "eval_loss": t.value,
                      **{k: t.params.get(k) for k in ("lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio")},
                      "steps": t.user_attrs.get("steps"), "seconds": t.user_attrs.get("seconds"),
-                     "reason": "; ".join(filter(None, [t.user_attrs.get("reason")] + t.user_attrs.get("recoveries", [])))})
+                     "reason": "; ".join(filter(None, [t.user_attrs.get("reason")] + t.user_attrs.get("recoveries", []))),
+                     "best": False})
+    done = [r for r in rows if r["state"] == "complete" and r["eval_loss"] is not None]
+    if done:
+        min(done, key=lambda r: r["eval_loss"])["best"] = True
     return rows
 
 

@@ -15,10 +15,12 @@ PACKAGE = Path(__file__).parent.parent / "llmcustoms"
 MODULES = sorted(PACKAGE.glob("*.py"))
 # The modules that may import Rich: everything the user sees is drawn there.
 UI_MODULES = {"console.py", "dialog.py"}
+# The planning layer: pure, and importing nothing from running or the UI.
+PLANNING = ("errors", "options", "settings", "presets", "hardware", "memory", "sizing", "duration", "fitting", "plan",
+            "planning")
 # Planning and everything `--help` touches: importable without torch.
-WITHOUT_TORCH = ("llmcustoms.cli", "llmcustoms.options", "llmcustoms.flags", "llmcustoms.settings",
-                 "llmcustoms.presets", "llmcustoms.hardware", "llmcustoms.memory", "llmcustoms.planning",
-                 "llmcustoms.plan", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")
+WITHOUT_TORCH = tuple(f"llmcustoms.{name}" for name in PLANNING) + (
+    "llmcustoms.cli", "llmcustoms.flags", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -35,12 +37,18 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_planning_and_the_cli_import_no_torch():
-    present = [m for m in WITHOUT_TORCH if (PACKAGE / f"{m.split('.')[-1]}.py").exists()]
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in present)
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in WITHOUT_TORCH)
             + "heavy = [m for m in ('torch', 'transformers', 'peft', 'optuna') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_planning_imports_nothing_from_running_or_the_ui():
+    for name in PLANNING:
+        ours = {m for m in imported_modules(PACKAGE / f"{name}.py") if m.startswith("llmcustoms.")}
+        outside = ours - {f"llmcustoms.{other}" for other in PLANNING}
+        assert not outside, f"{name}.py imports {sorted(outside)}"
 
 
 def test_rich_only_in_the_ui_module():
@@ -91,3 +99,15 @@ def test_modules_and_functions_are_small():
                 if length > 70:
                     long_functions.append(f"{path.name}:{node.name} ({length} lines)")
     assert not long_functions, f"functions over 70 lines: {long_functions}"
+
+
+def test_nothing_imports_the_command_line_and_the_loop_never_imports_the_ui():
+    graph = _graph()
+    for module, imports in graph.items():
+        if module not in ("llmcustoms.cli", "llmcustoms.__main__"):
+            assert not imports & {"llmcustoms.cli", "llmcustoms.flags"}, f"{module} imports the command line"
+    loop = ("finetuner", "processes", "position", "losses", "optimization", "batching", "checkpoints", "recovery",
+            "faults", "modeling", "sharding")
+    for name in loop:
+        ui = graph[f"llmcustoms.{name}"] & {"llmcustoms.console", "llmcustoms.dialog"}
+        assert not ui, f"{name}.py imports {sorted(ui)}: report through reporting.Reporter"

@@ -69,8 +69,13 @@ def test_train_help_shows_every_flag_and_its_variable():
 
 def test_settings_and_overrides_and_presets_come_from_the_table():
     assert {s.variable for s in SETTINGS} == env_example_variables()
-    assert set(OVERRIDABLE) == set(options.plan_overridable())
     assert set(TUNABLE_FIELDS) == set(options.preset_keys())
+    # A value planning accepts as an override can be set: it has a flag and a variable.
+    for name in OVERRIDABLE:
+        option = next(o for o in options.OPTIONS if o.plan == name)
+        assert option.flag and option.variable, f"{name} is overridable with no way to set it"
+    # And every flag that sets a plan value reaches planning.
+    assert {o.plan for o in options.OPTIONS if o.flag and o.plan} == set(OVERRIDABLE)
 
 
 def _boundary_values(option: options.Option) -> list[float]:
