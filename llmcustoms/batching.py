@@ -10,6 +10,7 @@ a resumed run sees exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,11 @@ from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 
 # Steps are formed from rows sorted by length within windows of this many steps.
 MEGABATCH_FACTOR = 32
+
+
+# Which rows make up each optimizer step of an epoch: `epoch_steps` below, or
+# what a caller passes to `FineTuner` instead (preference pairs, say).
+StepRows = Callable[[list[int], int, int, int], list[list[int]]]
 
 
 def epoch_steps(lengths: list[int], step_rows: int, seed: int, epoch: int) -> list[list[int]]:
@@ -98,9 +104,6 @@ class TrainingRows:
 
     def cut(self, max_len: int) -> None:
         self.train, self.evaluation = cut_rows(self.train, max_len), cut_rows(self.evaluation, max_len)
-
-    def epoch_steps(self, step_rows: int, seed: int, epoch: int) -> list[list[int]]:
-        return epoch_steps(self.lengths, step_rows, seed, epoch)
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         return collate([self.train[i] for i in rows], self.pad_token_id, self.pad_to_multiple_of)

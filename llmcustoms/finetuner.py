@@ -5,9 +5,10 @@ model, optimizer, schedule, data), then for each optimizer step takes the
 step's rows in micro-batches, normalises the loss by the number of trained
 tokens in the whole step (so splitting a batch into more micro-batches gives
 the same update), checks the result is finite, clips, steps, logs, evaluates
-now and then, and checkpoints every `save_every` steps. The loss and the
-learning-rate schedule are arguments (`losses.token_cross_entropy` and
-`lr_multiplier` by default). Where the loop is (`Position`) is one record,
+now and then, and checkpoints every `save_every` steps. The loss, which rows
+make up each step, and the learning-rate schedule are arguments
+(`losses.token_cross_entropy`, `batching.epoch_steps` and `lr_multiplier` by
+default). Where the loop is (`Position`) is one record,
 saved in every checkpoint and restored from it.
 
 Out of memory is caught in two places. A training step's failures (out of
@@ -35,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.batching import TrainingRows, count_loss_tokens
+from llmcustoms.batching import StepRows, TrainingRows, count_loss_tokens, epoch_steps
 from llmcustoms.checkpoints import Checkpoint, CheckpointManager
 from llmcustoms.faults import FaultInjector
 from llmcustoms.losses import Loss, select_logits, token_cross_entropy
@@ -58,11 +59,14 @@ class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
                  on_evaluate: Callable[[int, float], bool] | None = None, save_artifacts: bool = True,
-                 loss: Loss = token_cross_entropy, schedule: Schedule = lr_multiplier):
+                 loss: Loss = token_cross_entropy, steps: StepRows = epoch_steps,
+                 schedule: Schedule = lr_multiplier):
         """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes this
         way; the result's `stop` says so); `save_artifacts=False` writes no
-        checkpoints and no adapter. `loss(model, batch, normaliser)` and
-        `schedule(step, plan)` (the learning-rate factor) replace the defaults."""
+        checkpoints and no adapter. `loss(model, batch, normaliser)`,
+        `steps(lengths, step_rows, seed, epoch)` (an epoch's steps, each a list
+        of row indices) and `schedule(step, plan)` (the learning-rate factor)
+        replace the defaults."""
         self.plan = plan
         self.tokenizer = tokenizer
         self.run_dir = run_dir
@@ -71,6 +75,7 @@ class FineTuner:
         self.on_evaluate = on_evaluate
         self.save_artifacts = save_artifacts
         self.loss = loss
+        self.steps = steps
         self.schedule = schedule
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
@@ -176,7 +181,7 @@ class FineTuner:
         status_written = time.monotonic()
         stop = None
         while self.position.step < self.plan.total_steps and stop is None:
-            steps = self.data.epoch_steps(self.plan.effective_batch_size, self.plan.seed, self.position.epoch)
+            steps = self.steps(self.data.lengths, self.plan.effective_batch_size, self.plan.seed, self.position.epoch)
             if self.position.index >= len(steps):
                 self.position.next_epoch()
                 continue

@@ -234,6 +234,28 @@ def test_the_loss_and_the_schedule_are_arguments(tmp_path, tiny_models):
     assert [row["lr"] for row in reporter.steps] == pytest.approx([0.5e-2, 0.5e-2])
 
 
+def test_which_rows_make_up_a_step_is_an_argument(tmp_path, tiny_models):
+    """A caller (preference tuning, say) decides each step's rows; the loop trains on exactly those."""
+    seen = []
+
+    def fixed_steps(lengths, step_rows, seed, epoch):
+        return [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+    def counted(model, batch, normaliser):
+        seen.append(batch["input_ids"].shape[0])
+        return token_cross_entropy(model, batch, normaliser)
+
+    from llmcustoms.losses import token_cross_entropy
+
+    tuner, result, _, reporter = train(tmp_path, tiny_models["llama"], max_steps=5, micro_batch_size=4, grad_accum=2,
+                                       eval_every=0, tuner_args={"steps": fixed_steps, "loss": counted})
+    assert result.steps == 5 and seen == [4] * 5  # one micro-batch of 4 rows per step, not the planned 8 rows
+    assert tuner.position.epoch == 1 and tuner.position.index == 2  # 3 steps an epoch: the 5th is the 2nd of epoch 1
+    expected_tokens = sum(len(tuner.data.train[i].input_ids) for step in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                                           [0, 1, 2, 3], [4, 5, 6, 7]) for i in step)
+    assert tuner.position.tokens == expected_tokens
+
+
 def test_the_loop_position_is_one_record_read_from_flat_checkpoint_state():
     # state.json keeps the position's fields as flat keys, beside the scheduler's and others.
     state = {"step": 6, "epoch": 1, "index": 2, "tokens": 900, "final_loss": 1.5, "best_eval": 1.7, "best_step": 4,
