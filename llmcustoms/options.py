@@ -202,6 +202,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("distributed", str, "With several processes: ddp (each holds the model; default) or fsdp (full "
            "fine-tuning sharded over the processes).", flag="--distributed", env="DISTRIBUTED", plan="distributed",
            choices=("ddp", "fsdp"), commands=_BOTH),
+    # Where prepared data is kept between runs.
+    Option("cache_dir", str, "Where prepared (tokenized) data is cached between runs. Default: ~/.cache/llmcustoms.",
+           flag="--cache-dir", env="CACHE_DIR"),
     # Where metrics also go.
     Option("report_to", str, "Also send metrics to tensorboard or wandb (optional extras). Default: none.",
            flag="--report-to", env="REPORT_TO", choices=("none", "tensorboard", "wandb"),

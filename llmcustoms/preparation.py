@@ -46,6 +46,7 @@ class TrainOptions:
     overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
     model_source: str = "flag"
     preset_source: str = "default"
+    cache_dir: str | None = None  # where tokenized data is cached; None: the default place
 
     def override(self, name: str, default: Any) -> Any:
         return self.overrides.get(name, (default, ""))[0]
@@ -70,7 +71,7 @@ def train_options(settings: Settings) -> TrainOptions:
     return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
                         eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
                         overrides=overrides, model_source=source("model", "flag"),
-                        preset_source=source("preset", "default"))
+                        preset_source=source("preset", "default"), cache_dir=value("cache_dir"))
 
 
 @dataclass
@@ -141,30 +142,34 @@ def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[E
 
 
 def _tokenize(model_name: str, train: list[Example], evaluation: list[Example], train_on_prompt: bool,
-              trust_remote_code: bool, data_key: str = "") -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
+              trust_remote_code: bool, data_key: str = "",
+              cache: str | None = None) -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
     """(tokenizer, used the fallback template, train rows, eval rows), untruncated.
-    With a `data_key` (the data's checksum and split), results are cached."""
+    With a `data_key` (the data's checksum and split), results are cached
+    under `cache_dir(cache)`."""
     from llmcustoms import modeling
 
     hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
     used_fallback = ensure_chat_template(hf_tokenizer)
     stop_ids = modeling.stop_token_ids(model_name)
     key = tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, data_key) if data_key else None
-    cached = read_tokenization_cache(key) if key else None
+    directory = cache_dir(cache) / "tokenized"
+    cached = read_tokenization_cache(key, directory) if key else None
     if cached is not None:
         return hf_tokenizer, used_fallback, cached[0], cached[1]
     tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids)
     rows = [tokenizer.encode(e) for e in train], [tokenizer.encode(e) for e in evaluation]
     if key:
-        write_tokenization_cache(key, *rows)
+        write_tokenization_cache(key, directory, *rows)
     return hf_tokenizer, used_fallback, rows[0], rows[1]
 
 
-def cache_dir() -> Path:
-    """Where prepared data is cached: $LLMCUSTOMS_CACHE_DIR, else $XDG_CACHE_HOME/llmcustoms."""
+def cache_dir(explicit: str | None = None) -> Path:
+    """Where prepared data is cached: `--cache-dir` or LLMCUSTOMS_CACHE_DIR (from the
+    settings), else the process environment's LLMCUSTOMS_CACHE_DIR, else $XDG_CACHE_HOME/llmcustoms."""
     import os
 
-    explicit = os.environ.get("LLMCUSTOMS_CACHE_DIR")
+    explicit = explicit or os.environ.get("LLMCUSTOMS_CACHE_DIR")
     if explicit:
         return Path(explicit)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcustoms"
@@ -199,13 +204,13 @@ def _unflatten(tensors: dict[str, Any], prefix: str) -> list[TokenizedExample]:
     return [TokenizedExample(row, ids[a:b], labels[a:b]) for row, a, b in zip(rows, offsets, offsets[1:])]
 
 
-def write_tokenization_cache(key: str, train: list[TokenizedExample], evaluation: list[TokenizedExample]) -> None:
+def write_tokenization_cache(key: str, directory: Path, train: list[TokenizedExample],
+                             evaluation: list[TokenizedExample]) -> None:
     import os
 
     from safetensors.torch import save_file
 
     try:
-        directory = cache_dir() / "tokenized"
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{key}.{os.getpid()}.tmp"
         save_file({**_flatten(train, "train"), **_flatten(evaluation, "eval")}, str(tmp))
@@ -214,10 +219,10 @@ def write_tokenization_cache(key: str, train: list[TokenizedExample], evaluation
         pass  # a cache that cannot be written only costs time next run
 
 
-def read_tokenization_cache(key: str) -> tuple[list[TokenizedExample], list[TokenizedExample]] | None:
+def read_tokenization_cache(key: str, directory: Path) -> tuple[list[TokenizedExample], list[TokenizedExample]] | None:
     from safetensors.torch import load_file
 
-    path = cache_dir() / "tokenized" / f"{key}.safetensors"
+    path = directory / f"{key}.safetensors"
     if not path.is_file():
         return None
     try:
@@ -261,7 +266,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         data_key = f"{data_sha}:{eval_sha or fraction}:{options.override('seed', 42)}:{options.skip_bad_rows}"
         hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
             model.name, train_examples, eval_examples, bool(options.override("train_on_prompt", False)), trust_remote_code,
-            data_key)
+            data_key, options.cache_dir)
     except ModelError:
         if tokenizer_required:
             raise

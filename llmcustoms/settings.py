@@ -22,9 +22,9 @@ from typing import Any
 from llmcustoms.errors import ConfigError
 from llmcustoms.options import BY_VARIABLE, OPTIONS, PREFIX
 
-# Variables with the prefix that are not settings: a testing aid, the
-# tokenization cache's place, and what the launcher tells its processes.
-NOT_SETTINGS = ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_CACHE_DIR", "LLMCUSTOMS_RESTARTS_ON_REQUEST")
+# Variables with the prefix that are not settings: a testing aid, and what
+# the launcher tells its processes.
+NOT_SETTINGS = ("LLMCUSTOMS_FAULT_INJECT", "LLMCUSTOMS_RESTARTS_ON_REQUEST")
 # The settings: every option of the table that has a variable.
 SETTINGS = tuple(option for option in OPTIONS if option.env)
 
@@ -105,9 +105,7 @@ def example_file() -> str:
         like = option.flag or "the DATA argument"
         kind = "" if option.kind is str and not option.choices else f": {option.describe_range()}"
         lines += [f"# {option.help} ({like}{kind})", f"# {option.variable}="]
-    lines += ["", "# Where prepared (tokenized) data is cached (default: ~/.cache/llmcustoms).",
-              f"# {PREFIX}CACHE_DIR=",
-              "", "# --- read by the libraries llmcustoms uses ---",
+    lines += ["", "# --- read by the libraries llmcustoms uses ---",
               "# Access token for gated models (Mistral, some Llama checkpoints). llmcustoms never",
               "# prints, logs or saves it. Never commit your .env.",
               "# HF_TOKEN=hf_...",

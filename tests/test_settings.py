@@ -26,6 +26,7 @@ def clean_environment(monkeypatch, tmp_path):
     for name in list(os.environ):
         if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
             monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
     monkeypatch.chdir(tmp_path)
 
 
@@ -97,7 +98,7 @@ def test_env_example_documents_every_variable():
 
 def test_an_unset_value_is_ignored(tmp_path):
     (tmp_path / ".env").write_text("LLMCUSTOMS_LR=\n")
-    assert load_settings().values == {}
+    assert "lr" not in load_settings().values
 
 
 def test_a_missing_env_file_is_an_error(tmp_path):
@@ -179,3 +180,13 @@ def test_tune_with_the_data_in_the_environment(tmp_path, tiny_models, cli):
                  "--eval-split", "0.2", cwd=tmp_path, env={"LLMCUSTOMS_DATA": str(DATA_FILES["alpaca"])})
     assert result.returncode == 0, result.stdout + result.stderr
     assert list((tmp_path / "runs").glob("tune-*/best_preset.yaml"))
+
+
+def test_the_cache_directory_from_the_env_file_is_used(tmp_path, tiny_models, monkeypatch):
+    """LLMCUSTOMS_CACHE_DIR in .env used to be ignored: now it is a setting like the rest, and a flag."""
+    monkeypatch.delenv("LLMCUSTOMS_CACHE_DIR", raising=False)
+    (tmp_path / ".env").write_text(f"LLMCUSTOMS_CACHE_DIR={tmp_path / 'from-env'}\n")
+    assert plan_json("--model", str(tiny_models["llama"]))["model"] == str(tiny_models["llama"])
+    assert list((tmp_path / "from-env" / "tokenized").glob("*.safetensors"))
+    plan_json("--model", str(tiny_models["llama"]), "--cache-dir", str(tmp_path / "from-flag"))
+    assert list((tmp_path / "from-flag" / "tokenized").glob("*.safetensors"))
