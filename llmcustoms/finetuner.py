@@ -180,8 +180,11 @@ class FineTuner:
         """Optimizer steps until the plan's last one, or a reason to stop early."""
         status_written = time.monotonic()
         stop = None
+        epoch, steps = None, []  # an epoch's steps, worked out once per epoch (a rollback may change it)
         while self.position.step < self.plan.total_steps and stop is None:
-            steps = self.steps(self.data.lengths, self.plan.effective_batch_size, self.plan.seed, self.position.epoch)
+            if epoch != self.position.epoch:
+                epoch = self.position.epoch
+                steps = self.steps(self.data.lengths, self.plan.effective_batch_size, self.plan.seed, epoch)
             if self.position.index >= len(steps):
                 self.position.next_epoch()
                 continue

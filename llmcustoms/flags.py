@@ -19,15 +19,10 @@ import typer
 from llmcustoms import options
 from llmcustoms.options import Option
 
-# Enums Typer needs for choices, made once per option (Typer compares by type).
-_ENUMS: dict[str, type[Enum]] = {}
-
-
 def _choice_type(option: Option) -> type[Enum]:
-    if option.name not in _ENUMS:
-        title = "".join(part.title() for part in option.name.split("_"))
-        _ENUMS[option.name] = Enum(title, {c: c for c in option.choices}, type=str)  # type: ignore[misc]
-    return _ENUMS[option.name]
+    """Typer takes choices as an Enum; `given_values` turns members back into text."""
+    title = "".join(part.title() for part in option.name.split("_"))
+    return Enum(title, {c: c for c in option.choices}, type=str)  # type: ignore[misc]
 
 
 def _typer_info(option: Option) -> Any:

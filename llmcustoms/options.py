@@ -72,23 +72,23 @@ class Option:
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not valid for this option, or None if it is."""
+        return None if self._valid(value) else f"expected {self.describe_range()}"
+
+    def _valid(self, value: Any) -> bool:
         if self.choices:
-            return None if value in self.choices else f"expected {self.describe_range()}"
+            return value in self.choices
         # bool is a subclass of int in Python; `lora_r: true` is still a mistake.
         if isinstance(value, bool) != (self.kind is bool):
-            return f"expected {self.describe_range()}"
+            return False
         if self.kind in (bool, str):
-            return None if isinstance(value, self.kind) else f"expected {self.describe_range()}"
-        if not isinstance(value, (int, float)) or (self.kind is int and not isinstance(value, int)):
-            return f"expected {self.describe_range()}"
-        if not math.isfinite(value):
-            return f"expected {self.describe_range()}"
+            return isinstance(value, self.kind)
+        numbers = (int,) if self.kind is int else (int, float)
+        if not isinstance(value, numbers) or not math.isfinite(value):
+            return False
         low, high = self.minimum, self.maximum
-        if low is not None and (value < low or (self.min_open and value == low)):
-            return f"expected {self.describe_range()}"
-        if high is not None and (value > high or (self.max_open and value == high)):
-            return f"expected {self.describe_range()}"
-        return None
+        too_low = low is not None and (value < low or (self.min_open and value == low))
+        too_high = high is not None and (value > high or (self.max_open and value == high))
+        return not (too_low or too_high)
 
     def parse(self, text: str) -> Any:
         """A value from text (an environment variable); ValueError says what is expected."""
@@ -105,8 +105,6 @@ class Option:
                 value = text
         except ValueError:
             raise ValueError(f"expected {self.describe_range()}") from None
-        if self.kind is float:
-            value = float(value)
         problem = self.problem(value)
         if problem:
             raise ValueError(problem)

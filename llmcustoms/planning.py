@@ -17,14 +17,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llmcustoms.duration import duration_reason, estimate_seconds
 from llmcustoms import options
+from llmcustoms.duration import duration_reason, estimate_seconds
 from llmcustoms.errors import ConfigError
-from llmcustoms.sizing import best_fit, does_not_fit
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
 from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan
 from llmcustoms.presets import ModelSpec, TrainingPreset, validate_preset_values
+from llmcustoms.sizing import best_fit, does_not_fit
 
 DEFAULT_SEED = 42
 DEFAULT_KEEP_CHECKPOINTS = 3

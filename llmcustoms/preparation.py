@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms import options
+from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
 from llmcustoms.errors import ConfigError, DataError, ModelError
-from llmcustoms.settings import Settings
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
 from llmcustoms.plan import DataStats, Plan
 from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
+from llmcustoms.settings import Settings
 from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
 
 DEFAULT_PRESET = "quality"

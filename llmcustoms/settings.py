@@ -119,4 +119,3 @@ def example_file() -> str:
               "# WANDB_API_KEY=...",
               ""]
     return "\n".join(lines)
-
