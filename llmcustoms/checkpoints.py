@@ -139,14 +139,9 @@ class CheckpointManager:
             self.warn(f"checkpoint {checkpoint.path.name} is unusable ({problem}); trying an older one")
         return None
 
-    def best_step(self) -> int | None:
-        """The checkpoint saved with the lowest eval loss (its state's `last_eval`), if any."""
-        scored = [(c.state().get("last_eval"), c.step) for c in self.all()]
-        scored = [pair for pair in scored if pair[0] is not None]
-        return min(scored)[1] if scored else None
-
     def prune(self, best_step: int | None) -> None:
-        """Keep the newest `keep` checkpoints and the one with the best eval loss."""
+        """Keep the newest `keep` checkpoints and the one of `best_step` (the best
+        evaluation's weights, in a full fine-tuning run)."""
         for index, checkpoint in enumerate(self.all()):
             if index >= self.keep and checkpoint.step != best_step:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)

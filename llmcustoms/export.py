@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from llmcustoms import measures
 from llmcustoms.errors import ConfigError
 from llmcustoms.generation import trained_output
 from llmcustoms.rundir import RunDirectory
@@ -24,7 +25,6 @@ def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
     status = run.read_status()
     lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
             f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
-    best = status.get("best_eval_loss")
     how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
            "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
            if merged or plan.method == "full" else
@@ -44,9 +44,23 @@ def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
         f"| training | {status.get('step', 0)} optimizer steps, effective batch {plan.effective_batch_size}, "
         f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
         f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
-        f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}) |" if best is not None else "",
+        *_quality_rows(status),
         "", "## Use", "", how, "",
     ])
+
+
+def _quality_rows(status: dict[str, Any]) -> list[str]:
+    """Eval loss and perplexity, before and after; never the sample replies (they are the user's data)."""
+    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
+    rows = []
+    if base is not None:
+        rows.append(f"| base model eval loss | {base:.4f} (perplexity {measures.perplexity(base):.2f}) |")
+    if best is not None:
+        rows.append(f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}); "
+                    f"{measures.describe(base, best)} |")
+    if status.get("kept"):
+        rows.append(f"| weights | {status['kept']} |")
+    return rows
 
 
 def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False) -> Path:

@@ -1,28 +1,22 @@
 """`FineTuner`: executes a `Plan` with a small, explicit training loop on accelerate.
 
 Read it top to bottom, as it runs: `run` sets up (processes once; then seed,
-model, optimizer, schedule, data), then for each optimizer step takes the
-step's rows in micro-batches, normalises the loss by the number of trained
-tokens in the whole step (so splitting a batch into more micro-batches gives
-the same update), checks the result is finite, clips, steps, logs, evaluates
-now and then, and checkpoints every `save_every` steps. The loss, which rows
-make up each step, and the learning-rate schedule are arguments
-(`losses.token_cross_entropy`, `batching.epoch_steps` and `lr_multiplier` by
-default). Where the loop is (`Position`) is one record,
-saved in every checkpoint and restored from it.
+model, optimizer, schedule, data) and evaluates the base model; then each
+optimizer step takes its rows in micro-batches, normalises the loss by the
+trained tokens of the whole step (any split gives the same update), checks it
+is finite, clips, steps, logs, evaluates now and then, and checkpoints every
+`save_every` steps. An evaluation that beats the best so far has its weights
+kept at once (`best_weights`); at the end they become `adapter/`. The loss,
+each step's rows and the lr schedule are arguments. Where the loop is
+(`Position`) is one record, saved in every checkpoint and restored from it.
 
-Out of memory is caught in two places. A training step's failures (out of
-memory, non-finite loss) are caught in `_attempt` and go to the
-`TrainingRecoverySystem`, which returns a changed plan; the loop rolls back to
-the last checkpoint and carries on. Out of memory while evaluating is caught
-in `evaluate`, which lowers the micro-batch and evaluates again without a
-rollback. Anything else ends the run in `run`, with status.json saying why
-(under FSDP, out of memory there asks for a restart of every process).
-SIGINT and SIGTERM finish the current step, checkpoint, and stop.
-
-Whatever depends on the number of processes (agreeing on a step's outcome,
-all-reducing, a rank's share of rows, FSDP's padding, gathering and restart
-requests) is in `processes.Processes`; with one process it changes nothing.
+A training step's failures (out of memory, non-finite loss) are caught in
+`_attempt` and go to the `TrainingRecoverySystem`, which returns a changed
+plan; the loop rolls back to the last checkpoint and carries on. Out of memory
+while evaluating is caught in `evaluate`, which lowers the micro-batch and
+evaluates again. Anything else ends the run in `run`, with status.json saying
+why. SIGINT and SIGTERM finish the current step, checkpoint, and stop.
+Whatever depends on the number of processes is in `processes.Processes`.
 """
 
 from __future__ import annotations
@@ -36,10 +30,13 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.batching import StepRows, TrainingRows, count_loss_tokens, epoch_steps
+from llmcustoms.batching import StepRows, TrainingRows, epoch_steps
+from llmcustoms.best_weights import BestWeights
 from llmcustoms.checkpoints import Checkpoint, CheckpointManager
+from llmcustoms.evaluation import Evaluation
 from llmcustoms.faults import FaultInjector
 from llmcustoms.losses import Loss, select_logits, token_cross_entropy
+from llmcustoms.measures import perplexity
 from llmcustoms.modeling import load_model
 from llmcustoms.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.plan import Plan
@@ -49,6 +46,7 @@ from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrup
                                  create_failure_report)
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.samples import SampleReplies, side_by_side
 from llmcustoms.tokenization import TokenizedExample
 
 # status.json is rewritten (with fsync) at most this often while training runs.
@@ -60,13 +58,13 @@ class FineTuner:
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
                  on_evaluate: Callable[[int, float], bool] | None = None, save_artifacts: bool = True,
                  loss: Loss = token_cross_entropy, steps: StepRows = epoch_steps,
-                 schedule: Schedule = lr_multiplier):
-        """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes this
-        way; the result's `stop` says so); `save_artifacts=False` writes no
-        checkpoints and no adapter. `loss(model, batch, normaliser)`,
-        `steps(lengths, step_rows, seed, epoch)` (an epoch's steps, each a list
-        of row indices) and `schedule(step, plan)` (the learning-rate factor)
-        replace the defaults."""
+                 schedule: Schedule = lr_multiplier, samples: SampleReplies | None = None, baseline: bool = True):
+        """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes
+        this way); `save_artifacts=False` writes no checkpoints and no adapter;
+        `samples` answers sample prompts; `baseline=False` skips evaluating the
+        base model. `loss(model, batch, normaliser)`, `steps(lengths, step_rows,
+        seed, epoch)` (an epoch's steps, as row indices) and `schedule(step,
+        plan)` (the lr factor) replace the defaults."""
         self.plan = plan
         self.tokenizer = tokenizer
         self.run_dir = run_dir
@@ -77,6 +75,8 @@ class FineTuner:
         self.loss = loss
         self.steps = steps
         self.schedule = schedule
+        self.samples = samples
+        self.baseline = baseline
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
@@ -121,16 +121,18 @@ class FineTuner:
         self._setup_training()
 
     def _setup_processes(self) -> None:
-        """Once per run: a rollback keeps them."""
-        # `Processes` keeps the writable run directory: any rank may have to
-        # leave a restart request. The loop itself writes only from the main one.
+        """Once per run: a rollback keeps them. `Processes` keeps the writable run
+        directory (any rank may leave a restart request); the loop writes only from the main one."""
         self.processes = Processes.start(self.plan, self.run_dir, self.signals)
         self.accelerator = self.processes.accelerator
         self.device = self.processes.device
+        self.evaluation = Evaluation(self.data, self.processes, self._loss, self._free_memory)
         self.faults.rank = self.processes.rank
         if not self.processes.is_main:
             self.run_dir = RunDirectory(self.run_dir.path, writable=False)
             self.reporter = SilentReporter()  # one progress display, from the main process
+        self.best = BestWeights(self.run_dir, self.checkpoints, self.processes, self.plan.method == "full",
+                                lambda text: self.reporter.message(text, warning=True))
 
     def _setup_training(self) -> None:
         """What a rollback to step 0 sets up again."""
@@ -162,14 +164,13 @@ class FineTuner:
                                                            lambda step: self.schedule(step, self.plan))
 
     def _setup_data(self) -> None:
-        """Evaluation micro-batches, built once (and again when recovery changes their size)."""
-        self.eval_micro_batches = self.data.evaluation_batches(self.plan.micro_batch_size)
+        self.evaluation.use_micro_batch(self.plan.micro_batch_size)
 
     def _resume(self) -> None:
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             self.reporter.message("no usable checkpoint: starting from step 0", warning=True)
-            self.run_dir.truncate_metrics(0)
+            self._forget_after(-1)  # from the start: the base model is evaluated again
             return
         self._restore(checkpoint)
         self.reporter.message(f"resuming from checkpoint {checkpoint.path.name} (step {self.position.step})")
@@ -178,8 +179,10 @@ class FineTuner:
 
     def _train(self) -> StopReason | None:
         """Optimizer steps until the plan's last one, or a reason to stop early."""
-        status_written = time.monotonic()
+        status_written = self.trained_since = time.monotonic()
         stop = None
+        if self.baseline and self.position.step == 0 and self.position.base_eval is None:
+            self._evaluate_base()
         epoch, steps = None, []  # an epoch's steps, worked out once per epoch (a rollback may change it)
         while self.position.step < self.plan.total_steps and stop is None:
             if epoch != self.position.epoch:
@@ -195,7 +198,12 @@ class FineTuner:
             self._record(metrics, len(steps))
             stop = self._maybe_evaluate()
             last = self.position.step == self.plan.total_steps or stop is not None
-            saved = self.save_artifacts and (self.position.step % self.plan.save_every == 0 or last)
+            best_now = self.save_artifacts and self.position.best_step == self.position.step
+            # Full fine-tuning keeps its best weights as a checkpoint; adapters as a copy.
+            saved = self.save_artifacts and (self.position.step % self.plan.save_every == 0 or last
+                                             or (best_now and self.plan.method == "full"))
+            if best_now and self.plan.method != "full":
+                self.best.keep(self.model, self.position.step, self.position.best_eval)
             if saved:
                 self._save_checkpoint()
             self.faults.send_signal_if_due(self.position.step)
@@ -287,60 +295,51 @@ class FineTuner:
         """Evaluate when due; says why to stop when it is time to."""
         plan, position = self.plan, self.position
         due = plan.eval_every and (position.step % plan.eval_every == 0 or position.step == plan.total_steps)
-        if not (self.eval_micro_batches and due):
+        if not (self.evaluation and due):
             return None
         eval_loss = self.evaluate()
         position.last_eval = eval_loss
-        row = {"step": position.step, "eval_loss": eval_loss}
-        self.run_dir.append_metrics(row)
-        self.reporter.evaluated(row)
+        self._record_eval(eval_loss)
+        if self.samples is not None and self.samples.cheap(time.monotonic() - self.trained_since):
+            self._sample("eval")
+        self.trained_since = time.monotonic()
         if self.on_evaluate is not None and self.on_evaluate(position.step, eval_loss):
             return StopReason(StopCause.CALLER, position.step,
                               f"stopped at step {position.step} by the caller (eval loss {eval_loss:.4f})")
         return position.early_stop(eval_loss, plan.early_stopping_patience)
 
+    def _evaluate_base(self) -> None:
+        """The untrained model's eval loss and replies: what the run is measured against."""
+        if self.evaluation and self.plan.eval_every:
+            self.position.base_eval = self.evaluate()
+            self._record_eval(self.position.base_eval)
+        self._sample("base")
+        self.trained_since = time.monotonic()
+
+    def _record_eval(self, eval_loss: float) -> None:
+        row = {"step": self.position.step, "eval_loss": eval_loss, "eval_ppl": perplexity(eval_loss)}
+        self.run_dir.append_metrics(row)
+        self.reporter.evaluated(row)
+
+    def _sample(self, label: str) -> None:
+        """Replies to the sample prompts, from the main process (not under FSDP,
+        where every forward is a collective)."""
+        if self.samples is None or self.processes.fsdp:
+            return
+        if self.processes.is_main:
+            self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
+        self.accelerator.wait_for_everyone()
+
     def evaluate(self) -> float:
-        """Mean loss per trained token over the whole evaluation set.
+        """Mean loss per trained token over the whole evaluation set."""
+        return self.evaluation.loss(self.model, self.position.step, self._lower_evaluation_micro_batch)
 
-        Out of memory here is caught here, not in `_attempt`, and recovered
-        like in a training step (smaller micro-batches), but nothing rolls
-        back: the weights are fine. With several processes they agree on it
-        before the loss is summed; under FSDP the forwards are collectives,
-        so the process asks for a restart instead.
-        """
-        while True:
-            failure = None
-            try:
-                loss_sum = self._evaluation_share()
-            except torch.OutOfMemoryError:
-                failure = "oom"
-            if failure is not None:
-                self._free_memory()
-                self.processes.restart_if_sharded(failure, self.position.step + 1)
-            if self.processes.agree(failure) is None:
-                break
-            plan, recovery = self.recovery.after_oom(self.plan, self.position.step)
-            self._apply_plan(plan)
-            self.run_dir.add_recovery({**recovery.to_json(), "during": "evaluation"})
-            self.reporter.message(f"evaluation after step {self.position.step}: out of memory; {recovery.action}; "
-                                  "evaluating again", warning=True)
-        return self.processes.sum(loss_sum).item()
-
-    @torch.no_grad()
-    def _evaluation_share(self) -> torch.Tensor:
-        """This rank's share of the evaluation loss, summed and normalised by the
-        trained tokens of the whole evaluation set."""
-        total_tokens = max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.eval_micro_batches))
-        normaliser = torch.tensor(total_tokens, device=self.device)
-        loss_sum = torch.zeros((), device=self.device)
-        self.model.eval()
-        try:
-            for mb, weight in self.processes.evaluation_share(self.eval_micro_batches):
-                mb = {k: v.to(self.device) for k, v in mb.items()}
-                loss_sum += self._loss(mb, normaliser) * weight
-        finally:
-            self.model.train()
-        return loss_sum
+    def _lower_evaluation_micro_batch(self) -> None:
+        plan, recovery = self.recovery.after_oom(self.plan, self.position.step)
+        self._apply_plan(plan)
+        self.run_dir.add_recovery({**recovery.to_json(), "during": "evaluation"})
+        self.reporter.message(f"evaluation after step {self.position.step}: out of memory; {recovery.action}; "
+                              "evaluating again", warning=True)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -366,7 +365,12 @@ class FineTuner:
         self.position = Position.from_state(state)
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_learning_rate()  # needs the restored step
-        self.run_dir.truncate_metrics(self.position.step)
+        self._forget_after(self.position.step)
+
+    def _forget_after(self, step: int) -> None:
+        """Going back to `step`: what came after it is trained again."""
+        self.run_dir.truncate_logs(step)
+        self.best.went_back_to(step)
 
     # --------------------------------------------------------------- recovery
 
@@ -392,9 +396,9 @@ class FineTuner:
         self.model = self.optimizer = None
         self.accelerator.free_memory()  # drops accelerate's references to the old model
         self._free_memory()
-        self.position = Position()
+        self.position = Position(base_eval=self.position.base_eval)  # the base model is the same
         self._setup_training()
-        self.run_dir.truncate_metrics(0)
+        self._forget_after(0)
 
     def _apply_plan(self, plan: Plan) -> None:
         old, self.plan = self.plan, plan
@@ -423,20 +427,24 @@ class FineTuner:
         if restart is not None:
             self.run_dir.write_status("failed", step=step, reason=restart.reason)
             return restart
-        # A bug: keep what can be kept, then report.
         report = create_failure_report("error", self.plan, step + 1, f"{type(error).__name__}: {error}")
         self.run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
         return TrainingFailed(report)
 
     def _finish(self, stop: StopReason | None, seconds: float, tokens: int) -> TrainResult:
-        output = self.run_dir.output_path(self.plan.method)
+        """Write the weights the run keeps, answer the samples with them, say so."""
+        position, kept = self.position, {}
         if self.save_artifacts:
-            self.processes.save_trained(self.model, self.tokenizer, output)
-        position, reason = self.position, stop.text if stop else None
-        self.run_dir.write_status("completed", step=position.step, reason=reason, final_loss=position.final_loss,
-                                  best_eval_loss=position.best_eval, best_eval_step=position.best_step)
+            kept = self.best.write(self.model, self.tokenizer, position, self.plan.method)
+            self._sample("trained")
+        self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
+                                  final_loss=position.final_loss, best_eval_loss=position.best_eval,
+                                  best_eval_step=position.best_step, base_eval_loss=position.base_eval,
+                                  stop_cause=stop.cause.value if stop else None, **kept)
         if stop is not None:
             self.reporter.message(stop.text)
         return TrainResult(status="completed", steps=position.step, final_loss=position.final_loss,
                            best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
-                           tokens_per_s=tokens / max(seconds, 1e-9), output_path=output, stop=stop)
+                           tokens_per_s=tokens / max(seconds, 1e-9),
+                           output_path=self.run_dir.output_path(self.plan.method), stop=stop, base_eval_loss=position.base_eval, kept=kept.get("kept"),
+                           last_output=kept.get("last_output"), samples=side_by_side(self.run_dir.read_samples()))

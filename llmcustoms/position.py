@@ -8,7 +8,7 @@ why a run ended before its last step; `TrainResult` is what a finished run retur
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,14 @@ class Position:
     best_step: int | None = None
     last_eval: float | None = None
     evals_since_best: int = 0
+    base_eval: float | None = None  # the model's eval loss before the first step
+
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
-        """The position saved in a checkpoint's state (other keys are ignored)."""
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        """The position saved in a checkpoint's state (other keys are ignored;
+        a key an older version did not save keeps its default)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
     def advance(self, tokens: int, loss: float) -> None:
         """One optimizer step done."""
@@ -79,6 +82,10 @@ class TrainResult:
     tokens_per_s: float
     output_path: Path
     stop: StopReason | None = None
+    base_eval_loss: float | None = None  # before the first step
+    kept: str | None = None  # which weights output_path holds, and why
+    last_output: str | None = None  # where the last step's weights went, when not kept
+    samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
 
     @property
     def stop_reason(self) -> str | None:

@@ -275,7 +275,7 @@ class Processes:
             checkpoints.save(step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
                                     "rng.safetensors": rng_tensors},
                              {**state, "optimizer_groups": groups, "rng": rng_json})
-            checkpoints.prune(checkpoints.best_step())
+            checkpoints.prune(state.get("best_step"))  # for full fine-tuning, the best weights
         # No rank goes on (and might roll back to it) before the checkpoint is whole.
         self.accelerator.wait_for_everyone()
 
@@ -283,27 +283,38 @@ class Processes:
         """(trainable weights, optimizer tensors, optimizer groups); under FSDP
         gathered onto the main process (empty elsewhere)."""
         if self.fsdp:
-            return (gather_weights(model, self.trainable_names),
-                    *gather_optimizer(model, optimizer.optimizer))
+            return (self.trainable_weights(model), *gather_optimizer(model, optimizer.optimizer))
+        return (self.trainable_weights(model), *optimizer_state(optimizer))
+
+    def trainable_weights(self, model: Any) -> dict[str, Any]:
+        """The trainable tensors by name, whole: under FSDP gathered onto the main
+        process (every rank must call this; the others get an empty dict)."""
+        if self.fsdp:
+            return gather_weights(model, self.trainable_names)
         unwrapped = self.accelerator.unwrap_model(model)
-        weights = {name: param for name, param in unwrapped.named_parameters() if param.requires_grad}
-        return (weights, *optimizer_state(optimizer))
+        return {name: param for name, param in unwrapped.named_parameters() if param.requires_grad}
+
+    def load_trainable(self, model: Any, weights: dict[str, Any]) -> None:
+        """Put whole trainable tensors back (under FSDP the main process's, sharded to every rank)."""
+        if self.fsdp:
+            load_weights(model, weights if self.is_main else {})
+            return
+        with torch.no_grad():
+            for name, param in self.accelerator.unwrap_model(model).named_parameters():
+                if param.requires_grad:
+                    param.copy_(weights[name].to(param.device, param.dtype))
 
     def restore_checkpoint(self, checkpoint: Checkpoint, model: Any, optimizer: Any) -> dict[str, Any]:
         """Weights, optimizer and RNG back from a checkpoint; returns the loop's state.
         Under FSDP the main process reads the whole tensors and every rank keeps its shard."""
         state = checkpoint.state()
         groups = state["optimizer_groups"]
+        weights = checkpoint.tensors("model.safetensors") if self.is_main or not self.fsdp else {}
+        self.load_trainable(model, weights)
         if self.fsdp:
-            load_weights(model, checkpoint.tensors("model.safetensors") if self.is_main else {})
             load_optimizer(model, optimizer.optimizer,
                            checkpoint.tensors("optimizer.safetensors") if self.is_main else {}, groups)
         else:
-            weights = checkpoint.tensors("model.safetensors")
-            with torch.no_grad():
-                for name, param in self.accelerator.unwrap_model(model).named_parameters():
-                    if param.requires_grad:
-                        param.copy_(weights[name].to(param.device, param.dtype))
             load_optimizer_state(optimizer, checkpoint.tensors("optimizer.safetensors"), groups)
         set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
         return state

@@ -1,9 +1,10 @@
 """Analytics over a finished (or stopped) run: `llmcustoms report RUN [--plot]`.
 
-Reads only the run directory (plan.json, metrics.jsonl, status.json) and
-answers the questions a user has after training: is the loss still falling,
-is the model overfitting, was the learning rate right, how fast was it, what
-went wrong along the way, and what to change next time.
+Reads only the run directory (plan.json, metrics.jsonl, status.json,
+samples.jsonl) and answers the questions a user has after training: how much
+better than the base model is it, and which weights were kept; is the loss
+still falling, is the model overfitting, was the learning rate right, how
+fast was it, what went wrong along the way, and what to change next time.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from llmcustoms import measures
 from llmcustoms.errors import ConfigError
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.samples import side_by_side
 
 # A loss that falls more than this share over the last quarter is "still falling".
 STILL_FALLING = 0.03
@@ -37,6 +40,7 @@ class RunReport:
     total_steps: int
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[str] = field(default_factory=list)
+    samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
 
 
 def _mean(values: list[float]) -> float:
@@ -48,16 +52,18 @@ def analyse(run: RunDirectory) -> RunReport:
     status = run.read_status()
     rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_loss" in r]
+    evals = [r for r in rows if "eval_loss" in r and r["step"] > 0]  # step 0: the base model
     report = RunReport(name=run.path.name, status=status.get("status", "unknown"), steps=len(train),
-                       total_steps=plan.total_steps)
+                       total_steps=plan.total_steps, samples=side_by_side(run.read_samples()))
+    _quality(report, status)
     if len(train) < 4:
         report.findings.append(Finding("convergence", "too short", f"only {len(train)} steps were logged"))
         report.recommendations.append("train for more steps before judging the run")
         return report
     losses = [r["loss"] for r in train]
-    _convergence(report, plan, losses)
-    _overfitting(report, plan, losses, evals)
+    stopped_early = status.get("stop_cause") == "early stopping"
+    _convergence(report, plan, losses, stopped_early)
+    _overfitting(report, plan, losses, evals, stopped_early)
     _learning_rate(report, plan, train, losses)
     speed = median(r["tokens_per_s"] for r in train)
     report.findings.append(Finding("throughput", f"{speed:,.0f} tokens/s",
@@ -81,7 +87,23 @@ def analyse(run: RunDirectory) -> RunReport:
     return report
 
 
-def _convergence(report: RunReport, plan: Any, losses: list[float]) -> None:
+def _quality(report: RunReport, status: dict[str, Any]) -> None:
+    """How much better than the base model, and which weights the run kept."""
+    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
+    if best is None:
+        return
+    change = measures.improvement(base, best)
+    verdict = "unknown" if change is None else "better" if change > 0 else "not better"
+    report.findings.append(Finding("quality", verdict, f"{measures.describe(base, best)}; best eval loss "
+                                                       f"{best:.4f} at step {status.get('best_eval_step')}"))
+    if status.get("kept"):
+        report.findings.append(Finding("weights kept", f"step {status.get('kept_step')}", status["kept"]))
+    if change is not None and change <= 0:
+        report.recommendations.append("training did not lower perplexity below the base model's: check that the "
+                                      "data teaches something the model cannot already do, or try --lr lower")
+
+
+def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_early: bool = False) -> None:
     quarter = max(2, len(losses) // 4)
     early, late = _mean(losses[-2 * quarter:-quarter]), _mean(losses[-quarter:])
     change = (early - late) / max(abs(early), 1e-9)
@@ -89,6 +111,8 @@ def _convergence(report: RunReport, plan: Any, losses: list[float]) -> None:
     if change > STILL_FALLING:
         report.findings.append(Finding("convergence", "still falling",
                                        f"train loss fell {change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
+        if stopped_early:  # eval loss rose while train loss fell: more of the same would overfit
+            return
         report.recommendations.append(f"the loss was still falling at the end: try --epochs {plan.epochs * 2:g} "
                                       f"(or --max-steps {plan.total_steps * 2})")
     elif change < -STILL_FALLING:
@@ -100,7 +124,8 @@ def _convergence(report: RunReport, plan: Any, losses: list[float]) -> None:
                                        f"train loss flat over the last quarter ({late:.3f}); {overall:.0%} below the start"))
 
 
-def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: list[dict[str, Any]]) -> None:
+def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: list[dict[str, Any]],
+                 stopped_early: bool = False) -> None:
     if not evals:
         report.findings.append(Finding("overfitting", "unknown", "no evaluation rows (use --eval-split to measure it)"))
         return
@@ -112,8 +137,13 @@ def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: list[
                                        f"eval loss rose from {best['eval_loss']:.3f} at step {best['step']} to "
                                        f"{last['eval_loss']:.3f} at step {last['step']}; train/eval gap {gap:+.3f}"))
         epochs_at_best = plan.epochs * best["step"] / max(1, plan.total_steps)
-        report.recommendations.append(f"eval loss rose after step {best['step']}: try --epochs "
-                                      f"{max(1, round(epochs_at_best)):g} or --early-stopping-patience 3")
+        if stopped_early:
+            report.recommendations.append(f"eval loss rose after step {best['step']} and early stopping ended the "
+                                          f"run; the step-{best['step']} weights were kept. Next time --epochs "
+                                          f"{max(1, round(epochs_at_best)):g} gets there sooner")
+        else:
+            report.recommendations.append(f"eval loss rose after step {best['step']}: try --epochs "
+                                          f"{max(1, round(epochs_at_best)):g} or --early-stopping-patience 3")
     else:
         report.findings.append(Finding("overfitting", "no",
                                        f"eval loss {last['eval_loss']:.3f} at step {last['step']} (best "

@@ -2,10 +2,13 @@
 
     <output-dir>/<run-name>/
       plan.json         the plan in force (rewritten when recovery changes it)
-      metrics.jsonl     one JSON object per optimizer step, plus eval rows
-      status.json       running | completed | failed | interrupted, last step, reason
+      metrics.jsonl     one JSON object per optimizer step, plus eval rows (step 0: the base model)
+      samples.jsonl     replies to a few held-out prompts: base model, evaluations, trained model
+      status.json       running | completed | failed | interrupted, last step, reason, which weights were kept
       checkpoints/      step-NNNNNN/ directories
-      adapter/          the final PEFT adapter and tokenizer (model/ for --method full)
+      best/             the best evaluation's trainable weights so far (adapters)
+      adapter/          the PEFT adapter of the best evaluation, and the tokenizer (model/ for --method full)
+      adapter-last/     the last step's adapter, when it is not the best one (model-last/)
 
 JSON files are replaced atomically (write a temp file, then rename), so a
 reader never sees half a file even if the process dies mid-write.
@@ -37,6 +40,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill; the rest are whole
+    return rows
+
+
 class RunDirectory:
     def __init__(self, path: Path, writable: bool = True):
         """`writable=False`: reads work, writes are skipped. Every process of a
@@ -60,8 +75,21 @@ class RunDirectory:
     def checkpoints_path(self) -> Path:
         return self.path / "checkpoints"
 
+    @property
+    def samples_path(self) -> Path:
+        return self.path / "samples.jsonl"
+
+    @property
+    def best_path(self) -> Path:
+        return self.path / "best"
+
     def output_path(self, method: str) -> Path:
+        """Where the weights the run keeps go: the best evaluation's, or the last step's without evaluation."""
         return self.path / ("model" if method == "full" else "adapter")
+
+    def last_output_path(self, method: str) -> Path:
+        """Where the last step's weights go when they are not the ones kept."""
+        return self.path / ("model-last" if method == "full" else "adapter-last")
 
     @classmethod
     def inside(cls, output_dir: Path, run_name: str) -> "RunDirectory":
@@ -117,20 +145,28 @@ class RunDirectory:
                               "Pass a directory made by `llmcustoms train`.") from None
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        if not self.writable:
-            return
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        self._append(self.metrics_path, [row])
 
-    def truncate_metrics(self, step: int) -> None:
-        """Forget rows after `step`: after a rollback or resume they are trained
-        again, and the file keeps one row per optimizer step."""
+    def append_samples(self, rows: list[dict[str, Any]]) -> None:
+        self._append(self.samples_path, rows)
+
+    def truncate_logs(self, step: int) -> None:
+        """Forget rows after `step` (metrics and samples): after a rollback or
+        resume they are trained again, and the file keeps one row per optimizer step."""
         if not self.writable:
             return
-        rows = [r for r in self.read_metrics() if r.get("step", 0) <= step]
-        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.metrics_path)
+        for path in (self.metrics_path, self.samples_path):
+            if path.exists():
+                rows = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                os.replace(tmp, path)
+
+    def _append(self, path: Path, rows: list[dict[str, Any]]) -> None:
+        if not self.writable or not rows:
+            return
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
 
     def add_recovery(self, recovery: dict[str, Any]) -> None:
         if not self.writable:
@@ -168,15 +204,10 @@ class RunDirectory:
             self.restart_path.unlink(missing_ok=True)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        rows = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill; the rest are whole
-        return rows
+        return _read_jsonl(self.metrics_path)
+
+    def read_samples(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.samples_path)
 
     def read_status(self) -> dict[str, Any]:
         if not self.status_path.exists():
@@ -246,6 +277,7 @@ class RunSummary:
     step: int
     total_steps: int | None
     best_eval_loss: float | None
+    base_eval_loss: float | None  # the model before training, for the change
     started_at: str | None
     seconds: float | None  # from start to the last status update
 
@@ -266,7 +298,7 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
             seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
                                status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
-                               status.get("best_eval_loss"), started, seconds))
+                               status.get("best_eval_loss"), status.get("base_eval_loss"), started, seconds))
     return runs
 
 

@@ -232,12 +232,14 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
     from llmcustoms.faults import FaultInjector
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted
+    from llmcustoms.samples import SampleReplies, held_out_prompts
     from llmcustoms.tracking import TrackingReporter
 
     main = launching.is_main_process()
     reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker if main else "none", run_dir, prepared.plan)
+    samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir)
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
-                      faults=FaultInjector.from_env(spent_through=faults_spent_through))
+                      faults=FaultInjector.from_env(spent_through=faults_spent_through), samples=samples)
     try:
         result = tuner.run(resume=resume)
     except RestartNeeded as restart:
