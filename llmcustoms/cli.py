@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
@@ -167,13 +167,16 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
 @takes_options("tune")
 def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_tokens: flags.BudgetTokens = None,
          timeout: flags.Timeout = None, storage: flags.Storage = None, study_name: flags.StudyName = None,
-         sampler: flags.SamplerOpt = flags.Sampler.tpe, env_file: flags.EnvFile = None, **values: Any) -> None:
+         sampler: flags.SamplerOpt = flags.Sampler.tpe, lr_find: flags.LrFind = False, env_file: flags.EnvFile = None,
+         **values: Any) -> None:
     """Search hyperparameters with Optuna; write the best preset.
 
     Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
     with ending():
         quiet_libraries()
         from llmcustoms import console as ui
+        from llmcustoms import tuneview as view
+        from llmcustoms.lrfind import centre_study
         from llmcustoms.presets import load_preset
         from llmcustoms.tuning import StudyRequest, prepare_study, run_study
 
@@ -182,13 +185,29 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value)
         study = prepare_study(options, session.output_dir, request)
         ui.show_prepared(study.prepared, options.data)
-        ui.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
-        with ui.TrialsDisplay() as display:
+        study = centre_study(study, session.output_dir) if lr_find else study
+        view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
+        with view.TrialsDisplay() as display:
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
                                 study.settings, on_update=display.update)
-    ui.show_study_outcome(outcome, options.data, options.model)
+    view.show_study_outcome(outcome, options.data, options.model)
     if outcome.interrupted:
         raise typer.Exit(130)
+
+
+@app.command("lr-find")
+@takes_options("lr-find")
+def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr: flags.EndLr = 1.0,
+            env_file: flags.EnvFile = None, **values: Any) -> None:
+    """Suggest a learning rate from a short range test.
+
+    The lr rises from 1e-7 to 1 over the steps; the suggestion is where the loss falls fastest."""
+    with ending():
+        quiet_libraries()
+        from llmcustoms.lrfind import RangeTest, find_learning_rate
+
+        session = _session(values, env_file)
+        find_learning_rate(session.train_options(), session.output_dir, RangeTest(steps, start_lr, end_lr))
 
 
 @app.command()
@@ -215,10 +234,7 @@ def presets() -> None:
 
 
 @app.command()
-def setup(
-    data: Annotated[Optional[str], typer.Option("--data", help="Your training data (asked for if not given).")] = None,
-    env_file: Annotated[Path, typer.Option("--env-file", help="The settings file to write.")] = Path(".env"),
-) -> None:
+def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".env")) -> None:
     """Interactive set-up: data, goal and model; writes .env.
 
     Checks your data, picks a goal and a model that fits, and writes .env."""
@@ -255,10 +271,7 @@ def _run_directory(path: Path) -> Any:
 
 
 @app.command()
-def report(
-    run: flags.RunArg,
-    plot: Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")] = False,
-) -> None:
+def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
     """Analyse a run and say what to change.
 
     Convergence, overfitting, learning rate, throughput and recoveries."""
@@ -274,13 +287,8 @@ def report(
 
 
 @app.command()
-def generate(
-    run: flags.RunArg,
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="What to ask the model.")],
-    max_new_tokens: flags.MaxNewTokens = 256,
-    temperature: flags.Temperature = 0.7,
-    seed: flags.Seed = None,
-) -> None:
+def generate(run: flags.RunArg, prompt: flags.Prompt, max_new_tokens: flags.MaxNewTokens = 256,
+             temperature: flags.Temperature = 0.7, seed: flags.Seed = None) -> None:
     """Generate a reply to one prompt with the run's model."""
     with ending():
         quiet_libraries()
@@ -299,12 +307,8 @@ def generate(
 
 
 @app.command()
-def chat(
-    run: flags.RunArg,
-    max_new_tokens: flags.MaxNewTokens = 512,
-    temperature: flags.Temperature = 0.7,
-    system: Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")] = None,
-) -> None:
+def chat(run: flags.RunArg, max_new_tokens: flags.MaxNewTokens = 512, temperature: flags.Temperature = 0.7,
+         system: flags.System = None) -> None:
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
     with ending():
         quiet_libraries()
@@ -319,13 +323,8 @@ def chat(
 
 
 @app.command()
-def export(
-    run: flags.RunArg,
-    output: Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")],
-    merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone 16-bit model.")] = False,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")] = "auto",
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")] = False,
-) -> None:
+def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = False, dtype: flags.Dtype = "auto",
+           overwrite: flags.ExportOverwrite = False) -> None:
     """Copy the adapter, or merge it into a standalone model."""
     with ending():
         quiet_libraries()

@@ -1,9 +1,10 @@
 """Everything the user sees: progress, tables, panels and error messages.
 
 The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
-Rich directly; this module holds the Rich implementations. Rich appears here
-and in `dialog.py` (what llmcustoms asks) only, and neither computes: what
-they show comes worked out (`fitting.fit_table`, `rundir.list_runs`).
+Rich directly; this module holds the Rich implementations. Rich appears here,
+in `tuneview.py` (what `tune` and `lr-find` show) and in `dialog.py` (what
+llmcustoms asks) only, and none computes: what they show comes worked out
+(`fitting.fit_table`, `rundir.list_runs`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmcustoms.presets import MEDIUM_DATASET_ROWS, SMALL_DATASET_ROWS
+from llmcustoms import measures
+from llmcustoms.duration import CPU_TIME_LIMIT_S
+from llmcustoms.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
+                                TINY_MODEL_PARAMS)
 from llmcustoms.reporting import Reporter
 
 console = Console(highlight=False)
@@ -74,7 +78,7 @@ class RichReporter:
                              tps=f"{row['tokens_per_s']:,.0f}", eval=self.last_eval)
 
     def evaluated(self, row: dict[str, Any]) -> None:
-        self.last_eval = f"eval [magenta]{row['eval_loss']:.4f}[/]"
+        self.last_eval = f"eval [magenta]{row['eval_loss']:.4f}[/] ppl {row['eval_ppl']:.2f}"
         if self.progress is not None:
             self.progress.update(self.task, eval=self.last_eval)
 
@@ -214,14 +218,42 @@ def show_summary(result: Any) -> None:
     table.add_row("steps", f"{result.steps}")
     if result.final_loss is not None:
         table.add_row("final train loss", f"{result.final_loss:.4f}")
+    if result.base_eval_loss is not None:
+        table.add_row("base model eval loss", f"{result.base_eval_loss:.4f} (perplexity "
+                                              f"{measures.perplexity(result.base_eval_loss):.2f})")
     if result.best_eval_loss is not None:
         table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step})")
+        table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
     table.add_row("time", _duration(result.seconds))
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
     if result.stop_reason:
         table.add_row("stopped", escape(result.stop_reason))
     table.add_row("saved to", escape(str(result.output_path)))
+    if result.kept:
+        table.add_row("weights kept", escape(result.kept))
     console.print(table)
+    show_samples(result.samples)
+
+
+# A reply longer than this is cut in the summary (samples.jsonl has it whole).
+SAMPLE_CHARS = 240
+
+
+def show_samples(entries: list[dict[str, str]]) -> None:
+    """Sample replies side by side: the prompt, the data's reply, the base model's, the trained model's."""
+    if not entries:
+        return
+    def cut(text: str) -> str:
+        text = " ".join(text.split())
+        return escape(text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 3] + "...")
+    blocks = []
+    for entry in entries:
+        lines = [f"[bold]prompt[/]     {cut(entry['prompt'])}", f"[dim]data[/]       {cut(entry['reference'])}",
+                 f"[yellow]base model[/] {cut(entry['base']) or '-'}"]
+        if entry["trained"]:
+            lines.append(f"[green]trained[/]    {cut(entry['trained'])}")
+        blocks.append("\n".join(lines))
+    console.print(Panel("\n\n".join(blocks), title="Sample replies (held-out prompts, greedy)", expand=False))
 
 
 def _duration(seconds: float) -> str:
@@ -298,9 +330,15 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
                       str(p.max_seq_len), escape(p.description))
     console.print(table)
     for p in presets:
-        console.print(f"[bold]{p.name}[/] uses the first that fits: " + escape(", ".join(m.split("/")[-1] for m in p.models)))
+        console.print(f"[bold]{p.name}[/] uses the first that fits a GPU: "
+                      + escape(", ".join(m.split("/")[-1] for m in p.models))
+                      + ("; without a GPU, the first expected to finish in "
+                         f"{CPU_TIME_LIMIT_S // 60:.0f} minutes: " + escape(", ".join(m.split("/")[-1] for m in p.cpu_models))
+                         if p.cpu_models else ""))
     console.print("Presets adjust epochs, batch and learning rate by dataset size (small < "
-                  f"{SMALL_DATASET_ROWS:,} rows, medium < {MEDIUM_DATASET_ROWS:,}, large). "
+                  f"{SMALL_DATASET_ROWS:,} rows, medium < {MEDIUM_DATASET_ROWS:,}, large), then lr and LoRA "
+                  f"shape by model size (tiny < {TINY_MODEL_PARAMS / 1e6:.0f}M parameters, small < "
+                  f"{SMALL_MODEL_PARAMS / 1e9:.0f}B, medium < {MEDIUM_MODEL_PARAMS / 1e9:.0f}B, large). "
                   "`--preset FILE.yaml` takes your own preset of the same shape.\n")
     table = Table(title="Model families")
     table.add_column("family", no_wrap=True)
@@ -320,84 +358,6 @@ def show_failure(report: dict[str, Any], run_path: Any) -> None:
     err_console.print(Panel(text, expand=False))
 
 
-def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> None:
-    table = Table(title=f"Search space (study {escape(settings.study_name)})", show_header=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column()
-    for name, values in space.describe():
-        table.add_row(name, escape(values))
-    table.add_row("fixed", escape(f"{base.model}, {base.method}, micro-batch {base.micro_batch_size} x "
-                                  f"{base.grad_accum}, {base.max_seq_len} tokens"))
-    table.add_row("budget per trial", f"{settings.steps} optimizer steps (about {tokens_per_trial:,} tokens), "
-                                      f"eval loss on {base.eval_rows} held-out rows")
-    table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}, median pruner"
-                            + (f", timeout {settings.timeout:g} s" if settings.timeout else ""))
-    table.add_row("stored in", escape(settings.storage or str(settings.study_dir / "study.db")))
-    console.print(table)
-
-
-def trials_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="Trials")
-    for column in ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time", "note"):
-        table.add_column(column, no_wrap=column != "note")
-    colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan"}
-    for r in rows[-30:]:  # the newest, so a long study still fits the screen
-        loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        if r["best"]:
-            loss = f"[bold green]{loss}[/]"
-        table.add_row(str(r["trial"]), f"[{colours.get(r['state'], 'white')}]{r['state']}[/]", loss,
-                      "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
-                      _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), _blank(r["steps"]),
-                      "" if r["seconds"] is None else f"{r['seconds']:.0f}s", escape(r["reason"] or ""))
-    return table
-
-
-def _blank(value: Any) -> str:
-    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
-
-
-class TrialsDisplay:
-    """A live table of the study's trials, redrawn as trials report."""
-
-    def __enter__(self) -> "TrialsDisplay":
-        from rich.live import Live
-
-        self.live = Live(Table(title="Trials"), console=console, refresh_per_second=4, transient=False)
-        self.live.__enter__()
-        return self
-
-    def update(self, rows: list[dict[str, Any]]) -> None:
-        self.live.update(trials_table(rows))
-
-    def __exit__(self, *exc: Any) -> None:
-        self.live.__exit__(*exc)
-        console.print()
-
-
-def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
-    counts = outcome.counts()
-    console.print(f"Study: {len(outcome.rows)} trials in all ({counts['complete']} complete, {counts['pruned']} pruned, "
-                  f"{counts['fail']} failed); {outcome.trials_this_run} ran now.")
-    if outcome.steps_budgeted:
-        saved = 1 - outcome.steps_run / outcome.steps_budgeted
-        console.print(f"Pruning: {outcome.steps_run:,} of {outcome.steps_budgeted:,} budgeted steps ran "
-                      f"({saved:.0%} saved).")
-    if outcome.interrupted:
-        console.print("[yellow]Interrupted.[/] The study is saved; run the same command again to continue it.")
-    best = outcome.best_row()
-    if outcome.best_preset_path is None or best is None:
-        console.print("No trial completed yet, so there is no best preset.")
-        return
-    console.print(f"Best: trial {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
-                  + (f", r {best['lora_r']}, alpha/r {best['alpha_ratio']:g}, dropout {best['lora_dropout']:g}"
-                     if best["lora_r"] is not None else "") + f", warmup {best['warmup_ratio']:g}).")
-    console.print(f"Wrote {escape(str(outcome.best_preset_path))} and "
-                  f"{escape(str(outcome.best_preset_path.parent / 'trials.csv'))}.")
-    command = f"llmcustoms train {data_path} --preset {outcome.best_preset_path}" + (f" --model {model}" if model else "")
-    console.print("Train with the best settings:")
-    console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied
-
-
 def show_runs(output_dir: Any, runs: list[Any]) -> None:
     """`rundir.list_runs(output_dir)` as a table."""
     if not runs:
@@ -415,18 +375,20 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
 
     from rich import box
 
-    # No vertical rules: eight columns must fit an 80-column terminal.
+    # No vertical rules, and names fold, so seven columns fit an 80-column terminal.
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("run", no_wrap=True)
-    table.add_column("model", max_width=28, overflow="fold")  # the column that gives way on narrow terminals
-    for column in ("method", "status", "steps", "best eval", "started", "duration"):
+    table.add_column("run", overflow="fold", ratio=3)
+    table.add_column("model", overflow="fold", ratio=2)
+    for column in ("method", "status", "steps", "eval ppl", "time"):
         table.add_column(column, no_wrap=True)
     for run in runs:
+        change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
         table.add_row(escape(run.name), escape(Path(run.model).name), run.method,
                       f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
-                      f"{run.step}/{'?' if run.total_steps is None else run.total_steps}",
-                      "" if run.best_eval_loss is None else f"{run.best_eval_loss:.4f}",
-                      (run.started_at or "")[5:16].replace("T", " "),
+                      f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
+                      + ("" if run.kept_step is None else f" (kept {run.kept_step})"),
+                      "" if run.best_eval_loss is None else f"{measures.perplexity(run.best_eval_loss):.4g}"
+                      + ("" if change is None else f" ({-change:+.0%})"),
                       "" if run.seconds is None else _duration(run.seconds))
     return table
 
@@ -440,5 +402,6 @@ def show_report(report: Any) -> None:
     for finding in report.findings:
         table.add_row(finding.topic, finding.verdict, escape(finding.detail))
     console.print(table)
+    show_samples(report.samples)
     console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
                         expand=False))

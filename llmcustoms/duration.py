@@ -18,6 +18,10 @@ GPU_MFU = 0.35
 CPU_FLOPS_PER_CORE = 40e9
 # Extra time QLoRA spends dequantising 4-bit weights in every forward and backward.
 QLORA_SLOWDOWN = 1.3
+# Without a GPU the preset's CPU models are planned best first and the first
+# expected to finish within this is trained: half an hour is a wait a first
+# try can afford, and it still leaves time to change something and run again.
+CPU_TIME_LIMIT_S = 30 * 60
 
 
 def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
@@ -53,3 +57,23 @@ def _human_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"about {round(seconds / 60)} min"
     return f"about {seconds / 3600:.1f} h"
+
+
+def cpu_choice(estimates: list[tuple[str, float]], smallest: str) -> tuple[str, str]:
+    """Which CPU model to train, and why: the first of `estimates` (name and
+    estimated seconds, best model first) within `CPU_TIME_LIMIT_S`, else `smallest`."""
+    if not estimates:
+        return smallest, "the preset's smallest CPU model"
+    names, seconds = [name for name, _ in estimates], dict(estimates)
+    limit = f"{CPU_TIME_LIMIT_S // 60} min"
+    chosen = next((name for name in names if seconds[name] <= CPU_TIME_LIMIT_S), None)
+    if chosen is None:
+        others = "; ".join(f"{name.split('/')[-1]} {_human_duration(seconds[name])}" for name in names if name != smallest)
+        return smallest, (f"the smallest CPU model, estimated {_human_duration(seconds[smallest])}; none is expected "
+                          f"to finish within {limit}" + (f" ({others})" if others else ""))
+    estimate = f"estimated {_human_duration(seconds[chosen])}"
+    skipped = names[:names.index(chosen)]  # the better models, all over the limit
+    if not skipped:
+        return chosen, f"the preset's first CPU model, {estimate}, within {limit}"
+    slower = "; ".join(f"{name.split('/')[-1]} would take {_human_duration(seconds[name])}" for name in skipped)
+    return chosen, f"{estimate} ({slower}, over {limit})"

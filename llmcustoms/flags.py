@@ -110,6 +110,12 @@ BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", min=1, h
 Timeout = Annotated[Optional[float], typer.Option("--timeout", min=1, help="Stop starting new trials after this many seconds.")]
 Storage = Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")]
 StudyName = Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")]
+LrFind = Annotated[bool, typer.Option("--lr-find/--no-lr-find", help="Centre the lr range on `llmcustoms lr-find`'s suggestion for this model and data (the range test runs first if none is saved).")]
+
+# `lr-find`'s own.
+LrSteps = Annotated[Optional[int], typer.Option("--steps", min=5, help="Optimizer steps of the range test. Default: 100, or fewer if a whole run is shorter.")]
+StartLr = Annotated[float, typer.Option("--start-lr", help="Learning rate of the first step.")]
+EndLr = Annotated[float, typer.Option("--end-lr", help="Learning rate of the last step.")]
 
 
 class Sampler(str, Enum):
@@ -120,8 +126,19 @@ class Sampler(str, Enum):
 
 SamplerOpt = Annotated[Sampler, typer.Option("--sampler", help="tpe (default), random or grid.")]
 
+# `setup`'s own.
+SetupData = Annotated[Optional[str], typer.Option("--data", help="Your training data (asked for if not given).")]
+SetupEnvFile = Annotated[Path, typer.Option("--env-file", help="The settings file to write.")]
+
 # After training.
 RunArg = Annotated[Path, typer.Argument(help="A run directory, e.g. runs/my-run.")]
+Plot = Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")]
+Prompt = Annotated[str, typer.Option("--prompt", "-p", help="What to ask the model.")]
+System = Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")]
+ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")]
+Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone 16-bit model.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]
+ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest reply in tokens.")]
 Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 for greedy; higher is more varied.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help=options.BY_NAME["seed"].help)]

@@ -137,6 +137,10 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.total_bytes <= self.budget_bytes * (1 - SAFETY_MARGIN)
 
+    def summary(self) -> str:
+        """"1.2 of 7.0 GiB": the peak against the budget, for a reason or a warning."""
+        return f"{self.total_bytes / GIB:.1f} of {self.budget_bytes / GIB:.1f} GiB"
+
     def to_json(self) -> dict[str, int]:
         data = asdict(self)
         data["total_bytes"] = self.total_bytes

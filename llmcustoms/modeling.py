@@ -116,9 +116,9 @@ def describe_model(name: str, families: dict[str, Family], source: str, trust_re
             raise
         return choice_from_spec(known, families, source)
     model_type = getattr(config, "model_type", "")
-    family = family_for_model_type(model_type, families)
-    spec = spec_from_config(name, config, family.name if family else "other")
-    return choice_from_spec(spec, families, source)
+    spec = spec_from_config(name, config, "other")
+    family = family_for_model_type(model_type, families, spec)
+    return choice_from_spec(replace(spec, family=family.name if family else "other"), families, source)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

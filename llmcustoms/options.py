@@ -23,8 +23,8 @@ from typing import Any
 
 PREFIX = "LLMCUSTOMS_"
 # The commands whose options come from this table.
-TRAIN, PLAN, TUNE, RESUME, RUNS = "train", "plan", "tune", "resume", "runs"
-PLANNING = frozenset({TRAIN, PLAN, TUNE})
+TRAIN, PLAN, TUNE, RESUME, RUNS, LR_FIND = "train", "plan", "tune", "resume", "runs", "lr-find"
+PLANNING = frozenset({TRAIN, PLAN, TUNE, LR_FIND})
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,9 @@ def _parse_bool(text: str) -> bool:
 
 
 _BOTH = frozenset({TRAIN, PLAN})
-_OUTPUT = frozenset({TRAIN, TUNE, RESUME, RUNS})
+_OUTPUT = frozenset({TRAIN, TUNE, RESUME, RUNS, LR_FIND})
+# The LoRA shape sets the scale of the updates, so the range test takes it too.
+_LORA = frozenset({TRAIN, PLAN, LR_FIND})
 
 OPTIONS: tuple[Option, ...] = (
     # What to train on and with: not plan values, but settings like the rest.
@@ -157,7 +159,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("lr", float, "Peak learning rate.", flag="--lr", env="LR", preset="lr", plan="lr", minimum=0,
            maximum=1, min_open=True, max_open=True, commands=_BOTH),
     Option("lr_scheduler", str, "Learning-rate decay after warmup.", flag="--lr-scheduler", env="LR_SCHEDULER",
-           preset="lr_scheduler", plan="lr_scheduler", choices=("cosine", "linear", "constant")),
+           preset="lr_scheduler", plan="lr_scheduler", choices=("cosine", "linear", "constant"),
+           commands=frozenset({TRAIN, PLAN, TUNE})),
     Option("warmup_ratio", float, "Share of steps spent warming up.", flag="--warmup-ratio", env="WARMUP_RATIO",
            preset="warmup_ratio", plan="warmup_ratio", minimum=0, maximum=1, max_open=True, commands=_BOTH),
     Option("weight_decay", float, "AdamW weight decay (on matrices only).", flag="--weight-decay",
@@ -166,11 +169,11 @@ OPTIONS: tuple[Option, ...] = (
            env="MAX_GRAD_NORM", preset="max_grad_norm", plan="max_grad_norm", minimum=0),
     # LoRA.
     Option("lora_r", int, "LoRA rank.", flag="--lora-r", env="LORA_R", preset="lora_r", plan="lora_r", minimum=1,
-           commands=_BOTH),
+           commands=_LORA),
     Option("lora_alpha", int, "LoRA alpha (scale = alpha / r).", flag="--lora-alpha", env="LORA_ALPHA",
-           preset="lora_alpha", plan="lora_alpha", minimum=1, commands=_BOTH),
+           preset="lora_alpha", plan="lora_alpha", minimum=1, commands=_LORA),
     Option("lora_dropout", float, "Dropout on the LoRA path.", flag="--lora-dropout", env="LORA_DROPOUT",
-           preset="lora_dropout", plan="lora_dropout", minimum=0, maximum=1, max_open=True, commands=_BOTH),
+           preset="lora_dropout", plan="lora_dropout", minimum=0, maximum=1, max_open=True, commands=_LORA),
     # Evaluation and checkpoints.
     Option("eval_split", float, "Share of rows held out for evaluation.", flag="--eval-split", env="EVAL_SPLIT",
            preset="eval_split", plan="eval_split", minimum=0, maximum=1, max_open=True),

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcustoms import options
-from llmcustoms.duration import duration_reason, estimate_seconds
+from llmcustoms.duration import cpu_choice, duration_reason, estimate_seconds
 from llmcustoms.errors import ConfigError
-from llmcustoms.hardware import GIB, Hardware
+from llmcustoms.hardware import Hardware
 from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
 from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan
-from llmcustoms.presets import ModelSpec, TrainingPreset, validate_preset_values
+from llmcustoms.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.sizing import best_fit, does_not_fit
 
 DEFAULT_SEED = 42
@@ -42,13 +42,13 @@ class _Resolver:
     """Picks each value from overrides, then the preset, then a default, noting the
     source; the steps of a plan note their reasons and warnings here, in order."""
 
-    def __init__(self, overrides: dict[str, tuple[Any, str]], preset_values: dict[str, Any], preset_label: str):
+    def __init__(self, overrides: dict[str, tuple[Any, str]], preset: PresetValues):
         unknown = set(overrides) - set(OVERRIDABLE)
         if unknown:
             raise ValueError(f"unknown override(s): {sorted(unknown)}")
         self.overrides = dict(overrides)  # the caller's stay as given
-        self.preset_values = preset_values
-        self.preset_label = preset_label
+        self.preset_values = preset.values
+        self.preset_sources = preset.sources  # "preset quality (small dataset)", "preset quality (tiny model)"
         self.sources: dict[str, str] = {}
         self.reasons: list[str] = []
         self.warnings: list[str] = []
@@ -67,7 +67,7 @@ class _Resolver:
             self.sources[key] = source
             return value
         if name in self.preset_values:
-            self.sources[key] = self.preset_label
+            self.sources[key] = self.preset_sources[name]
             return self.preset_values[name]
         self.sources[key] = "default"
         return default
@@ -163,10 +163,6 @@ def _choose_max_seq_len(r: _Resolver, stats: DataStats, model: ModelChoice) -> i
 def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> int:
     """Optimizer steps in one pass; the last step of an epoch may be short."""
     return max(1, -(-train_rows // (micro_batch_size * grad_accum)))
-
-
-def _memory_summary(estimate: MemoryEstimate) -> str:
-    return f"{estimate.total_bytes / GIB:.1f} of {estimate.budget_bytes / GIB:.1f} GiB"
 
 
 # ------------------------------------------------------------- plan steps
@@ -302,10 +298,10 @@ class ParameterOptimizer:
 
     def choose_model(self, candidates: list[ModelChoice], stats: DataStats,
                      overrides: dict[str, tuple[Any, str]], world_size: int = 1) -> tuple[ModelChoice, str]:
-        """The preset's best model that fits, and why. On a CPU-only machine the
-        smallest: training there is slow, so size matters more than quality."""
+        """The preset's best model that fits, and why. Without a GPU, the first CPU
+        model (`TrainingPreset.model_candidates`) to finish in time: `_choose_for_cpu`."""
         if not self.hardware.has_gpu:
-            return candidates[-1], f"model {candidates[-1].name}: no GPU found, so the preset's smallest model"
+            return self._choose_for_cpu(candidates, stats, overrides, world_size)
         for candidate in candidates:
             try:
                 self.plan(candidate, stats, overrides, world_size=world_size)
@@ -315,6 +311,21 @@ class ParameterOptimizer:
         last = candidates[-1]
         raise does_not_fit(self._memory_optimizer(last.arch), last, ["lora", "qlora"],
                            min(stats.percentile(LENGTH_PERCENTILE), 512), self.hardware.mixed_precision, {}, self.catalog)
+
+    def _choose_for_cpu(self, candidates: list[ModelChoice], stats: DataStats,
+                        overrides: dict[str, tuple[Any, str]], world_size: int) -> tuple[ModelChoice, str]:
+        """The first candidate whose plan is estimated to finish within
+        `CPU_TIME_LIMIT_S`, else the smallest: on a CPU time, not memory, is short.
+        With no candidate that plans, the smallest, whose plan then says why not."""
+        estimates = {}
+        for candidate in candidates:
+            try:
+                estimates[candidate.name] = self.plan(candidate, stats, overrides, world_size=world_size).estimated_seconds
+            except ConfigError:
+                continue
+        smallest = min([c for c in candidates if c.name in estimates] or candidates, key=lambda c: c.arch.params)
+        name, why = cpu_choice(list(estimates.items()), smallest.name)
+        return next(c for c in candidates if c.name == name), f"model {name}: no GPU found; {why}"
 
     @staticmethod
     def _distributed(r: _Resolver, world_size: int) -> str:
@@ -384,9 +395,9 @@ class ParameterOptimizer:
             batch.method, batch.micro_batch_size, max_seq_len, precision, batch.gradient_checkpointing,
             optimizer="adamw", **batch.memory_shape)
         if memory.fits:
-            r.reasons.append(f"estimated peak memory {_memory_summary(memory)}")
+            r.reasons.append(f"estimated peak memory {memory.summary()}")
         else:
-            r.warnings.append(f"the estimated peak ({_memory_summary(memory)}) exceeds the safe budget; "
+            r.warnings.append(f"the estimated peak ({memory.summary()}) exceeds the safe budget; "
                               "out-of-memory is likely")
         return memory
 
@@ -398,9 +409,10 @@ class ParameterOptimizer:
         hardware, preset = self.hardware, self.preset
         # CPU processes share the machine's RAM; each GPU process has its own card.
         self.budget = self.machine_budget // world_size if not hardware.has_gpu else self.machine_budget
-        preset_values, bucket = preset.for_dataset_size(stats.train_rows + stats.eval_rows)
-        r = _Resolver(overrides, preset_values, f"preset {preset.name} ({bucket} dataset)")
+        preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params)
+        r = _Resolver(overrides, preset_values)
         _raise_problems(_given_value_problems(r, hardware, model, stats, world_size))
+        r.reasons += preset_values.model_size_reasons(set(overrides), model.arch.params)
 
         precision, max_seq_len, train_rows = _precision_and_length(r, hardware, stats, model)
         target = max(1, min(r.get("effective_batch_size"), train_rows))

@@ -118,7 +118,9 @@ def estimated_stats(train: list[Example], eval_rows: int, fmt: str) -> DataStats
 
 def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
     """The share of rows held out for evaluation, and where it came from.
-    Needed before planning proper, since the split decides the training rows."""
+    Needed before planning proper, since the split decides the training rows;
+    so before the model is known, which is why a preset cannot set it by model
+    size (`NOT_BY_MODEL_SIZE`) and the dataset-size bucket alone decides it."""
     if "eval_split" in overrides:
         return overrides["eval_split"]
     values, bucket = preset.for_dataset_size(total_rows)
@@ -250,7 +252,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     data_sha = fingerprint(options.data)
     eval_sha = fingerprint(options.eval_data) if options.eval_data else ""
 
-    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in preset.models]
+    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
+                  for m in preset.model_candidates(hardware.has_gpu)]
     choice_reason = None
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)

@@ -7,7 +7,7 @@ once, so a hand-edited preset is fixed in one go.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,16 @@ from llmcustoms.errors import ConfigError
 # Row-count bounds of the dataset-size buckets a preset adjusts for.
 SMALL_DATASET_ROWS = 1_000
 MEDIUM_DATASET_ROWS = 10_000
-
+# Parameter-count bounds of the model-size classes a preset adjusts for. Tiny
+# stops below Qwen2.5-0.5B (494M), so "tiny" means the SmolLM2 sizes and
+# "small" starts at the models named 0.5B.
+TINY_MODEL_PARAMS = 400_000_000
+SMALL_MODEL_PARAMS = 2_000_000_000
+MEDIUM_MODEL_PARAMS = 5_000_000_000
+MODEL_SIZE_CLASSES = ("tiny", "small", "medium", "large")
+# The evaluation split is made before the model is chosen (the choice plans on
+# the training rows), so it cannot depend on the model's size.
+NOT_BY_MODEL_SIZE = frozenset({"eval_split"})
 
 
 def presets_dir() -> Path:
@@ -62,6 +71,11 @@ class Family:
     lora_target_modules: dict[str, tuple[str, ...]]
     chat_template_notes: str
     models: tuple[ModelSpec, ...]
+    # False for a family that shares its model type with another (SmolLM2 and
+    # TinyLlama are both `llama`): it takes a local model only when the
+    # architecture is one of its own models'; any other checkpoint of the type
+    # goes to the family that covers it.
+    covers_other_checkpoints: bool = True
 
     def targets_for(self, model_type: str) -> tuple[str, ...]:
         return self.lora_target_modules[model_type]
@@ -90,6 +104,8 @@ class TrainingPreset:
     evals_per_epoch: int
     early_stopping_patience: int
     by_dataset_size: dict[str, dict[str, Any]]
+    by_model_size: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cpu_models: tuple[str, ...] = ()  # hub ids, best first, for a machine without a GPU
     source: str = ""
 
     def for_dataset_size(self, rows: int) -> tuple[dict[str, Any], str]:
@@ -98,6 +114,46 @@ class TrainingPreset:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in TUNABLE_FIELDS}
         values.update(self.by_dataset_size.get(bucket, {}))
         return values, bucket
+
+    def resolve(self, rows: int, params: int) -> PresetValues:
+        """The preset's values for `rows` rows of data and a model of `params`
+        parameters: the base values, then the dataset-size bucket's, then the
+        model-size class's (so a tiny model's lr wins over a bucket's)."""
+        values, bucket = self.for_dataset_size(rows)
+        size_class = model_size_class(params)
+        by_class = self.by_model_size.get(size_class, {})
+        values.update(by_class)
+        label = f"preset {self.name} ({bucket} dataset)"
+        class_label = f"preset {self.name} ({size_class} model)"
+        sources = {name: class_label if name in by_class else label for name in values}
+        return PresetValues(self.name, values, sources, bucket, size_class, tuple(by_class))
+
+    def model_candidates(self, has_gpu: bool) -> tuple[str, ...]:
+        """The models to choose from, best first: the CPU tier on a machine
+        without a GPU (when the preset has one)."""
+        return self.models if has_gpu or not self.cpu_models else self.cpu_models
+
+
+@dataclass(frozen=True)
+class PresetValues:
+    """A preset's values for one dataset and model, each with its source label."""
+
+    preset: str
+    values: dict[str, Any]
+    sources: dict[str, str]  # name -> "preset quality (small dataset)" or "preset quality (tiny model)"
+    bucket: str
+    size_class: str
+    by_model_size: tuple[str, ...]  # the names the model-size class set
+
+    def model_size_reasons(self, given: set[str], params: int) -> list[str]:
+        """The plan's reason for the values the model-size class set (those no flag replaced)."""
+        names = [name for name in self.by_model_size if name not in given]
+        if not names:
+            return []
+        size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+        shown = ", ".join(f"{name} {self.values[name]:g}" if isinstance(self.values[name], float)
+                          else f"{name} {self.values[name]}" for name in names)
+        return [f"{shown}: preset {self.preset} for a {self.size_class} model ({size} parameters)"]
 
 
 # The preset fields that become plan values (the rest describe the preset
@@ -109,6 +165,17 @@ def dataset_size_bucket(rows: int) -> str:
     if rows < SMALL_DATASET_ROWS:
         return "small"
     if rows < MEDIUM_DATASET_ROWS:
+        return "medium"
+    return "large"
+
+
+def model_size_class(params: int) -> str:
+    """tiny, small, medium or large, from a model's parameter count."""
+    if params < TINY_MODEL_PARAMS:
+        return "tiny"
+    if params < SMALL_MODEL_PARAMS:
+        return "small"
+    if params < MEDIUM_MODEL_PARAMS:
         return "medium"
     return "large"
 
@@ -160,6 +227,9 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
     else:
         targets = {mt: tuple(v) for mt, v in raw_targets.items()}
         problems += [f"{source}: no LoRA targets for model type '{mt}'" for mt in model_types if mt not in targets]
+    covers = data.get("covers_other_checkpoints", True)
+    if not isinstance(covers, bool):
+        problems.append(f"{source}: field 'covers_other_checkpoints' has the wrong type ({type(covers).__name__})")
     models = []
     for i, raw in enumerate(data["models"], start=1):
         where = f"{source} model {i}"
@@ -180,7 +250,7 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
     return Family(
         name=data["name"], description=data["description"].strip(), model_types=model_types,
         lora_target_modules=targets, chat_template_notes=str(data.get("chat_template_notes", "")).strip(),
-        models=tuple(models),
+        models=tuple(models), covers_other_checkpoints=covers,
     )
 
 
@@ -205,39 +275,66 @@ def validate_preset_values(values: dict[str, Any], where: str) -> list[str]:
     return problems
 
 
+def _overrides_by_size(data: dict[str, Any], key: str, names: tuple[str, ...], source: str,
+                       problems: list[str]) -> dict[str, dict[str, Any]]:
+    """A `by_dataset_size` or `by_model_size` section: a mapping of size name to
+    overrides of tunable fields. Problems go to `problems`; returns the valid part."""
+    section = data.get(key) or {}
+    what = "dataset size" if key == "by_dataset_size" else "model size"
+    if not isinstance(section, dict):
+        problems.append(f"{source}: '{key}' must be a mapping of {'/'.join(names)}")
+        return {}
+    kept = {}
+    for size, overrides in section.items():
+        where = f"{source} {key}.{size}"
+        if size not in names:
+            problems.append(f"{where}: must be one of {', '.join(names)}")
+        elif not isinstance(overrides, dict):
+            problems.append(f"{where}: must be a mapping")
+        else:
+            allowed = {k: v for k, v in overrides.items()
+                       if k in TUNABLE_FIELDS and not (key == "by_model_size" and k in NOT_BY_MODEL_SIZE)}
+            problems += [f"{where}: '{k}' cannot be adjusted per {what}" for k in overrides if k not in allowed]
+            wrong_type: list[str] = []
+            _check_fields(allowed, {k: _PRESET_FIELDS[k] for k in allowed}, wrong_type, where)
+            problems += wrong_type
+            problems += validate_preset_values({k: v for k, v in allowed.items()
+                                                if not any(f"'{k}'" in p for p in wrong_type)}, where)
+            kept[size] = dict(overrides)
+    return kept
+
+
+def _model_list_problems(data: dict[str, Any], key: str, source: str, known_models: set[str]) -> list[str]:
+    """`models` and `cpu_models`: hub ids that a family file describes."""
+    models = data.get(key)
+    if not isinstance(models, list):
+        return []
+    problems = [f"{source}: '{key}' must list at least one model"] if not models else []
+    return problems + [f"{source}: {key} lists '{m}', which is not in any family file (presets/families/)"
+                       for m in models if m not in known_models]
+
+
 def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> TrainingPreset:
     problems: list[str] = []
     _check_fields(data, _PRESET_FIELDS, problems, source)
-    unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size"}
+    if "cpu_models" in data and not isinstance(data["cpu_models"], list):
+        problems.append(f"{source}: field 'cpu_models' has the wrong type ({type(data['cpu_models']).__name__})")
+    unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size", "by_model_size", "cpu_models"}
     problems += [f"{source}: unknown field '{name}'" for name in sorted(unknown)]
     # Range-check every field whose type is right, so one pass reports everything.
     typed = {k: data[k] for k in TUNABLE_FIELDS if k in data and not any(f"'{k}'" in p for p in problems)}
     problems += validate_preset_values(typed, source)
-    if isinstance(data.get("models"), list):
-        if not data["models"]:
-            problems.append(f"{source}: 'models' must list at least one model")
-        problems += [f"{source}: model '{m}' is not in any family file (presets/families/)"
-                     for m in data["models"] if m not in known_models]
-    by_size = data.get("by_dataset_size") or {}
-    if not isinstance(by_size, dict):
-        problems.append(f"{source}: 'by_dataset_size' must be a mapping of small/medium/large")
-        by_size = {}
-    for bucket, overrides in by_size.items():
-        where = f"{source} by_dataset_size.{bucket}"
-        if bucket not in ("small", "medium", "large"):
-            problems.append(f"{where}: bucket must be small, medium or large")
-        elif not isinstance(overrides, dict):
-            problems.append(f"{where}: must be a mapping")
-        else:
-            problems += [f"{where}: '{k}' cannot be adjusted per dataset size" for k in overrides if k not in TUNABLE_FIELDS]
-            problems += validate_preset_values(overrides, where)
+    problems += _model_list_problems(data, "models", source, known_models)
+    problems += _model_list_problems(data, "cpu_models", source, known_models)
+    by_dataset = _overrides_by_size(data, "by_dataset_size", ("small", "medium", "large"), source, problems)
+    by_model = _overrides_by_size(data, "by_model_size", MODEL_SIZE_CLASSES, source, problems)
     if problems:
         raise ConfigError("Invalid preset:\n  " + "\n  ".join(problems),
                           "Compare it with the files in presets/ (`llmcustoms presets` lists them).")
     return TrainingPreset(
         **{k: data[k] for k in _PRESET_FIELDS if k != "models"},
-        models=tuple(data["models"]), by_dataset_size={k: dict(v) for k, v in by_size.items()},
-        source=source,
+        models=tuple(data["models"]), by_dataset_size=by_dataset, by_model_size=by_model,
+        cpu_models=tuple(data.get("cpu_models") or ()), source=source,
     )
 
 
@@ -268,11 +365,24 @@ def load_preset(name_or_path: str) -> TrainingPreset:
     )
 
 
-def family_for_model_type(model_type: str, families: dict[str, Family]) -> Family | None:
-    for family in families.values():
-        if model_type in family.model_types:
-            return family
-    return None
+def family_for_model_type(model_type: str, families: dict[str, Family],
+                          arch: ModelSpec | None = None) -> Family | None:
+    """The family of a model of `model_type`. Where several families claim the
+    type, the one with a model of the same architecture as `arch` (from the
+    model's config.json), else the one that covers other checkpoints of it."""
+    claiming = [family for family in families.values() if model_type in family.model_types]
+    if arch is not None:
+        for family in claiming:
+            if any(_same_architecture(arch, spec) for spec in family.models):
+                return family
+    covering = [family for family in claiming if family.covers_other_checkpoints]
+    return (covering or claiming or [None])[0]
+
+
+def _same_architecture(a: ModelSpec, b: ModelSpec) -> bool:
+    return (a.model_type, a.hidden_size, a.num_layers, a.num_attention_heads, a.num_kv_heads, a.intermediate_size,
+            a.vocab_size) == (b.model_type, b.hidden_size, b.num_layers, b.num_attention_heads, b.num_kv_heads,
+                              b.intermediate_size, b.vocab_size)
 
 
 def find_model_spec(hub_id: str, families: dict[str, Family]) -> ModelSpec | None:

@@ -278,6 +278,7 @@ class RunSummary:
     total_steps: int | None
     best_eval_loss: float | None
     base_eval_loss: float | None  # the model before training, for the change
+    kept_step: int | None  # whose weights adapter/ holds, when the run kept another than its last
     started_at: str | None
     seconds: float | None  # from start to the last status update
 
@@ -298,7 +299,8 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
             seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
                                status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
-                               status.get("best_eval_loss"), status.get("base_eval_loss"), started, seconds))
+                               status.get("best_eval_loss"), status.get("base_eval_loss"),
+                               status.get("kept_step") if status.get("last_output") else None, started, seconds))
     return runs
 
 

@@ -54,6 +54,7 @@ class SearchSpace:
     warmups: tuple[float, ...] = WARMUPS
     lora: bool = True
     excluded_ranks: tuple[int, ...] = ()
+    lr_centre: float | None = None  # from `lr-find`; None: the base plan's lr
 
     def suggest(self, trial: Any) -> dict[str, Any]:
         params: dict[str, Any] = {"lr": trial.suggest_float("lr", self.lr_low, self.lr_high, log=True),
@@ -73,8 +74,10 @@ class SearchSpace:
         return grid
 
     def describe(self) -> list[tuple[str, str]]:
-        rows = [("learning rate", f"{self.lr_low:.1e} .. {self.lr_high:.1e} (log scale)"),
-                ("warmup fraction", ", ".join(f"{w:g}" for w in self.warmups))]
+        rows = [("learning rate", f"{self.lr_low:.1e} .. {self.lr_high:.1e} (log scale)")]
+        if self.lr_centre is not None:
+            rows.append(("lr centred on", f"{self.lr_centre:.1e}, lr-find's suggestion"))
+        rows.append(("warmup fraction", ", ".join(f"{w:g}" for w in self.warmups)))
         if self.lora:
             ranks = ", ".join(map(str, self.ranks))
             if self.excluded_ranks:
@@ -84,11 +87,14 @@ class SearchSpace:
         return rows
 
 
-def search_space(base: Plan, hardware: Hardware) -> SearchSpace:
-    """The space around the base plan; ranks the memory estimate rules out are dropped."""
-    low, high = max(1e-6, base.lr / LR_SPAN), min(0.1, base.lr * LR_SPAN)
+def search_space(base: Plan, hardware: Hardware, centre: float | None = None) -> SearchSpace:
+    """The space around the base plan (its lr range around `centre` when given,
+    `lr-find`'s suggestion); ranks the memory estimate rules out are dropped."""
+    middle = base.lr if centre is None else centre
+    high = min(0.1, middle * LR_SPAN)
+    low = min(max(1e-6, middle / LR_SPAN), high)
     if base.lora is None:
-        return SearchSpace(low, high, ranks=(), lora=False)
+        return SearchSpace(low, high, ranks=(), lora=False, lr_centre=centre)
     families = load_families()
     spec = find_model_spec(base.model, families)
     fitting, excluded = [], []
@@ -102,7 +108,7 @@ def search_space(base: Plan, hardware: Hardware) -> SearchSpace:
         (fitting if fits else excluded).append(rank)
     if not fitting:
         raise ConfigError("No LoRA rank fits in memory with this plan.", "Try --method qlora or a smaller --max-seq-len.")
-    return SearchSpace(low, high, ranks=tuple(fitting), excluded_ranks=tuple(excluded))
+    return SearchSpace(low, high, ranks=tuple(fitting), excluded_ranks=tuple(excluded), lr_centre=centre)
 
 
 def trial_steps(base: Plan, max_steps: int | None, budget_tokens: int | None, mean_tokens: float) -> int:
@@ -135,6 +141,7 @@ class TuneSettings:
     sampler: str = "tpe"
     timeout: float | None = None
     seed: int = 42
+    lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
 
 
 @dataclass(frozen=True)
@@ -235,7 +242,7 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
     if base.eval_rows == 0 or not prepared.evaluation:
         raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
                           "Pass --eval-split 0.1 (or more), or --eval-data FILE.")
-    space = search_space(base, hardware)
+    space = search_space(base, hardware, settings.lr_centre)
     study = open_study(settings, space)
     _check_same_study(study, base)
     faults = faults or FaultInjector.from_env()  # one injector: each fault fires once per process
@@ -249,7 +256,8 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         run_dir.write_plan(plan)
         last: dict[str, float] = {}
         tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, SilentReporter(),
-                          faults=faults, on_evaluate=_pruning_report(trial, study, on_update, last), save_artifacts=False)
+                          faults=faults, on_evaluate=_pruning_report(trial, study, on_update, last), save_artifacts=False,
+                          baseline=False)  # every trial starts from the same base model
         started = time.perf_counter()
         try:
             result = tuner.run()
@@ -385,10 +393,13 @@ def write_trials_csv(rows: list[dict[str, Any]], path: Path) -> None:
 def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: PreparedRun,
                       settings: TuneSettings) -> Path:
     """The best trial as a preset file `train --preset FILE` accepts. The preset's
-    dataset-size adjustments for this dataset are folded in, so the tuned values
-    are the ones that apply."""
+    adjustments for this dataset's size and this model's size are folded in, so
+    the tuned values are the ones that apply."""
+    from llmcustoms.modeling import describe_model
+
     best = _best_trial(study)
-    values, _ = preset.for_dataset_size(len(prepared.dataset.examples))
+    model = describe_model(base.model, load_families(), "plan", base.trust_remote_code)
+    values = preset.resolve(len(prepared.dataset.examples), model.arch.params).values
     params = best.params
     values.update(lr=float(params["lr"]), warmup_ratio=float(params["warmup_ratio"]))
     if "lora_r" in params:
@@ -399,6 +410,7 @@ def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: 
             "description": (f"Tuned by llmcustoms tune on {Path(base.data).name}: best of {len(study.trials)} trials, "
                             f"eval loss {best.value:.4f} (trial {best.number})."),
             "models": list(preset.models),
+            **({"cpu_models": list(preset.cpu_models)} if preset.cpu_models else {}),
             **{k: values[k] for k in TUNABLE_FIELDS},
             "by_dataset_size": {}}
     families = {spec.hub_id for family in load_families().values() for spec in family.models}

@@ -90,12 +90,13 @@ def ask_model(hardware: Hardware, preset: Any, stats: Any, seq_len: int) -> str:
 
     families = load_families()
     models = fitting_models(hardware, families, seq_len)
-    candidates = [m for m in preset.models if m in {choice.hub_id for choice in models}]
-    choices = [choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in (candidates or preset.models)]
+    preferred = preset.model_candidates(hardware.has_gpu)
+    candidates = [m for m in preferred if m in {choice.hub_id for choice in models}]
+    choices = [choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in (candidates or preferred)]
     try:
         suggested = ParameterOptimizer(hardware, preset).choose_model(choices, stats, {})[0].name
     except ConfigError:
-        suggested = models[0].hub_id if models else preset.models[-1]
+        suggested = models[0].hub_id if models else preferred[-1]
     dialog.show_model_choices(models, seq_len)
     answer = dialog.ask("Model (number, hub id or local directory)", suggested)
     return models[int(answer) - 1].hub_id if answer.isdigit() and 1 <= int(answer) <= len(models) else answer

@@ -204,3 +204,49 @@ def test_a_run_without_evaluation_keeps_the_last_weights_and_says_so(tmp_path, t
     assert not (run_dir.path / "adapter-last").exists()
     assert not run_dir.read_samples() and not [r for r in run_dir.read_metrics() if "eval_loss" in r]
     assert json.loads((run_dir.path / "adapter" / "adapter_config.json").read_text())
+
+
+def test_summary_report_and_runs_show_perplexity_samples_and_the_kept_step(tmp_path, tiny_models):
+    from typer.testing import CliRunner
+
+    from llmcustoms.cli import app
+
+    def invoke(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.replace("│", " ").split())  # Rich's table wrapping undone
+
+    trained = invoke("train", str(FIXTURES / "sharegpt.json"), "--model", str(tiny_models["llama"]), "--max-steps",
+                     "3", "--eval-every", "1", "--eval-split", "0.3", "--yes", "--output-dir", str(tmp_path),
+                     "--run-name", "r")
+    status = json.loads((tmp_path / "r" / "status.json").read_text())
+    assert "base model eval loss" in trained and "perplexity" in trained and "than the base model" in trained
+    assert "Sample replies" in trained and "weights kept" in trained
+    prompt = side_by_side(RunDirectory(tmp_path / "r").read_samples())[0]["prompt"]
+    assert " ".join(prompt.split())[:20] in trained  # the user's own held-out prompt, in their terminal
+    reported = invoke("report", str(tmp_path / "r"))
+    assert "quality" in reported and "perplexity" in reported and f"step {status['kept_step']}" in reported
+    assert "Sample replies" in reported
+    listed = invoke("runs", "--output-dir", str(tmp_path))
+    assert "eval ppl" in listed and f"{math.exp(status['best_eval_loss']):.4g}" in listed
+
+
+def test_report_never_asks_for_more_patience_or_epochs_after_early_stopping(tmp_path, tiny_models):
+    from dataclasses import replace
+
+    run_dir = RunDirectory(tmp_path / "r")
+    run_dir.create()
+    plan = replace(prepared_run(tiny_models["llama"]).plan, total_steps=20, epochs=3)
+    run_dir.write_plan(plan)
+    for step in range(1, 21):  # train loss still falling, eval loss rising since step 8
+        run_dir.append_metrics({"step": step, "loss": 3.0 - 0.1 * step, "lr": 1e-4, "grad_norm": 1.0,
+                                "tokens_per_s": 100.0})
+        if step % 4 == 0:
+            run_dir.append_metrics({"step": step, "eval_loss": 2.0 + abs(step - 8) * 0.1, "eval_ppl": 1.0})
+    run_dir.write_status("completed", step=20, best_eval_loss=2.0, best_eval_step=8, base_eval_loss=2.5,
+                         stop_cause="early stopping", kept_step=8, kept="the best evaluation's")
+    report = analyse(run_dir)
+    text = " ".join(report.recommendations)
+    assert "eval loss rose after step 8" in text  # the finding is there...
+    assert "patience" not in text and "--epochs 6" not in text and "--max-steps 40" not in text  # ...not more of it
+    assert "were kept" in text

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
+from llmcustoms.duration import CPU_TIME_LIMIT_S
 from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import MemoryOptimizer, parameter_counts
@@ -170,14 +172,83 @@ def test_a_cpu_plan_says_plainly_that_it_will_be_slow():
 
 def test_the_model_is_chosen_by_what_fits():
     preset = load_preset("bestaccuracy")
-    candidates = [choice_from_spec(find_model_spec(m, FAMILIES), FAMILIES, "optimizer") for m in preset.models]
+    candidates = [model(m) for m in preset.model_candidates(has_gpu=True)]
+    assert [c.name for c in candidates] == list(preset.models)
     for gib, expected in ((80, "Qwen/Qwen2.5-7B-Instruct"), (4, None)):
         chosen, reason = ParameterOptimizer(Hardware.with_gpu(gib), preset).choose_model(candidates, stats(), {})
         if expected:
             assert chosen.name == expected
         assert "fits" in reason
-    cpu_choice, reason = ParameterOptimizer(MACHINES["cpu-only"], preset).choose_model(candidates, stats(), {})
-    assert cpu_choice.name == preset.models[-1] and "no GPU" in reason
+
+
+CPU = Hardware.cpu_only(ram_gib=16, cores=8)
+
+
+def test_without_a_gpu_the_best_cpu_model_that_finishes_in_time_is_chosen():
+    preset = load_preset("quality")
+    cpu_models = [model(m) for m in preset.model_candidates(has_gpu=False)]
+    assert [c.name for c in cpu_models] == ["HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    optimizer = ParameterOptimizer(CPU, preset)
+
+    def minutes(choice, rows):
+        return optimizer.plan(choice, stats(rows=rows), {}).estimated_seconds / 60
+
+    # Few rows: the 360M model fits in the time limit, so the preset's first choice.
+    assert minutes(cpu_models[0], 100) < CPU_TIME_LIMIT_S / 60
+    chosen, reason = optimizer.choose_model(cpu_models, stats(rows=100), {})
+    assert chosen.name == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    assert reason.startswith("model HuggingFaceTB/SmolLM2-360M-Instruct: no GPU found; the preset's first CPU model, "
+                             "estimated about ") and reason.endswith("within 30 min")
+    # More rows: the 360M would be over the limit and the 135M is not; the reason says so.
+    assert minutes(cpu_models[1], 300) < CPU_TIME_LIMIT_S / 60 < minutes(cpu_models[0], 300)
+    chosen, reason = optimizer.choose_model(cpu_models, stats(rows=300), {})
+    assert chosen.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    expected = (f"model HuggingFaceTB/SmolLM2-135M-Instruct: no GPU found; estimated about {round(minutes(cpu_models[1], 300))} "
+                f"min (SmolLM2-360M-Instruct would take about {round(minutes(cpu_models[0], 300))} min, over 30 min)")
+    assert reason == expected
+    # Nothing finishes in time: the smallest, and the reason says none would.
+    chosen, reason = optimizer.choose_model(cpu_models, stats(rows=1000), {})
+    assert chosen.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "the smallest CPU model" in reason and "none is expected to finish within 30 min" in reason
+    assert "SmolLM2-360M-Instruct about" in reason
+
+
+def test_a_preset_without_a_cpu_tier_falls_back_to_its_models_by_time():
+    preset = replace(load_preset("highspeed"), cpu_models=())
+    candidates = [model(m) for m in preset.model_candidates(has_gpu=False)]
+    assert [c.name for c in candidates] == list(preset.models)
+    optimizer = ParameterOptimizer(CPU, preset)
+    in_time = [c.name for c in candidates if optimizer.plan(c, stats(rows=100), {}).estimated_seconds <= CPU_TIME_LIMIT_S]
+    assert in_time and in_time[0] != candidates[0].name
+    chosen, reason = optimizer.choose_model(candidates, stats(rows=100), {})
+    assert chosen.name == in_time[0] and "no GPU found" in reason and "Qwen2.5-1.5B-Instruct would take" in reason
+    chosen, reason = optimizer.choose_model(candidates, stats(rows=20_000), {})
+    assert chosen.name == "Qwen/Qwen2.5-0.5B-Instruct" and "the smallest CPU model" in reason
+
+
+def test_the_model_size_class_sets_values_after_the_dataset_bucket_and_says_so():
+    data = DataStats(lengths=(100,) * 200, first_loss_positions=(50,) * 200, eval_rows=20)  # a small dataset
+    tiny = ParameterOptimizer(CPU, load_preset("bestaccuracy")).plan(model("HuggingFaceTB/SmolLM2-135M-Instruct"), data, {})
+    # The small-dataset bucket sets lr 5e-5; the tiny class's 3e-4 wins, and rank 16 replaces 64.
+    assert tiny.lr == 3e-4 and tiny.lora.r == 16 and tiny.lora.alpha == 32 and tiny.epochs == 6
+    assert tiny.sources["lr"] == tiny.sources["lora.r"] == "preset bestaccuracy (tiny model)"
+    assert tiny.sources["epochs"] == "preset bestaccuracy (small dataset)"
+    assert "lr 0.0003, lora_r 16, lora_alpha 32: preset bestaccuracy for a tiny model (135M parameters)" in tiny.reasons
+    # A flag still wins, and the reason names only what the class set.
+    flagged = ParameterOptimizer(CPU, load_preset("bestaccuracy")).plan(
+        model("HuggingFaceTB/SmolLM2-135M-Instruct"), data, {"lr": (1e-4, "flag")})
+    assert flagged.lr == 1e-4 and flagged.sources["lr"] == "flag"
+    assert "lora_r 16, lora_alpha 32: preset bestaccuracy for a tiny model (135M parameters)" in flagged.reasons
+    large = plan_for(MACHINES["80GB"], "Qwen/Qwen2.5-7B-Instruct")
+    assert large.lr == 1e-4 and large.sources["lr"] == "preset quality (large model)"
+    assert any(r.startswith("lr 0.0001: preset quality for a large model (7.6B parameters)") for r in large.reasons)
+
+
+@pytest.mark.parametrize("name", ["highspeed", "quality", "bestaccuracy"])
+def test_every_preset_stops_early_when_there_is_evaluation(name):
+    plan = plan_for(MACHINES["24GB"], "Qwen/Qwen2.5-1.5B-Instruct", preset=name)
+    assert plan.eval_rows > 0 and plan.eval_every > 0 and plan.early_stopping_patience >= 2
+    assert plan.sources["early_stopping_patience"].startswith(f"preset {name}")
 
 
 def test_plan_json_round_trips_and_has_the_contract_keys():

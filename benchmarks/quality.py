@@ -1,0 +1,264 @@
+"""Is the trained model better than the base model? Presets and `tune` on a real pretrained model.
+
+    python benchmarks/quality.py --model ~/.cache/llmcustoms-dev/smollm2-135m-instruct \\
+        [--data-dir ../shared/data] [--only identity:quality,code:base] [--trials 4] [--json]
+
+For each dataset the rows are split once (seeded) into a training file, a
+validation file (the run's own evaluation: which weights to keep, early
+stopping) and a test file nothing trains or selects on. Then, each as a user
+would run it, through the CLI:
+
+  base           the model as downloaded
+  highspeed      llmcustoms train TRAIN --eval-data VAL --preset highspeed
+  quality        ... --preset quality (the default)
+  bestaccuracy   ... --preset bestaccuracy
+  tune           llmcustoms tune (--trials, short trials), then train with its
+                 best preset for the same number of steps as `quality` (the
+                 same token budget)
+
+Reported per configuration: test eval loss (mean per reply token) and
+perplexity, the share by which perplexity fell from the base model's, wall
+time, and a behaviour score. identity: the share of held-out identity
+questions whose greedy reply names the identity the data teaches. code: a
+sample reply. Results accumulate in --results (JSON) so configurations can be
+run one at a time; the Markdown table is printed from everything measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DATASETS = {
+    # name: (file, training rows, test rows, validation rows); the rest of the file is unused.
+    "identity": ("sharegpt_identity.json", 160, 60, 30),
+    "code": ("code_alpaca_2k.json", 160, 60, 30),
+}
+CONFIGS = ("base", "highspeed", "quality", "bestaccuracy", "tune")
+IDENTITY = "vicuna"  # the name sharegpt_identity.json teaches (72 of its 500 rows ask for it)
+IDENTITY_TEST_ROWS = 12  # of the test rows, how many ask for the identity (its 12 questions come 6 times each)
+MAX_NEW_TOKENS = 32  # the identity comes early in a reply; a code sample is a glimpse
+
+
+def split_files(data_dir: Path, name: str, work: Path) -> dict[str, Path]:
+    """train/val/test files for one dataset (the same for the same file: seeded)."""
+    file, n_train, n_test, n_val = DATASETS[name]
+    rows = [r for r in json.loads((data_dir / file).read_text()) if _usable(r)]
+    random.Random(1234).shuffle(rows)
+    if name == "identity":  # enough identity questions in the test set to score them
+        asking = [r for r in rows if _names_identity(r)]
+        rest = [r for r in rows if not _names_identity(r)]
+        test = asking[:IDENTITY_TEST_ROWS] + rest[:n_test - IDENTITY_TEST_ROWS]
+        rows = test + sorted(asking[IDENTITY_TEST_ROWS:] + rest[n_test - IDENTITY_TEST_ROWS:],
+                             key=lambda r: random.Random(r["id"]).random())
+    parts = {"test": rows[:n_test], "val": rows[n_test:n_test + n_val],
+             "train": rows[n_test + n_val:n_test + n_val + n_train]}
+    paths = {}
+    for part, chosen in parts.items():
+        paths[part] = work / f"{name}-{part}.json"
+        paths[part].write_text(json.dumps(chosen))
+    return paths
+
+
+def _names_identity(row: dict) -> bool:
+    return any(IDENTITY in turn["value"].lower() for turn in row["conversations"] if turn["from"] == "gpt")
+
+
+def _usable(row: dict) -> bool:
+    return bool(row.get("output", True)) and bool(row.get("conversations", True))
+
+
+def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    env = {**os.environ, "COLUMNS": "100"}
+    done = subprocess.run([sys.executable, "-m", "llmcustoms", *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"llmcustoms {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done, time.perf_counter() - started
+
+
+def train(model: str, paths: dict[str, Path], out: Path, name: str, *extra: str) -> tuple[Path, float]:
+    cli("train", str(paths["train"]), "--eval-data", str(paths["val"]), "--model", model, "--output-dir", str(out),
+        "--run-name", name, "--yes", "--quiet", "--overwrite", *extra)
+    status = json.loads((out / name / "status.json").read_text())
+    seconds = _seconds(status)
+    return out / name, seconds
+
+
+def _seconds(status: dict) -> float:
+    from datetime import datetime
+
+    parse = lambda text: datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z")  # noqa: E731
+    return (parse(status["updated_at"]) - parse(status["started_at"])).total_seconds()
+
+
+def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, trial_steps: int,
+                    budget_steps: int) -> tuple[Path, float, dict]:
+    started = time.perf_counter()
+    done, _ = cli("tune", str(paths["train"]), "--eval-data", str(paths["val"]), "--model", model, "--output-dir",
+                  str(out), "--trials", str(trials), "--max-steps", str(trial_steps), "--study-name", "bench")
+    preset = out / "tune-bench" / "best_preset.yaml"
+    run, _ = train(model, paths, out, "tune", "--preset", str(preset), "--max-steps", str(budget_steps))
+    import yaml
+
+    found = yaml.safe_load(preset.read_text())
+    chosen = {k: found.get(k) for k in ("lr", "lora_r", "lora_alpha", "lora_dropout", "warmup_ratio")}
+    return run, time.perf_counter() - started, chosen
+
+
+# ------------------------------------------------------------------ measuring
+
+def load(model: str, run: Path | None):
+    """(model, tokenizer, plan-like) for the base model (run None) or a trained run's kept adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcustoms.generation import load_trained
+    from llmcustoms.rundir import RunDirectory
+
+    if run is not None:
+        return load_trained(RunDirectory(run))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return base, tokenizer, argparse.Namespace(data_format="sharegpt", model=model)
+
+
+def test_loss(model, tokenizer, plan, test: Path) -> float:
+    """Mean loss per reply token over the test file, tokenized as training does."""
+    import torch
+
+    from llmcustoms import modeling
+    from llmcustoms.batching import TrainingRows, count_loss_tokens
+    from llmcustoms.data import read_dataset
+    from llmcustoms.losses import select_logits, token_cross_entropy
+    from llmcustoms.tokenization import Tokenizer, ensure_chat_template
+
+    ensure_chat_template(tokenizer)
+    encoder = Tokenizer(tokenizer, stop_token_ids=modeling.stop_token_ids(plan.model))
+    rows = [encoder.encode(e) for e in read_dataset(test).examples]
+    batches = TrainingRows([], rows, tokenizer.pad_token_id, 1).evaluation_batches(8)
+    total = torch.tensor(sum(count_loss_tokens(b["labels"]) for b in batches))
+    select_logits(model)
+    with torch.no_grad():
+        return float(sum(token_cross_entropy(model, b, total) for b in batches))
+
+
+def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[str, str]]:
+    """(prompt, greedy reply): for identity, each test row's question whose
+    answer in the data names the identity (with the conversation before it);
+    otherwise the first row's first prompt."""
+    from llmcustoms.data import read_dataset
+    from llmcustoms.generation import generate
+    from llmcustoms.samples import prompt_of
+
+    prompts = []
+    for example in read_dataset(test).examples:
+        if not identity:
+            prompts.append(prompt_of(example))
+            break
+        for index, (role, content) in enumerate(example.messages):
+            if role == "assistant" and IDENTITY in content.lower():
+                prompts.append([{"role": r, "content": c} for r, c in example.messages[:index]])
+                break
+    if not identity:
+        prompts = [list(prompts[0].messages)]
+    return [(messages[-1]["content"], generate(model, tokenizer, plan, messages, MAX_NEW_TOKENS, 0.0))
+            for messages in prompts]
+
+
+def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict:
+    from llmcustoms.measures import perplexity
+
+    model, tokenizer, plan = load(model_path, run)
+    loss = test_loss(model, tokenizer, plan, test)
+    result = {"test_loss": loss, "test_ppl": perplexity(loss)}
+    if dataset == "identity":
+        answered = replies(model, tokenizer, plan, test, identity=True)
+        named = [reply for _, reply in answered if IDENTITY in reply.lower()]
+        result.update(identity_accuracy=len(named) / max(1, len(answered)), identity_questions=len(answered),
+                      sample=answered[0])
+    else:
+        result["sample"] = replies(model, tokenizer, plan, test, identity=False)[0]
+    if run is not None:
+        plan_json = json.loads((run / "plan.json").read_text())
+        status = json.loads((run / "status.json").read_text())
+        result.update(steps=status["step"], planned_steps=plan_json["total_steps"], kept_step=status.get("kept_step"),
+                      lr=plan_json["lr"], lora_r=(plan_json.get("lora") or {}).get("r"), epochs=plan_json["epochs"])
+    return result
+
+
+# ------------------------------------------------------------------ table
+
+def table(results: dict) -> str:
+    lines = ["| data | configuration | steps (kept) | time | test loss | test perplexity | vs base | identity |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dataset in DATASETS:
+        base = results.get(dataset, {}).get("base")
+        for config in CONFIGS:
+            r = results.get(dataset, {}).get(config)
+            if r is None:
+                continue
+            change = "" if base is None or config == "base" else f"{1 - r['test_ppl'] / base['test_ppl']:.1%} lower"
+            steps = "" if config == "base" else f"{r['steps']} ({r['kept_step']})"
+            when = "" if config == "base" else f"{r['seconds'] / 60:.1f} min"
+            identity = f"{r['identity_accuracy']:.0%}" if "identity_accuracy" in r else ""
+            lines.append(f"| {dataset} | {config} | {steps} | {when} | {r['test_loss']:.4f} | {r['test_ppl']:.2f} "
+                         f"| {change} | {identity} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(Path.home() / ".cache/llmcustoms-dev/smollm2-135m-instruct"))
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--only", default="", help="dataset:config pairs, comma-separated (default: all)")
+    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--trial-steps", type=int, default=10)
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
+    parser.add_argument("--work", default=None, help="where runs go (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    results_path = Path(args.results)
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmcustoms-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or [(d, c) for d in DATASETS for c in CONFIGS]
+    for dataset, config in wanted:
+        paths = split_files(Path(args.data_dir), dataset, work)
+        print(f"{dataset} / {config} ...", file=sys.stderr, flush=True)
+        out = work / dataset
+        if config == "base":
+            started, run = time.perf_counter(), None
+        elif config == "tune":
+            budget = results.get(dataset, {}).get("quality", {}).get("planned_steps")
+            if budget is None:
+                raise SystemExit(f"run {dataset}:quality first: tune gets the same number of steps")
+            run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, args.trial_steps, budget)
+        else:
+            run, seconds = train(args.model, paths, out, config, "--preset", config)
+        result = measure(args.model, run, dataset, paths["test"])
+        result["seconds"] = time.perf_counter() - started if run is None else seconds
+        if config == "tune":
+            result.update(found=chosen, trials=args.trials, trial_steps=args.trial_steps)
+        results.setdefault(dataset, {})[config] = result
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(results, indent=2))
+        print(f"  {json.dumps({k: v for k, v in result.items() if k != 'sample'})}", file=sys.stderr, flush=True)
+    print(table(results))
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
