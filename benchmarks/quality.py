@@ -226,11 +226,15 @@ def main() -> None:
     parser.add_argument("--trial-steps", type=int, default=10)
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     parser.add_argument("--work", default=None, help="where runs go (default: a temporary directory)")
+    parser.add_argument("--table", action="store_true", help="only print the table of what --results holds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     results_path = Path(args.results)
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if args.table:
+        print(table(results))
+        return
     work = Path(args.work or tempfile.mkdtemp(prefix="llmcustoms-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or [(d, c) for d in DATASETS for c in CONFIGS]

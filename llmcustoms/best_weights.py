@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from safetensors.torch import load_file, save_file
 
-from llmcustoms.checkpoints import Checkpoint, CheckpointManager
+from llmcustoms.checkpoints import CheckpointManager
 
 NAME = re.compile(r"^step-(\d{6,})\.safetensors$")
 
@@ -52,6 +52,11 @@ class BestWeightFiles:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power loss
+        finally:
+            os.close(directory)
 
     def load(self, step: int) -> dict[str, Any] | None:
         """The weights kept for `step`, or None if there are none."""
@@ -70,13 +75,17 @@ class BestWeightFiles:
         for kept in self.steps():
             if kept not in needed:
                 self.path(kept).unlink(missing_ok=True)
+        for leftover in self.directory.glob(".step-*.tmp"):
+            if f".{os.getpid()}." not in leftover.name:
+                leftover.unlink(missing_ok=True)  # from a process killed mid-write
 
 
 class BestWeights:
     """Which weights a run keeps, and writing them at the end.
 
     `processes` is the run's `processes.Processes` (it gathers and writes under
-    FSDP); only the main process writes files."""
+    FSDP); only the main process reads and writes files, and what it finds
+    there it tells the others (`main_decides`), so every rank takes the same path."""
 
     def __init__(self, run_dir: Any, checkpoints: CheckpointManager, processes: Any, full: bool,
                  warn: Callable[[str], None]):
@@ -87,13 +96,28 @@ class BestWeights:
         self.full = full  # full fine-tuning: the best weights are a checkpoint of their step
         self.warn = warn
 
-    def keep(self, model: Any, step: int, eval_loss: float) -> None:
-        """An adapter's weights at a new best evaluation (full fine-tuning saves a checkpoint instead)."""
+    def keep_if_best(self, model: Any, position: Any) -> bool:
+        """After a step: if its evaluation beat the best so far, keep its weights.
+        Returns True when that needs a checkpoint of this step (full fine-tuning)."""
+        if position.best_step != position.step:
+            return False
+        if self.full:
+            return True
         weights = self.processes.trainable_weights(model)  # every rank: under FSDP a collective
         if self.processes.is_main:
-            self.files.keep(step, weights, eval_loss)
-            named = {checkpoint.state().get("best_step") for checkpoint in self.checkpoints.all()}
-            self.files.prune(named | {step})
+            self.files.keep(position.step, weights, position.best_eval)
+            self.files.prune(self._named_by_checkpoints() | {position.step})
+        return False
+
+    def _named_by_checkpoints(self) -> set[int | None]:
+        """The best step each checkpoint's state names: a rollback to it needs that file."""
+        named = set()
+        for checkpoint in self.checkpoints.all():
+            try:
+                named.add(checkpoint.state().get("best_step"))
+            except (OSError, ValueError):
+                continue  # half-deleted by a kill during pruning: never restored from
+        return named
 
     def went_back_to(self, step: int) -> None:
         """The run continues from a checkpoint of `step`: forget what came after it."""
@@ -107,14 +131,12 @@ class BestWeights:
         output, last = self.run_dir.output_path(method), self.run_dir.last_output_path(method)
         best = position.best_step
         weights = self._load(best) if best is not None and best != position.step else None
-        if weights is None:
+        if not self.processes.main_decides(weights is not None):
             self.processes.save_trained(model, tokenizer, output)
-            why = ("the last step's: no evaluation" if best is None else
-                   f"the last step's, which had the best eval loss ({position.best_eval:.4f})" if best == position.step
-                   else "the last step's: the best evaluation's weights could not be read")
-            return {"kept_step": position.step, "kept": why, "last_output": None}
+            return {"kept_step": position.step, "kept": _why_last(position, best), "last_output": None}
         self.processes.save_trained(model, tokenizer, last)
-        self.processes.load_trainable(model, weights)
+        if self.processes.is_main or self.processes.fsdp:  # elsewhere nothing is written from the model again
+            self.processes.load_trainable(model, weights)
         self.processes.save_trained(model, tokenizer, output)
         last_eval = f", eval loss {position.last_eval:.4f}" if position.last_eval is not None else ""
         return {"kept_step": best, "last_output": last.name,
@@ -122,15 +144,24 @@ class BestWeights:
                         f"(the last step, {position.step}{last_eval}, is in {last.name}/)"}
 
     def _load(self, step: int) -> dict[str, Any] | None:
-        """The kept weights of `step` (whole on the main process; under FSDP the others get {})."""
-        if self.processes.fsdp and not self.processes.is_main:
+        """The kept weights of `step` on the main process (None if they cannot be
+        read); the other processes get {}: under FSDP the main one shards them out."""
+        if not self.processes.is_main:
             return {}
         if not self.full:
             weights = self.files.load(step)
         else:
-            checkpoint = Checkpoint(self.checkpoints.directory / f"step-{step:06d}", step)
-            problem = self.checkpoints.verify(checkpoint.path)
-            weights = None if problem else checkpoint.tensors("model.safetensors")
+            checkpoint = self.checkpoints.at(step)
+            weights = None if self.checkpoints.verify(checkpoint.path) else checkpoint.tensors("model.safetensors")
         if weights is None:
             self.warn(f"the weights of the best evaluation (step {step}) are missing; keeping the last step's")
         return weights
+
+
+def _why_last(position: Any, best: int | None) -> str:
+    """Why the last step's weights are the ones kept."""
+    if best is None:
+        return "the last step's: no evaluation"
+    if best == position.step:
+        return f"the last step's, which had the best eval loss ({position.best_eval:.4f})"
+    return "the last step's: the best evaluation's weights could not be read"

@@ -72,7 +72,7 @@ class CheckpointManager:
         """Write a checkpoint atomically. `tensors` maps each of TENSOR_FILES to a
         flat {name: tensor} dict; `state` must be JSON-serialisable."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"step-{step:06d}"
+        final = self.at(step).path
         tmp = self.directory / f".tmp-{final.name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -129,6 +129,10 @@ class CheckpointManager:
             if match and path.is_dir():
                 found.append(Checkpoint(path, int(match.group(1))))
         return sorted(found, key=lambda c: -c.step)
+
+    def at(self, step: int) -> Checkpoint:
+        """The checkpoint of `step` (it may not exist: `verify` says)."""
+        return Checkpoint(self.directory / f"step-{step:06d}", step)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint that verifies; broken ones are reported and skipped."""

@@ -13,8 +13,8 @@ each step's rows and the lr schedule are arguments. Where the loop is
 A training step's failures (out of memory, non-finite loss) are caught in
 `_attempt` and go to the `TrainingRecoverySystem`, which returns a changed
 plan; the loop rolls back to the last checkpoint and carries on. Out of memory
-while evaluating is caught in `evaluate`, which lowers the micro-batch and
-evaluates again. Anything else ends the run in `run`, with status.json saying
+while evaluating is caught in `evaluation.Evaluation`: the micro-batch is
+lowered and it evaluates again. Anything else ends the run in `run`, with status.json saying
 why. SIGINT and SIGTERM finish the current step, checkpoint, and stop.
 Whatever depends on the number of processes is in `processes.Processes`.
 """
@@ -85,6 +85,7 @@ class FineTuner:
                                              warn=lambda text: reporter.message(text, warning=True))
         self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True))
         self.position = Position()
+        self.trained_since = time.monotonic()  # when the training since the last evaluation began
 
     def run(self, resume: bool = False) -> TrainResult:
         """Set up, train, save. Ends with a result, or with TrainingFailed,
@@ -179,7 +180,7 @@ class FineTuner:
 
     def _train(self) -> StopReason | None:
         """Optimizer steps until the plan's last one, or a reason to stop early."""
-        status_written = self.trained_since = time.monotonic()
+        status_written = time.monotonic()
         stop = None
         if self.baseline and self.position.step == 0 and self.position.base_eval is None:
             self._evaluate_base()
@@ -198,12 +199,9 @@ class FineTuner:
             self._record(metrics, len(steps))
             stop = self._maybe_evaluate()
             last = self.position.step == self.plan.total_steps or stop is not None
-            best_now = self.save_artifacts and self.position.best_step == self.position.step
-            # Full fine-tuning keeps its best weights as a checkpoint; adapters as a copy.
-            saved = self.save_artifacts and (self.position.step % self.plan.save_every == 0 or last
-                                             or (best_now and self.plan.method == "full"))
-            if best_now and self.plan.method != "full":
-                self.best.keep(self.model, self.position.step, self.position.best_eval)
+            # An evaluation that beat the best: its weights are kept now (for full fine-tuning, as a checkpoint).
+            best_checkpoint = self.save_artifacts and self.best.keep_if_best(self.model, self.position)
+            saved = self.save_artifacts and (self.position.step % self.plan.save_every == 0 or last or best_checkpoint)
             if saved:
                 self._save_checkpoint()
             self.faults.send_signal_if_due(self.position.step)
@@ -300,8 +298,7 @@ class FineTuner:
         eval_loss = self.evaluate()
         position.last_eval = eval_loss
         self._record_eval(eval_loss)
-        if self.samples is not None and self.samples.cheap(time.monotonic() - self.trained_since):
-            self._sample("eval")
+        self._sample("eval", self.samples is not None and self.samples.cheap(time.monotonic() - self.trained_since))
         self.trained_since = time.monotonic()
         if self.on_evaluate is not None and self.on_evaluate(position.step, eval_loss):
             return StopReason(StopCause.CALLER, position.step,
@@ -321,10 +318,10 @@ class FineTuner:
         self.run_dir.append_metrics(row)
         self.reporter.evaluated(row)
 
-    def _sample(self, label: str) -> None:
-        """Replies to the sample prompts, from the main process (not under FSDP,
-        where every forward is a collective)."""
-        if self.samples is None or self.processes.fsdp:
+    def _sample(self, label: str, due: bool = True) -> None:
+        """Replies to the sample prompts, from the main process, when it finds them
+        `due` (not under FSDP, where every forward is a collective)."""
+        if self.samples is None or self.processes.fsdp or not self.processes.main_decides(due):
             return
         if self.processes.is_main:
             self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
@@ -346,7 +343,8 @@ class FineTuner:
     def _save_checkpoint(self) -> None:
         state = {**asdict(self.position), "scheduler": self.scheduler.state_dict(),
                  "micro_batch_size": self.plan.micro_batch_size}
-        self.processes.save_checkpoint(self.checkpoints, self.position.step, self.model, self.optimizer, state)
+        self.processes.save_checkpoint(self.checkpoints, self.position.step, self.model, self.optimizer, state,
+                                       protect=self.position.best_step if self.plan.method == "full" else None)
 
     def _stop_if_signalled(self, saved: bool, last: bool) -> None:
         """After a step: stop for SIGINT / SIGTERM, with a checkpoint of this step."""
@@ -443,8 +441,9 @@ class FineTuner:
                                   stop_cause=stop.cause.value if stop else None, **kept)
         if stop is not None:
             self.reporter.message(stop.text)
+        samples = side_by_side(self.run_dir.read_samples())
         return TrainResult(status="completed", steps=position.step, final_loss=position.final_loss,
                            best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
-                           tokens_per_s=tokens / max(seconds, 1e-9),
-                           output_path=self.run_dir.output_path(self.plan.method), stop=stop, base_eval_loss=position.base_eval, kept=kept.get("kept"),
-                           last_output=kept.get("last_output"), samples=side_by_side(self.run_dir.read_samples()))
+                           tokens_per_s=tokens / max(seconds, 1e-9), output_path=self.run_dir.output_path(self.plan.method),
+                           stop=stop, base_eval_loss=position.base_eval, kept=kept.get("kept"),
+                           last_output=kept.get("last_output"), samples=samples)

@@ -8,6 +8,7 @@ why a run ended before its last step; `TrainResult` is what a finished run retur
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
@@ -40,7 +41,6 @@ class Position:
     evals_since_best: int = 0
     base_eval: float | None = None  # the model's eval loss before the first step
 
-
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
         """The position saved in a checkpoint's state (other keys are ignored;
@@ -60,7 +60,8 @@ class Position:
     def early_stop(self, eval_loss: float, patience: int) -> StopReason | None:
         """Count an evaluation towards early stopping: a reason to stop once eval
         loss has not improved for `patience` evaluations (0: never)."""
-        if self.best_eval is None or eval_loss < self.best_eval:
+        # A non-finite eval loss never counts as the best: its weights are no use.
+        if math.isfinite(eval_loss) and (self.best_eval is None or eval_loss < self.best_eval):
             self.best_eval, self.best_step, self.evals_since_best = eval_loss, self.step, 0
             return None
         self.evals_since_best += 1

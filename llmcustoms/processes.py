@@ -194,6 +194,17 @@ class Processes:
             self.signals.received = self.agreed_stop  # another rank got the signal: stop together
         return {code: kind for kind, code in FAILURE_CODES.items()}[int(flags[0])]
 
+    def main_decides(self, flag: bool) -> bool:
+        """The main process's `flag`, on every process: for choices only the main
+        one can make (what it found on disk, how long its work took)."""
+        if self.world == 1:
+            return flag
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
     def stopping(self) -> int | None:
         """The signal to stop for after this step. With several processes, only one
         that every rank agreed on in this step: checkpointing is collective, so a
@@ -266,16 +277,17 @@ class Processes:
     # ------------------------------------------------- saving and restoring
 
     def save_checkpoint(self, checkpoints: CheckpointManager, step: int, model: Any, optimizer: Any,
-                        state: dict[str, Any]) -> None:
+                        state: dict[str, Any], protect: int | None = None) -> None:
         """Trainable weights, optimizer and RNG, with the loop's `state`, as one
-        checkpoint: whole (under FSDP gathered), written once, by the main process."""
+        checkpoint: whole (under FSDP gathered), written once, by the main process.
+        Pruning spares the checkpoint of step `protect` (a full fine-tuning run's best)."""
         weights, optimizer_tensors, groups = self._training_state(model, optimizer)
         rng_tensors, rng_json = rng_state()
         if self.is_main:  # the same on every rank (or gathered here): one writer
             checkpoints.save(step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
                                     "rng.safetensors": rng_tensors},
                              {**state, "optimizer_groups": groups, "rng": rng_json})
-            checkpoints.prune(state.get("best_step"))  # for full fine-tuning, the best weights
+            checkpoints.prune(protect)
         # No rank goes on (and might roll back to it) before the checkpoint is whole.
         self.accelerator.wait_for_everyone()
 

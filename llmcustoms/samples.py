@@ -10,8 +10,10 @@ Rows go to the run's samples.jsonl:
     {"step": 0, "label": "base", "row": 17, "prompt": "...", "reply": "...", "reference": "..."}
 
 `label` is "base", "eval" or "trained". The prompts are the user's data, so
-they stay in the terminal and the run directory (and a tracker the user turned
-on); the exported model card never shows them.
+they stay in the terminal and the run directory; the exported model card
+never shows them. A sample is a look, never worth the run: a prompt too long
+for the plan's sequence length is not drawn, and a failure to answer is a
+warning.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from llmcustoms.data import Example, read_dataset
 
@@ -63,8 +65,12 @@ def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SampleP
 
 
 def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
-    """Prompts from the run's evaluation rows (none without evaluation)."""
-    rows = {e.row for e in prepared.evaluation}
+    """Prompts from the run's evaluation rows (none without evaluation), each
+    short enough to be answered within the plan's sequence length."""
+    from llmcustoms.tokenization import first_loss_position
+
+    room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
+    rows = {e.row for e in prepared.evaluation if first_loss_position(e) <= room}
     if not rows:
         return []
     plan = prepared.plan
@@ -76,16 +82,18 @@ class SampleReplies:
     """Answers the prompts with a model and appends the replies to samples.jsonl."""
 
     def __init__(self, prompts: list[SamplePrompt], tokenizer: Any, plan: Any, run_dir: Any,
-                 max_new_tokens: int = MAX_NEW_TOKENS):
+                 max_new_tokens: int = MAX_NEW_TOKENS, warn: Callable[[str], None] = lambda text: None):
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.plan = plan
         self.run_dir = run_dir
         self.max_new_tokens = max_new_tokens
+        self.warn = warn
         self.seconds: float | None = None  # how long answering took last time
 
     def answer(self, model: Any, step: int, label: str) -> list[dict[str, Any]]:
-        """Greedy replies of `model` (in eval mode while answering), written and returned."""
+        """Greedy replies of `model` (in eval mode while answering), written and
+        returned; none, with a warning, if answering fails (out of memory, ...)."""
         from llmcustoms.generation import generate
 
         started = time.perf_counter()
@@ -94,6 +102,9 @@ class SampleReplies:
         try:
             replies = [generate(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0)
                        for p in self.prompts]
+        except Exception as error:  # noqa: BLE001 - whatever it was, training goes on
+            self.warn(f"sample replies at step {step} skipped ({type(error).__name__}: {error})")
+            return []
         finally:
             model.train(was_training)
         self.seconds = time.perf_counter() - started

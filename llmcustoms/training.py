@@ -237,7 +237,8 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
 
     main = launching.is_main_process()
     reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker if main else "none", run_dir, prepared.plan)
-    samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir)
+    samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir,
+                            warn=lambda text: reporter.message(text, warning=True))
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
                       faults=FaultInjector.from_env(spent_through=faults_spent_through), samples=samples)
     try:

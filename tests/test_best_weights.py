@@ -250,3 +250,15 @@ def test_report_never_asks_for_more_patience_or_epochs_after_early_stopping(tmp_
     assert "eval loss rose after step 8" in text  # the finding is there...
     assert "patience" not in text and "--epochs 6" not in text and "--max-steps 40" not in text  # ...not more of it
     assert "were kept" in text
+
+
+def test_a_non_finite_eval_loss_is_never_the_best():
+    from llmcustoms.position import Position
+
+    position = Position(step=1)
+    assert position.early_stop(float("nan"), patience=2) is None and position.best_step is None
+    position.step = 2
+    position.early_stop(1.5, patience=2)
+    position.step = 3
+    position.early_stop(float("inf"), patience=2)
+    assert (position.best_step, position.best_eval, position.evals_since_best) == (2, 1.5, 1)
