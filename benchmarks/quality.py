@@ -50,17 +50,20 @@ IDENTITY_TEST_ROWS = 12  # of the test rows, how many ask for the identity (its 
 MAX_NEW_TOKENS = 32  # the identity comes early in a reply; a code sample is a glimpse
 
 
-def split_files(data_dir: Path, name: str, work: Path) -> dict[str, Path]:
-    """train/val/test files for one dataset (the same for the same file: seeded)."""
+def split_files(data_dir: Path, name: str, work: Path, sizes: tuple[int, int, int] | None = None) -> dict[str, Path]:
+    """train/val/test files for one dataset (the same for the same file: seeded).
+    `sizes`: (train, test, validation) rows instead of DATASETS' (small test runs)."""
     file, n_train, n_test, n_val = DATASETS[name]
+    if sizes:
+        n_train, n_test, n_val = sizes
     rows = [r for r in json.loads((data_dir / file).read_text()) if _usable(r)]
     random.Random(1234).shuffle(rows)
     if name == "identity":  # enough identity questions in the test set to score them
         asking = [r for r in rows if _names_identity(r)]
         rest = [r for r in rows if not _names_identity(r)]
-        test = asking[:IDENTITY_TEST_ROWS] + rest[:n_test - IDENTITY_TEST_ROWS]
-        rows = test + sorted(asking[IDENTITY_TEST_ROWS:] + rest[n_test - IDENTITY_TEST_ROWS:],
-                             key=lambda r: random.Random(r["id"]).random())
+        k = min(IDENTITY_TEST_ROWS, n_test, len(asking))
+        test = asking[:k] + rest[:n_test - k]
+        rows = test + sorted(asking[k:] + rest[n_test - k:], key=lambda r: random.Random(r["id"]).random())
     parts = {"test": rows[:n_test], "val": rows[n_test:n_test + n_val],
              "train": rows[n_test + n_val:n_test + n_val + n_train]}
     paths = {}
@@ -186,7 +189,7 @@ def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict
         answered = replies(model, tokenizer, plan, test, identity=True)
         named = [reply for _, reply in answered if IDENTITY in reply.lower()]
         result.update(identity_accuracy=len(named) / max(1, len(answered)), identity_questions=len(answered),
-                      sample=answered[0])
+                      sample=answered[0] if answered else None)
     else:
         result["sample"] = replies(model, tokenizer, plan, test, identity=False)[0]
     if run is not None:
@@ -227,6 +230,7 @@ def main() -> None:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     parser.add_argument("--work", default=None, help="where runs go (default: a temporary directory)")
     parser.add_argument("--table", action="store_true", help="only print the table of what --results holds")
+    parser.add_argument("--rows", default="", help="TRAIN,TEST,VAL rows per dataset instead of the defaults")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -239,7 +243,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or [(d, c) for d in DATASETS for c in CONFIGS]
     for dataset, config in wanted:
-        paths = split_files(Path(args.data_dir), dataset, work)
+        sizes = tuple(int(n) for n in args.rows.split(",")) if args.rows else None
+        paths = split_files(Path(args.data_dir), dataset, work, sizes)
         print(f"{dataset} / {config} ...", file=sys.stderr, flush=True)
         out = work / dataset
         if config == "base":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,23 @@ def test_sharding_memory_measures_ddp_and_fsdp_per_process():
     for mode in ("ddp", "fsdp"):
         assert len(summary["modes"][mode]["measured_bytes"]) == 2 and 0.8 <= summary["modes"][mode]["ratio"] <= 1.25
     assert summary["fsdp_vs_ddp_measured"] < 0.9  # sharding the training state saves memory per process
+
+
+def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_path, tiny_models):
+    # The shared datasets' shapes, from the project's own fixtures.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sharegpt_identity.json").write_text((Path(__file__).parent / "fixtures" / "sharegpt.json").read_text())
+    rows = [json.loads(line) for line in (Path(__file__).parent / "fixtures" / "alpaca.jsonl").read_text().splitlines()]
+    (data / "code_alpaca_2k.json").write_text(json.dumps(rows))
+    results = tmp_path / "quality.json"
+    summary = run("quality.py", "--model", str(tiny_models["llama"]), "--data-dir", str(data), "--rows", "12,6,4",
+                  "--only", "code:base,code:quality,code:tune,identity:base,identity:highspeed", "--trials", "2",
+                  "--trial-steps", "2", "--results", str(results), "--work", str(tmp_path / "work"))
+    assert set(summary["code"]) == {"base", "quality", "tune"} and set(summary["identity"]) == {"base", "highspeed"}
+    quality, base = summary["code"]["quality"], summary["code"]["base"]
+    assert quality["test_ppl"] == pytest.approx(math.exp(quality["test_loss"]))
+    assert quality["steps"] >= 1 and quality["kept_step"] <= quality["steps"]
+    assert summary["code"]["tune"]["planned_steps"] == quality["planned_steps"]  # the same budget
+    assert 0.0 <= summary["identity"]["base"]["identity_accuracy"] <= 1.0 and base["test_loss"] > 0
+    assert json.loads(results.read_text()) == summary
