@@ -87,10 +87,13 @@ class Suggestion:
 
 
 def suggest(lrs: list[float], smoothed: list[float | None], min_drop: float = MIN_DROP) -> Suggestion:
-    """The lr at the steepest fall of the smoothed loss (forward differences
-    against log lr), among the points before the minimum. The first tenth of
-    the points is left out, as Lightning and fastai do: there the EMA has seen
-    too little to be smooth."""
+    """The lr in the middle of the steepest fall of the smoothed loss against
+    log lr, among the points before the minimum. The first tenth of the points
+    is left out, as Lightning and fastai do: there the EMA has seen too little
+    to be smooth. The fall is measured over a window of a tenth of the points,
+    not from one point to the next: on real data one batch's loss differs from
+    the next by more than the lr changes it early on, and a one-step dip would
+    win (a 72-step test on SmolLM2 suggested 4.9e-07 that way)."""
     points = next((i for i, v in enumerate(smoothed) if v is None or not math.isfinite(v)), len(smoothed))
     if points < MIN_POINTS:
         return Suggestion(None, reason=f"only {points} finite steps: too few to read a curve")
@@ -101,8 +104,10 @@ def suggest(lrs: list[float], smoothed: list[float | None], min_drop: float = MI
     if best == skip or start - values[best] < min_drop * abs(start):
         return Suggestion(None, reason=f"the smoothed loss did not fall by {min_drop:.0%} or more "
                                        f"between lr {lrs[skip]:.1e} and {lrs[points - 1]:.1e}")
-    slopes = {i: (values[i + 1] - values[i]) / math.log(lrs[i + 1] / lrs[i]) for i in range(skip, best)}
-    steepest = min(slopes, key=lambda i: slopes[i])
+    window = max(1, min(points // 10, best - skip))
+    slopes = {i: (values[i + window] - values[i]) / math.log(lrs[i + window] / lrs[i])
+              for i in range(skip, best - window + 1)}
+    steepest = min(slopes, key=lambda i: slopes[i]) + window // 2
     return Suggestion(lrs[steepest], steepest_lr=lrs[steepest], min_loss_lr=lrs[best],
                       min_loss_lr_over_10=lrs[best] / 10)
 
