@@ -9,16 +9,24 @@ a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
+from llmcustoms.tokenstore import TokenRows
 
 # Steps are formed from rows sorted by length within windows of this many steps.
 MEGABATCH_FACTOR = 32
+
+
+# A run's rows: memory-mapped (`TokenRows`), or a list (tests, small tools).
+Rows = TokenRows | Sequence[TokenizedExample]
+
+
+def as_token_rows(rows: Rows) -> TokenRows:
+    return rows if isinstance(rows, TokenRows) else TokenRows.from_examples(list(rows))
 
 
 # Which rows make up each optimizer step of an epoch: `epoch_steps` below, or
@@ -60,12 +68,6 @@ def eval_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
     return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
 
 
-def cut_rows(rows: list[TokenizedExample], max_len: int) -> list[TokenizedExample]:
-    """Rows shortened to `max_len` tokens; none is dropped."""
-    return [e if len(e.input_ids) <= max_len else replace(e, input_ids=e.input_ids[:max_len], labels=e.labels[:max_len])
-            for e in rows]
-
-
 def collate(examples: list[TokenizedExample], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad to the batch's longest row; labels are -100 on padding."""
     longest = max(len(e.input_ids) for e in examples)
@@ -94,24 +96,23 @@ class TrainingRows:
     stay fixed when recovery shortens the rows (`cut`), so no row is skipped or
     seen twice in an epoch."""
 
-    def __init__(self, train: list[TokenizedExample], evaluation: list[TokenizedExample], pad_token_id: int,
-                 pad_to_multiple_of: int = 1):
-        self.train = train
-        self.evaluation = evaluation
-        self.lengths = [len(e.input_ids) for e in train]
+    def __init__(self, train: Rows, evaluation: Rows, pad_token_id: int, pad_to_multiple_of: int = 1):
+        self.train = as_token_rows(train)
+        self.evaluation = as_token_rows(evaluation)
+        self.lengths = self.train.lengths.tolist()
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def cut(self, max_len: int) -> None:
-        self.train, self.evaluation = cut_rows(self.train, max_len), cut_rows(self.evaluation, max_len)
+        self.train, self.evaluation = self.train.cut(max_len), self.evaluation.cut(max_len)
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         return collate([self.train[i] for i in rows], self.pad_token_id, self.pad_to_multiple_of)
 
     def token_counts(self, rows: list[int]) -> tuple[int, int]:
         """(trained tokens, input tokens) of these training rows."""
-        return sum(self.train[i].trainable_tokens for i in rows), sum(len(self.train[i].input_ids) for i in rows)
+        return self.train.trained_tokens(rows), int(self.train.lengths[rows].sum())
 
     def evaluation_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
         return [collate([self.evaluation[i] for i in batch], self.pad_token_id, self.pad_to_multiple_of)
-                for batch in eval_batches([len(e.input_ids) for e in self.evaluation], micro_batch_size)]
+                for batch in eval_batches(self.evaluation.lengths.tolist(), micro_batch_size)]

@@ -24,8 +24,7 @@ from llmcustoms.modeling import quiet_libraries
 app = typer.Typer(
     name="llmcustoms",
     help="Fine-tune a small open LLM on your own data with one command.",
-    no_args_is_help=True,
-    add_completion=False,
+    no_args_is_help=True, add_completion=False,
     pretty_exceptions_enable=False,
     # Plain help: at 80 columns Rich's help panels cut the variable names short.
     rich_markup_mode=None,
@@ -146,6 +145,7 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     with ending():
         quiet_libraries()
         from llmcustoms import console as ui
+        from llmcustoms.dataview import PreparationProgress, show_prepared
         from llmcustoms.hardware import GIB, Hardware, detect
         from llmcustoms.preparation import prepare_run
 
@@ -154,12 +154,13 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
         if vram is not None:  # cards sold as "24 GB" have 24 GiB
             hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=hardware.ram_bytes / GIB,
                                          cores=hardware.cpu_cores)
-        prepared = prepare_run(options, hardware, tokenizer_required=False,
-                               world_size=(num_processes or 1) * (num_machines or 1))
+        with PreparationProgress() as progress:
+            prepared = prepare_run(options, hardware, tokenizer_required=False, progress=progress,
+                                   world_size=(num_processes or 1) * (num_machines or 1))
     if json_output:
         print(prepared.plan.dumps())
         return
-    ui.show_prepared(prepared, options.data)
+    show_prepared(prepared, options.data)
     ui.show_plan(prepared.plan, hardware)
 
 
@@ -176,6 +177,7 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         quiet_libraries()
         from llmcustoms import console as ui
         from llmcustoms import tuneview as view
+        from llmcustoms.dataview import PreparationProgress, show_prepared
         from llmcustoms.lrfind import centre_study
         from llmcustoms.presets import load_preset
         from llmcustoms.tuning import StudyRequest, prepare_study, run_study
@@ -183,8 +185,9 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         session = _session(values, env_file)
         options = session.train_options()
         request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value)
-        study = prepare_study(options, session.output_dir, request)
-        ui.show_prepared(study.prepared, options.data)
+        with PreparationProgress() as progress:
+            study = prepare_study(options, session.output_dir, request, progress)
+        show_prepared(study.prepared, options.data)
         study = centre_study(study, session.output_dir) if lr_find else study
         view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
         with view.TrialsDisplay() as display:

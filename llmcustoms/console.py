@@ -109,25 +109,6 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def show_prepared(prepared: Any, data_path: str) -> None:
-    """What was found in the data, before the plan."""
-    dataset = prepared.dataset
-    line = (f"Data: [bold]{escape(data_path)}[/] - detected format [bold]{escape(dataset.format_description)}[/], "
-            f"{len(dataset.examples):,} rows")
-    if dataset.skipped:
-        line += f" ([yellow]{dataset.skipped:,} bad rows skipped[/])"
-    console.print(line)
-    if prepared.plan.eval_rows:
-        console.print(f"Evaluation: {prepared.plan.eval_rows:,} rows held out ({escape(prepared.eval_source)})")
-    if prepared.used_fallback_template:
-        console.print("The tokenizer has no chat template: using the llmcustoms fallback template (see README).")
-    if prepared.truncated:
-        console.print(f"{prepared.truncated} rows truncated to {prepared.plan.max_seq_len} tokens"
-                      + (f", {prepared.dropped} dropped (no response left)" if prepared.dropped else "") + ".")
-    if prepared.seconds:
-        console.print(f"Data prepared in {prepared.seconds:.1f} s (tokenized rows are cached for the next run).")
-
-
 MEMORY_PARTS = (("weights", "weights_bytes"), ("LoRA adapters", "trainable_bytes"), ("gradients", "gradients_bytes"),
                 ("optimizer state", "optimizer_bytes"), ("activations", "activations_bytes"),
                 ("logits", "logits_bytes"), ("gathered from other shards", "gathered_bytes"),

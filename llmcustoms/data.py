@@ -1,446 +1,195 @@
-"""Read a user's data file, detect its format and turn each row into an `Example`.
+"""Read a data file once, validating each row as it comes, and say what it holds.
 
-Supported files: `.jsonl`, `.json` (an array, or JSON Lines saved as .json),
-`.csv`, `.parquet`, and a directory written by `datasets.save_to_disk`.
-Supported row formats (detected from the fields):
+`read_dataset` streams the file (`datafiles.py`), detects the row format
+(`rowformats.py`) and keeps only small per-row numbers (lengths, a hash for
+duplicates), never the rows, so a file larger than memory can be checked.
+`usable_examples` streams the usable rows again when they are tokenized.
 
-  alpaca             instruction, input (optional), output
-  sharegpt           conversations: [{from: human|gpt|system, value}]
-  messages           messages: [{role: system|user|assistant, content}]  (OpenAI)
-  prompt_completion  prompt, completion
-  text               text
-
-Every problem names the file, the 1-based line (or row) and the reason, and
-never the row's content: the data may be private. This module needs no torch.
+Bad rows follow the policy users expect: by default a few (at most
+`BAD_ROW_SHARE` of the rows) are skipped and reported by reason, with the
+first line numbers; more than that stops with exit 2, since the format was
+probably misunderstood. `--strict` stops at the first bad row,
+`--skip-bad-rows` skips any number. Nothing here shows a row's content. No torch.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
-import json
-from collections import Counter
+import itertools
+import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
-from llmcustoms.errors import DataError
+import numpy as np
 
-Message = tuple[str, str]  # (role, content); role is system | user | assistant
+from llmcustoms.datafiles import RawRow, read_rows
+from llmcustoms.errors import ConfigError, DataError
+from llmcustoms.rowformats import DETECTION_ROWS, FORMAT_DESCRIPTIONS, Example, RowProblem, detect_format, to_example
 
-FORMAT_DESCRIPTIONS = {
-    "messages": "OpenAI messages (messages: [{role, content}])",
-    "sharegpt": "ShareGPT (conversations: [{from, value}])",
-    "alpaca": "Alpaca (instruction, input, output)",
-    "prompt_completion": "prompt/completion (prompt, completion)",
-    "text": "plain text (text)",
-}
-# Checked in this order: the first whose required fields a row has wins.
-FORMAT_REQUIRED_FIELDS = {
-    "messages": {"messages"},
-    "sharegpt": {"conversations"},
-    "alpaca": {"instruction", "output"},
-    "prompt_completion": {"prompt", "completion"},
-    "text": {"text"},
-}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
-                  "system": "system"}
-CHAT_ROLES = ("system", "user", "assistant")
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-# How many leading rows to look at when detecting the format.
-DETECTION_ROWS = 50
+# The share of bad rows skipped without being asked to; more stops the run.
+BAD_ROW_SHARE = 0.05
+# A reply shorter than this (after stripping) teaches little: the advice says so.
+NEAR_EMPTY_CHARS = 5
+# How many locations of each kind of bad row are named.
+LOCATIONS_SHOWN = 3
+POLICIES = ("default", "strict", "skip")
+
+Progress = Callable[[int], None]  # called with the rows read so far
 
 
-@dataclass(frozen=True)
-class Example:
-    """One training row, normalised.
+def bad_row_policy(strict: bool, skip_bad_rows: bool) -> str:
+    """'strict', 'skip' or 'default' from the two flags."""
+    if strict and skip_bad_rows:
+        raise ConfigError("--strict and --skip-bad-rows contradict each other.",
+                          "Pass one: --strict stops at the first bad row, --skip-bad-rows skips any number.")
+    return "strict" if strict else "skip" if skip_bad_rows else "default"
 
-    Chat formats fill `messages`; raw formats fill `prompt` (not trained on by
-    default) and `completion` (trained on). Plain text is all completion.
-    """
 
-    row: int
-    messages: tuple[Message, ...] = ()
-    prompt: str = ""
-    completion: str = ""
+@dataclass
+class BadRows:
+    """Rows that failed validation: how many, why, and where the first few are."""
 
-    @property
-    def is_chat(self) -> bool:
-        return bool(self.messages)
+    count: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    where: dict[str, list[str]] = field(default_factory=dict)
 
-    def char_count(self) -> int:
-        return sum(len(c) for _, c in self.messages) + len(self.prompt) + len(self.completion)
+    def add(self, raw: RawRow, problem: str) -> None:
+        reason = _reason_kind(problem)
+        self.count += 1
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        places = self.where.setdefault(reason, [])
+        if len(places) < LOCATIONS_SHOWN:
+            places.append(raw.location())
+
+    def lines(self) -> list[str]:
+        """One line per reason: "field 'output' is empty: 2 rows (line 1187, line 9291)"."""
+        out = []
+        for reason, n in sorted(self.by_reason.items(), key=lambda item: -item[1]):
+            places = ", ".join(self.where[reason]) + (", ..." if n > len(self.where[reason]) else "")
+            out.append(f"{reason}: {n:,} row{'s' if n != 1 else ''} ({places})")
+        return out
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "by_reason": dict(self.by_reason), "where": {k: list(v) for k, v in self.where.items()}}
 
 
 @dataclass
 class Dataset:
+    """What one pass over a data file found. Per usable row, only numbers."""
+
     path: Path
     format: str
-    examples: list[Example]
-    skipped: int = 0
-    skip_reasons: Counter = field(default_factory=Counter)
+    policy: str = "default"
+    bad: BadRows = field(default_factory=BadRows)
+    unlearned: int = 0  # rows marked undesirable (label: false): read, never learned
+    total_chars: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_chars: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    turns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    duplicates: int = 0  # rows whose text (whitespace normalised) repeats an earlier row
+    near_empty: int = 0  # replies shorter than NEAR_EMPTY_CHARS characters
+    seconds: float = 0.0  # time spent reading and validating
+
+    @property
+    def rows(self) -> int:
+        return len(self.total_chars)
+
+    @property
+    def skipped(self) -> int:
+        return self.bad.count
 
     @property
     def format_description(self) -> str:
         return FORMAT_DESCRIPTIONS[self.format]
 
-
-class RowProblem(Exception):
-    """A problem with one row; the reader adds the file and line."""
-
-
-@dataclass(frozen=True)
-class RawRow:
-    """A row as read from the file, before validation. `value` is None when
-    the row could not even be parsed; `problem` then says why."""
-
-    row: int
-    line: int | None
-    value: Any = None
-    problem: str | None = None
-
-    def where(self, path: Path) -> str:
-        if self.line is not None and self.line != self.row:
-            return f"{path.name}, row {self.row} (line {self.line})"
-        if self.line is not None:
-            return f"{path.name}, line {self.line}"
-        return f"{path.name}, row {self.row}"
+    def to_json(self) -> dict:
+        return {"format": self.format, "rows": self.rows, "bad_row_policy": self.policy, "bad_rows": self.bad.to_json(),
+                "unlearned_rows": self.unlearned, "duplicates": self.duplicates, "near_empty_replies": self.near_empty}
 
 
-# ---------------------------------------------------------------- reading files
-
-def _decode(path: Path, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(
-            f"{path.name}, line {line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x}).",
-            "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').",
-        ) from None
-
-
-def _read_jsonl(path: Path, raw: bytes) -> Iterator[RawRow]:
-    row = 0
-    for line_no, line in enumerate(raw.split(b"\n"), start=1):
-        if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
-            line = line[3:]
-        if not line.strip():
-            continue
-        row += 1
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield RawRow(row, line_no, problem=f"not valid UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})")
-            continue
-        try:
-            yield RawRow(row, line_no, value=json.loads(text))
-        except json.JSONDecodeError as exc:
-            yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
-
-
-def _read_json(path: Path, raw: bytes) -> Iterator[RawRow]:
-    text = _decode(path, raw)
-    stripped = text.lstrip()
-    if not stripped.startswith("["):
-        # Many ".json" files are really JSON Lines; a single object is one row.
-        first_line = stripped.split("\n", 1)[0]
-        try:
-            json.loads(first_line)
-            is_jsonl = "\n" in stripped.rstrip()
-        except json.JSONDecodeError:
-            is_jsonl = False
-        if is_jsonl:
-            yield from _read_jsonl(path, raw)
-            return
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path.name}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}).",
-                            "A .json file must hold one JSON array of objects, or one object per line.") from None
-        if isinstance(value, dict):
-            yield RawRow(1, 1, value=value)
-            return
-        raise DataError(f"{path.name}: the file holds a JSON {type(value).__name__}, not an array of objects.",
-                        "A .json file must hold one JSON array of objects, or one object per line.")
-    # Walk the array element by element so each row keeps its line number.
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    row = 0
-
-    def skip_space(p: int) -> int:
-        while p < len(text) and text[p] in " \t\r\n":
-            p += 1
-        return p
-
-    def fail(p: int, msg: str) -> DataError:
-        line = text.count("\n", 0, p) + 1
-        col = p - (text.rfind("\n", 0, p) + 1) + 1
-        return DataError(f"{path.name}, line {line}: not valid JSON ({msg} at column {col}).",
-                         "Check the file with a JSON validator; a missing comma or quote is the usual cause.")
-
-    pos = skip_space(pos)
-    if pos < len(text) and text[pos] == "]":
-        return
-    # Line numbers are counted on from the previous row, not from the start of
-    # the file each time (that was quadratic in the file size).
-    line, counted = 1, 0
-    while True:
-        pos = skip_space(pos)
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            raise fail(exc.pos, exc.msg) from None
-        row += 1
-        line += text.count("\n", counted, pos)
-        counted = pos
-        yield RawRow(row, line, value=value)
-        pos = skip_space(end)
-        if pos < len(text) and text[pos] == ",":
-            pos += 1
-            continue
-        if pos < len(text) and text[pos] == "]":
-            if text[pos + 1:].strip():
-                raise fail(skip_space(pos + 1), "Extra data after the array")
-            return
-        raise fail(pos, "Expecting ',' or ']' between array elements")
-
-
-def _read_csv(path: Path, raw: bytes) -> Iterator[RawRow]:
-    text = _decode(path, raw)
-    # csv.reader, not DictReader: DictReader skips blank lines without saying
-    # so, and the line numbers of every later row would be off.
-    # The csv module refuses cells over 128 KiB by default; long documents are normal here.
-    csv.field_size_limit(2 ** 31 - 1)
-    reader = csv.reader(io.StringIO(text, newline=""))
-    header: list[str] | None = None
-    row = 0
-    start_line = 1
-    while True:
-        try:
-            cells = next(reader)
-        except StopIteration:
-            break
-        except csv.Error as exc:
-            raise DataError(f"{path.name}, line {start_line}: not valid CSV ({exc}).",
-                            "Check the quoting on that line; a cell with commas or line breaks needs double quotes.") from None
-        line, start_line = start_line, reader.line_num + 1
-        if not cells:
-            continue
-        if header is None:
-            header = [name.strip() for name in cells]
-            if len(set(header)) != len(header):
-                raise DataError(f"{path.name}, line {line}: the header repeats a column name.",
-                                "Give every column a unique name.")
-            continue
-        row += 1
-        if len(cells) > len(header):
-            yield RawRow(row, line, problem=f"has more cells than the header's {len(header)} columns")
-            continue
-        value, problem = {}, None
-        for name, cell in zip(header, cells):
-            # Chat columns in a CSV hold JSON text.
-            if name in ("messages", "conversations") and cell.strip().startswith("["):
-                try:
-                    cell = json.loads(cell)
-                except json.JSONDecodeError as exc:
-                    problem = f"column '{name}' is not valid JSON ({exc.msg})"
-                    break
-            value[name] = cell
-        yield RawRow(row, line, problem=problem) if problem else RawRow(row, line, value=value)
-
-
-def _read_arrow_rows(rows: Iterator[dict]) -> Iterator[RawRow]:
-    for i, value in enumerate(rows, start=1):
-        yield RawRow(i, None, value=value)
-
-
-def _read_parquet(path: Path) -> Iterator[RawRow]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise DataError(f"{path.name}: not a readable Parquet file ({type(exc).__name__}).",
-                        "Check that the file was written completely.") from None
-    yield from _read_arrow_rows(iter(table.to_pylist()))
-
-
-def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except Exception as exc:  # datasets raises FileNotFoundError or its own errors
-        raise DataError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({type(exc).__name__}).",
-                        f"Pass a data file ({', '.join(SUPPORTED_SUFFIXES)}) or a saved dataset directory.") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise DataError(f"{path}: the saved DatasetDict has no 'train' split (splits: {', '.join(loaded)}).",
-                            "Save the training rows under a split named 'train'.")
-        loaded = loaded["train"]
-    yield from _read_arrow_rows(iter(loaded))
-
-
-def read_rows(path: Path) -> Iterator[RawRow]:
-    """Every row of a supported file, in order, with its location."""
-    if not path.exists():
-        raise DataError(f"Data file not found: {path}", "Check the path; it is relative to the current directory.")
-    if path.is_dir():
-        yield from _read_saved_dataset(path)
-        return
-    suffix = path.suffix.lower()
-    if suffix not in SUPPORTED_SUFFIXES:
-        raise DataError(f"{path.name}: unsupported file type '{suffix or '(none)'}'.",
-                        f"Use one of {', '.join(SUPPORTED_SUFFIXES)} or a saved `datasets` directory.")
-    if suffix == ".parquet":
-        yield from _read_parquet(path)
-        return
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"Cannot read {path}: {exc.strerror}.") from None
-    if not raw.strip() or raw.strip() == b"\xef\xbb\xbf":
-        raise DataError(f"{path.name} is empty.", "Add at least one row of data.")
-    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}[suffix]
-    yield from reader(path, raw)
-
-
-# ---------------------------------------------------------- format and validation
-
-def detect_format(rows: list[RawRow], path: Path) -> str:
-    seen_fields: list[str] = []
-    objects = [raw for raw in rows if isinstance(raw.value, dict)]
-    for raw in objects[:DETECTION_ROWS]:
-        keys = set(raw.value)
-        for name, required in FORMAT_REQUIRED_FIELDS.items():
-            if required <= keys:
-                return name
-        seen_fields += [k for k in raw.value if k not in seen_fields]
-    if not objects:
-        unreadable = next((raw for raw in rows if raw.problem is not None), None)
-        if unreadable is not None:
-            # Nothing parsed: the first row's own problem is the useful message.
-            raise DataError(f"{unreadable.where(path)}: {unreadable.problem}.",
-                            "Each row must be one JSON object, such as {\"instruction\": ..., \"output\": ...}.")
-        raise DataError(f"{path.name}: no row is a JSON object with fields.",
-                        "Each row must be an object such as {\"instruction\": ..., \"output\": ...}.")
-    if not seen_fields:
-        raise DataError(f"{path.name}: the rows are empty objects.", "Each row needs fields such as instruction and output.")
-    accepted = "; ".join(FORMAT_DESCRIPTIONS.values())
-    raise DataError(
-        # Field names only, shortened: in odd files the keys themselves could be content.
-        f"{path.name}: cannot tell the data format from the fields found "
-        f"({', '.join(str(f)[:30] for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
-        f"Accepted formats: {accepted}. Rename your columns to one of these.",
-    )
-
-
-def _text_field(value: dict, name: str, required: bool = True) -> str:
-    if name not in value or value[name] is None:
-        if required:
-            raise RowProblem(f"missing field '{name}'")
-        return ""
-    text = value[name]
-    if not isinstance(text, str):
-        raise RowProblem(f"field '{name}' must be text, found {type(text).__name__}")
-    if required and not text.strip():
-        raise RowProblem(f"field '{name}' is empty")
-    return text
-
-
-def _chat_turns(turns: Any, field_name: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple[Message, ...]:
-    if not isinstance(turns, list):
-        raise RowProblem(f"field '{field_name}' must be a list of turns, found {type(turns).__name__}")
-    messages = []
-    for i, turn in enumerate(turns, start=1):
-        if not isinstance(turn, dict):
-            raise RowProblem(f"{field_name}[{i}] must be an object, found {type(turn).__name__}")
-        # ShareGPT exports sometimes use role/content; accept either spelling.
-        role = turn.get(role_key, turn.get("role", turn.get("from")))
-        content = turn.get(content_key, turn.get("content", turn.get("value")))
-        if not isinstance(role, str) or role not in roles:
-            raise RowProblem(f"{field_name}[{i}] has an unknown role (accepted: {', '.join(sorted(roles))})")
-        if not isinstance(content, str):
-            raise RowProblem(f"{field_name}[{i}] content must be text, found {type(content).__name__}")
-        if not content.strip():
-            raise RowProblem(f"{field_name}[{i}] ({roles[role]}) is empty")
-        messages.append((roles[role], content))
-    # Turns after the last assistant reply teach nothing; drop them.
-    while messages and messages[-1][0] != "assistant":
-        messages.pop()
-    if not messages:
-        raise RowProblem(f"field '{field_name}' has no assistant turn to learn from")
-    if any(role == "system" for role, _ in messages[1:]):
-        raise RowProblem(f"field '{field_name}' has a system turn that is not the first turn")
-    return tuple(messages)
-
-
-def to_example(raw: RawRow, fmt: str) -> Example:
-    """Validate one parsed row against the detected format."""
-    value = raw.value
-    if not isinstance(value, dict):
-        raise RowProblem(f"the row is not a JSON object (found {type(value).__name__})")
-    if fmt == "alpaca":
-        instruction = _text_field(value, "instruction")
-        extra = _text_field(value, "input", required=False)
-        prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        system = _text_field(value, "system", required=False)
-        messages = ((("system", system),) if system.strip() else ()) + (("user", prompt), ("assistant", _text_field(value, "output")))
-        return Example(raw.row, messages=messages)
-    if fmt == "sharegpt":
-        return Example(raw.row, messages=_chat_turns(value.get("conversations"), "conversations", "from", "value", SHAREGPT_ROLES))
-    if fmt == "messages":
-        return Example(raw.row, messages=_chat_turns(value.get("messages"), "messages", "role", "content", {r: r for r in CHAT_ROLES}))
-    if fmt == "prompt_completion":
-        return Example(raw.row, prompt=_text_field(value, "prompt"), completion=_text_field(value, "completion"))
-    if fmt == "text":
-        return Example(raw.row, completion=_text_field(value, "text"))
-    raise AssertionError(f"unknown format {fmt}")
-
-
-def read_dataset(path: str | Path, skip_bad_rows: bool = False) -> Dataset:
-    """Read, detect and validate a data file. Raises `DataError` naming the first
-    bad row, or with `skip_bad_rows` skips bad rows and counts them."""
-    path = Path(path)
-    rows = list(read_rows(path))
-    if not rows:
+def _validated(path: Path) -> tuple[str, Iterator[tuple[RawRow, Example | None, str | None]]]:
+    """The format, and every row with its example or its problem."""
+    rows = read_rows(path)
+    head = list(itertools.islice(rows, 2 * DETECTION_ROWS))
+    if not head:
         raise DataError(f"{path.name} has no rows.", "Add at least one row of data.")
-    fmt = detect_format(rows, path)
-    dataset = Dataset(path=path, format=fmt, examples=[])
-    for raw in rows:
-        try:
-            if raw.problem is not None:
-                raise RowProblem(raw.problem)
-            dataset.examples.append(to_example(raw, fmt))
-        except RowProblem as problem:
-            if not skip_bad_rows:
+    fmt = detect_format(head, path)
+
+    def checked() -> Iterator[tuple[RawRow, Example | None, str | None]]:
+        for raw in itertools.chain(head, rows):
+            try:
+                if raw.problem is not None:
+                    raise RowProblem(raw.problem)
+                yield raw, to_example(raw, fmt), None
+            except RowProblem as problem:
+                yield raw, None, str(problem)
+
+    return fmt, checked()
+
+
+def read_dataset(path: str | Path, policy: str = "default", progress: Progress | None = None) -> Dataset:
+    """Read, detect and validate a data file, applying the bad-row policy:
+    raises `DataError` naming the first bad row (strict), or when too many are
+    bad (default); otherwise bad rows are counted by reason and skipped."""
+    path = Path(path)
+    started = time.perf_counter()
+    fmt, rows = _validated(path)
+    dataset = Dataset(path=path, format=fmt, policy=policy)
+    total, prompt, turns, hashes = array("q"), array("q"), array("i"), array("Q")
+    first_problem = ""
+    for raw, example, problem in rows:
+        if problem is not None:
+            if policy == "strict":
                 raise DataError(f"{raw.where(path)}: {problem}.",
-                                "Fix that row, or pass --skip-bad-rows to skip rows like it.") from None
-            dataset.skipped += 1
-            dataset.skip_reasons[_reason_kind(str(problem))] += 1
-    if not dataset.examples:
-        raise DataError(f"{path.name}: no usable rows ({dataset.skipped} skipped as bad).",
-                        "Fix the rows; run without --skip-bad-rows to see the first problem.")
+                                "Fix that row, or run without --strict to skip a few bad rows.")
+            first_problem = first_problem or f"{raw.where(path)}: {problem}"
+            dataset.bad.add(raw, problem)
+            continue
+        if not example.desirable:
+            dataset.unlearned += 1
+            continue
+        total.append(example.char_count())
+        prompt.append(example.prompt_chars())
+        turns.append(len(example.messages))
+        hashes.append(int.from_bytes(hashlib.blake2b(example.normalised_text().encode(), digest_size=8).digest(), "little"))
+        dataset.near_empty += len(example.reply().strip()) < NEAR_EMPTY_CHARS
+        if progress is not None and len(total) % 1000 == 0:
+            progress(len(total) + dataset.bad.count)
+    dataset.total_chars, dataset.prompt_chars = np.frombuffer(total, np.int64), np.frombuffer(prompt, np.int64)
+    dataset.turns = np.frombuffer(turns, np.int32)
+    dataset.duplicates = len(hashes) - len(np.unique(np.frombuffer(hashes, np.uint64)))
+    dataset.seconds = time.perf_counter() - started
+    _check_bad_share(dataset, first_problem)
     return dataset
+
+
+def _check_bad_share(dataset: Dataset, first_problem: str) -> None:
+    bad, usable = dataset.bad.count, dataset.rows
+    everything = bad + usable + dataset.unlearned
+    if not usable:
+        if bad:
+            raise DataError(f"{dataset.path.name}: no usable rows ({bad:,} bad; the first: {first_problem}).",
+                            f"Check that the file holds {dataset.format_description} rows, and fix them.")
+        raise DataError(f"{dataset.path.name}: every row is marked undesirable (label: false); none is left to learn.",
+                        "Keep the rows whose replies the model should give, with label: true.")
+    if dataset.policy == "default" and bad > BAD_ROW_SHARE * everything:
+        raise DataError(
+            f"{dataset.path.name}: {bad:,} of {everything:,} rows ({bad / everything:.0%}) fail validation, more than "
+            f"the {BAD_ROW_SHARE:.0%} skipped without asking. The first: {first_problem}.",
+            f"The format was probably misread (detected: {dataset.format_description}). Fix the file, or pass "
+            f"--skip-bad-rows to train on the {usable:,} good rows anyway.")
+
+
+def usable_examples(path: str | Path) -> Iterator[Example]:
+    """The usable rows of a file already checked by `read_dataset`, in order:
+    bad rows are skipped, rows marked undesirable left out."""
+    _, rows = _validated(Path(path))
+    for _, example, _ in rows:
+        if example is not None and example.desirable:
+            yield example
 
 
 def _reason_kind(problem: str) -> str:
     """A short category for the skip summary ('not valid JSON', 'missing field ...')."""
     return problem.split(" (")[0]
-
-
-def fingerprint(path: str | Path) -> str:
-    """sha256 over a data file (or every file of a saved dataset directory), so
-    `resume` can tell that the data it trains on is the data the run began with."""
-    path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()

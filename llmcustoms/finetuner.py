@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.batching import StepRows, TrainingRows, epoch_steps
+from llmcustoms.batching import Rows, StepRows, TrainingRows, epoch_steps
 from llmcustoms.best_weights import BestWeights
 from llmcustoms.checkpoints import Checkpoint, CheckpointManager
 from llmcustoms.evaluation import Evaluation
@@ -47,14 +47,13 @@ from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrup
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import SampleReplies, side_by_side
-from llmcustoms.tokenization import TokenizedExample
 
 # status.json is rewritten (with fsync) at most this often while training runs.
 STATUS_INTERVAL_S = 5.0
 
 
 class FineTuner:
-    def __init__(self, plan: Plan, tokenizer: Any, train: list[TokenizedExample], evaluation: list[TokenizedExample],
+    def __init__(self, plan: Plan, tokenizer: Any, train: Rows, evaluation: Rows,
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
                  on_evaluate: Callable[[int, float], bool] | None = None, save_artifacts: bool = True,
                  loss: Loss = token_cross_entropy, steps: StepRows = epoch_steps,

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from llmcustoms.chattemplates import prompts_use_template
 from llmcustoms.errors import ConfigError
 from llmcustoms.rundir import RunDirectory
-
-RAW_FORMATS = ("prompt_completion", "text")
 
 
 def trained_output(run: RunDirectory) -> Any:
@@ -55,7 +54,7 @@ def load_trained(run: RunDirectory) -> tuple[Any, Any, Any]:
 
 def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]]) -> Any:
     """Token ids of the prompt, in the format the run trained on."""
-    if plan.data_format in RAW_FORMATS:
+    if not prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts):
         text = "".join(m["content"] for m in messages if m["role"] == "user")
         return tokenizer(text, return_tensors="pt")["input_ids"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -218,14 +218,15 @@ def find_learning_rate(options: Any, output_dir: Path, test: RangeTest) -> Range
     """The body of `lr-find`: prepare as `train` would, run the range test,
     save and show it. A curve with no suggestion ends in an error (exit 2),
     after the curve is shown and saved."""
-    from llmcustoms import console as ui
     from llmcustoms import tuneview
+    from llmcustoms.dataview import PreparationProgress, show_prepared
     from llmcustoms.hardware import detect
     from llmcustoms.preparation import prepare_run
 
     test.check()
-    prepared = prepare_run(options, detect())
-    ui.show_prepared(prepared, options.data)
+    with PreparationProgress() as progress:
+        prepared = prepare_run(options, detect(), progress=progress)
+    show_prepared(prepared, options.data)
     result, path = _run_and_save(prepared, test, output_dir)
     lr = result.suggestion.lr
     tuneview.show_lr_find(result, sample_rows(result.curve, result.suggestion), path,

@@ -139,8 +139,9 @@ OPTIONS: tuple[Option, ...] = (
            env="OUTPUT_DIR", commands=_OUTPUT),
     Option("eval_data", str, "A separate evaluation file (replaces --eval-split).", flag="--eval-data",
            env="EVAL_DATA"),
-    Option("skip_bad_rows", bool, "Skip rows that fail validation instead of stopping.", flag="--skip-bad-rows",
-           env="SKIP_BAD_ROWS"),
+    Option("skip_bad_rows", bool, "Skip every row that fails validation, however many (by default up to 5% are "
+           "skipped and more stop the run).", flag="--skip-bad-rows", env="SKIP_BAD_ROWS"),
+    Option("strict", bool, "Stop at the first row that fails validation.", flag="--strict", env="STRICT"),
     # The length of training.
     Option("epochs", float, "Passes over the training data.", flag="--epochs", env="EPOCHS", preset="epochs",
            plan="epochs", minimum=0, min_open=True, commands=_BOTH),
@@ -197,6 +198,8 @@ OPTIONS: tuple[Option, ...] = (
     # What the loss covers, and trust.
     Option("train_on_prompt", bool, "Also compute the loss on prompts, not only on responses.",
            flag="--train-on-prompt", env="TRAIN_ON_PROMPT", plan="train_on_prompt"),
+    Option("raw_prompts", bool, "Join prompt/completion rows as they are, without the model's chat template.",
+           flag="--raw-prompts", env="RAW_PROMPTS", plan="raw_prompts"),
     Option("trust_remote_code", bool, "Allow the model repository to run its own code.", flag="--trust-remote-code",
            env="TRUST_REMOTE_CODE", plan="trust_remote_code"),
     # Several processes.

@@ -127,6 +127,10 @@ class Plan:
     eval_data: str | None = None
     eval_split: float = 0.0
     skip_bad_rows: bool = False
+    # "default" (skip up to 5% of rows), "strict" or "skip"; and what reading found.
+    bad_row_policy: str = "default"
+    raw_prompts: bool = False
+    data_report: dict[str, Any] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
     # What is likely to go wrong with this plan (e.g. out of memory), apart from
     # the reasons so a caller can show them as warnings without parsing text.

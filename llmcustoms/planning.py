@@ -439,7 +439,7 @@ class ParameterOptimizer:
             steps_per_epoch=schedule.steps_per_epoch, total_steps=schedule.total_steps, eval_every=eval_every,
             early_stopping_patience=patience, save_every=save_every,
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
-            train_on_prompt=bool(r.get("train_on_prompt", False)),
+            train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,

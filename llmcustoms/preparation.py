@@ -1,8 +1,9 @@
 """From the user's options to a plan and tokenized data, before any weight loads.
 
-Order matters: read and validate the data (cheap, fails fast on bad rows),
-split off the evaluation rows, pick or describe the model, measure token
-lengths with its tokenizer, then plan. `train`, `plan` and `tune` all start here.
+Order matters: read and validate the data as it streams (cheap, fails fast
+on too many bad rows), split off the evaluation rows, pick or describe the
+model, tokenize into a memory-mapped store (cached), then plan from the
+measured lengths. `train`, `plan` and `tune` all start here.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from llmcustoms import options
-from llmcustoms.data import Dataset, Example, fingerprint, read_dataset
+from llmcustoms.data import Dataset, bad_row_policy, read_dataset, usable_examples
+from llmcustoms.dataadvice import data_facts
+from llmcustoms.datafiles import fingerprint
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
@@ -23,14 +26,22 @@ from llmcustoms.plan import DataStats, Plan
 from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
 from llmcustoms.settings import Settings
-from llmcustoms.tokenization import TokenizedExample, Tokenizer, ensure_chat_template, first_loss_position, truncate
+from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store
 
 DEFAULT_PRESET = "quality"
-# Bump when the tokenized format or masking rules change, to ignore older cache files.
-CACHE_FORMAT = "tokenized-v1"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
 CHARS_PER_TOKEN = 3.6
 TEMPLATE_TOKENS_PER_MESSAGE = 6
+# Held-out rows beyond this make each evaluation slower without making it
+# more telling: a 2% split of a million rows is capped here.
+MAX_EVAL_ROWS = 2000
+
+# Told how far preparation is: (stage "read" or "tokenize", rows done, rows in all or None).
+Progress = Callable[[str, int, "int | None"], None]
+
+
+def no_progress(stage: str, done: int, total: int | None) -> None:
+    return None
 
 
 @dataclass
@@ -42,6 +53,7 @@ class TrainOptions:
     preset: str | None = None
     eval_data: str | None = None
     skip_bad_rows: bool = False
+    strict: bool = False
     # field -> (value, source): plan values set by a flag or the environment
     overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
     model_source: str = "flag"
@@ -50,6 +62,10 @@ class TrainOptions:
 
     def override(self, name: str, default: Any) -> Any:
         return self.overrides.get(name, (default, ""))[0]
+
+    @property
+    def policy(self) -> str:
+        return bad_row_policy(self.strict, self.skip_bad_rows)
 
 
 def train_options(settings: Settings) -> TrainOptions:
@@ -70,49 +86,50 @@ def train_options(settings: Settings) -> TrainOptions:
 
     return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
                         eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
-                        overrides=overrides, model_source=source("model", "flag"),
-                        preset_source=source("preset", "default"), cache_dir=value("cache_dir"))
+                        strict=bool(value("strict", False)), overrides=overrides,
+                        model_source=source("model", "flag"), preset_source=source("preset", "default"),
+                        cache_dir=value("cache_dir"))
 
 
 @dataclass
 class PreparedRun:
     plan: Plan
     tokenizer: Any  # None when planning offline without the model's tokenizer
-    train: list[TokenizedExample]
-    evaluation: list[TokenizedExample]
+    train: TokenRows | None  # None (with evaluation) when planning offline
+    evaluation: TokenRows | None
     dataset: Dataset
     eval_source: str
     truncated: int
     dropped: int
     used_fallback_template: bool
-    seconds: float = 0.0  # time from reading the data to the plan: the wait before the first step
+    read_seconds: float = 0.0  # reading and validating the data files
+    tokenize_seconds: float = 0.0  # tokenizing them (0 when the cache had them)
+    cached: bool = False  # the tokenized rows came from the cache
+    templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
 
 
 def split_eval(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Seeded train/eval split of row indices; the same seed gives the same split."""
     if fraction <= 0 or n_rows < 2:
         return list(range(n_rows)), []
-    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)))
+    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)), MAX_EVAL_ROWS)
     order = np.random.default_rng(seed).permutation(n_rows)
-    eval_idx = sorted(order[:n_eval].tolist())
-    held_out = set(eval_idx)
-    return [i for i in range(n_rows) if i not in held_out], eval_idx
+    eval_idx = np.sort(order[:n_eval])
+    keep = np.ones(n_rows, bool)
+    keep[eval_idx] = False
+    return np.flatnonzero(keep).tolist(), eval_idx.tolist()
 
 
-def estimated_stats(train: list[Example], eval_rows: int, fmt: str) -> DataStats:
+def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:
     """Token lengths guessed from characters, for planning without a tokenizer."""
-    def tokens(text_chars: int, messages: int) -> int:
-        return int(text_chars / CHARS_PER_TOKEN) + TEMPLATE_TOKENS_PER_MESSAGE * messages
-
-    lengths, firsts = [], []
-    for e in train:
-        if e.is_chat:
-            lengths.append(tokens(e.char_count(), len(e.messages)))
-            firsts.append(tokens(sum(len(c) for _, c in e.messages[:-1]), len(e.messages) - 1) + 2)
-        else:
-            lengths.append(tokens(e.char_count(), 1))
-            firsts.append(max(1, tokens(len(e.prompt), 0)))
-    return DataStats(lengths=tuple(lengths), first_loss_positions=tuple(firsts), eval_rows=eval_rows, format=fmt,
+    idx = np.arange(dataset.rows) if indices is None else np.asarray(indices, np.int64)
+    chars, prompt, turns = dataset.total_chars[idx], dataset.prompt_chars[idx], dataset.turns[idx].astype(np.int64)
+    lengths = (chars / CHARS_PER_TOKEN).astype(np.int64) + TEMPLATE_TOKENS_PER_MESSAGE * np.maximum(turns, 1)
+    prompt_tokens = (prompt / CHARS_PER_TOKEN).astype(np.int64)
+    firsts = np.where(turns > 0, prompt_tokens + TEMPLATE_TOKENS_PER_MESSAGE * (turns - 1) + 2,
+                      np.maximum(1, prompt_tokens))
+    return DataStats(lengths=tuple(lengths.tolist()), first_loss_positions=tuple(firsts.tolist()), eval_rows=eval_rows,
+                     format=dataset.format,
                      length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
 
 
@@ -127,43 +144,31 @@ def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, 
     return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
 
 
-def _split(options: TrainOptions, dataset: Dataset, preset: Any) -> tuple[list[Example], list[Example], str, float]:
-    """Training and evaluation examples, a description of the split, and the fraction held out."""
+@dataclass
+class Split:
+    """Which rows train and which evaluate: positions in the data file's usable
+    rows, or (with --eval-data) every usable row of a second file."""
+
+    train: list[int]
+    evaluation: list[int]
+    eval_dataset: Dataset | None
+    source: str
+    fraction: float
+
+
+def _split(options: TrainOptions, dataset: Dataset, preset: Any, progress: Progress) -> Split:
     if options.eval_data:
-        eval_set = read_dataset(options.eval_data, skip_bad_rows=options.skip_bad_rows)
-        return dataset.examples, eval_set.examples, f"from {Path(options.eval_data).name}", 0.0
+        eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))
+        return Split(list(range(dataset.rows)), list(range(eval_set.rows)), eval_set,
+                     f"from {Path(options.eval_data).name}", 0.0)
     seed = options.override("seed", 42)
-    fraction, fraction_source = eval_fraction(preset, len(dataset.examples), options.overrides)
-    train_idx, eval_idx = split_eval(len(dataset.examples), fraction, seed)
-    train = [dataset.examples[i] for i in train_idx]
-    if not train:
+    fraction, fraction_source = eval_fraction(preset, dataset.rows, options.overrides)
+    train_idx, eval_idx = split_eval(dataset.rows, fraction, seed)
+    if not train_idx:
         raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
                         "Lower --eval-split or add more rows.")
-    return (train, [dataset.examples[i] for i in eval_idx], f"{fraction:.0%} split, seed {seed}, {fraction_source}",
-            fraction)
-
-
-def _tokenize(model_name: str, train: list[Example], evaluation: list[Example], train_on_prompt: bool,
-              trust_remote_code: bool, data_key: str = "",
-              cache: str | None = None) -> tuple[Any, bool, list[TokenizedExample], list[TokenizedExample]]:
-    """(tokenizer, used the fallback template, train rows, eval rows), untruncated.
-    With a `data_key` (the data's checksum and split), results are cached
-    under `cache_dir(cache)`."""
-    from llmcustoms import modeling
-
-    hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
-    used_fallback = ensure_chat_template(hf_tokenizer)
-    stop_ids = modeling.stop_token_ids(model_name)
-    key = tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, data_key) if data_key else None
-    directory = cache_dir(cache) / "tokenized"
-    cached = read_tokenization_cache(key, directory) if key else None
-    if cached is not None:
-        return hf_tokenizer, used_fallback, cached[0], cached[1]
-    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids)
-    rows = [tokenizer.encode(e) for e in train], [tokenizer.encode(e) for e in evaluation]
-    if key:
-        write_tokenization_cache(key, directory, *rows)
-    return hf_tokenizer, used_fallback, rows[0], rows[1]
+    capped = f", at most {MAX_EVAL_ROWS:,} rows" if len(eval_idx) == MAX_EVAL_ROWS else ""
+    return Split(train_idx, eval_idx, None, f"{fraction:.0%} split{capped}, seed {seed}, {fraction_source}", fraction)
 
 
 def cache_dir(explicit: str | None = None) -> Path:
@@ -177,128 +182,173 @@ def cache_dir(explicit: str | None = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcustoms"
 
 
-def tokenization_cache_key(hf_tokenizer: Any, stop_ids: set[int], train_on_prompt: bool, data_key: str) -> str:
-    """Everything the token ids and labels depend on: the data and split, the whole
-    tokenizer definition, its chat template and special tokens, the masking rule."""
+def tokenization_cache_key(hf_tokenizer: Any, stop_ids: set[int], train_on_prompt: bool, data_key: str,
+                           raw_prompts: bool = False) -> str:
+    """Everything the token ids and labels depend on: the data, the whole
+    tokenizer definition, its chat template and special tokens, the masking rules."""
     import hashlib
 
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     definition = backend.to_str() if backend is not None else repr(sorted(hf_tokenizer.get_vocab().items()))
-    parts = [CACHE_FORMAT, data_key, definition, str(hf_tokenizer.chat_template), str(hf_tokenizer.eos_token_id),
-             str(hf_tokenizer.bos_token_id), str(sorted(stop_ids)), str(train_on_prompt)]
+    parts = [STORE_FORMAT, str(MAX_ROW_TOKENS), data_key, definition, str(hf_tokenizer.chat_template),
+             str(hf_tokenizer.eos_token_id), str(hf_tokenizer.bos_token_id), str(sorted(stop_ids)),
+             str(train_on_prompt), str(raw_prompts)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
-def _flatten(rows: list[TokenizedExample], prefix: str) -> dict[str, Any]:
-    import torch
-
-    offsets = np.cumsum([0] + [len(r.input_ids) for r in rows])
-    flat_ids = [i for r in rows for i in r.input_ids]
-    flat_labels = [i for r in rows for i in r.labels]
-    return {f"{prefix}_ids": torch.tensor(flat_ids, dtype=torch.int64), f"{prefix}_labels": torch.tensor(flat_labels, dtype=torch.int64),
-            f"{prefix}_offsets": torch.tensor(offsets, dtype=torch.int64),
-            f"{prefix}_rows": torch.tensor([r.row for r in rows], dtype=torch.int64)}
-
-
-def _unflatten(tensors: dict[str, Any], prefix: str) -> list[TokenizedExample]:
-    ids, labels = tensors[f"{prefix}_ids"].tolist(), tensors[f"{prefix}_labels"].tolist()
-    offsets, rows = tensors[f"{prefix}_offsets"].tolist(), tensors[f"{prefix}_rows"].tolist()
-    return [TokenizedExample(row, ids[a:b], labels[a:b]) for row, a, b in zip(rows, offsets, offsets[1:])]
+@dataclass
+class Tokenized:
+    tokenizer: Any
+    used_fallback: bool
+    rows: TokenRows
+    eval_rows: TokenRows | None
+    seconds: float
+    cached: bool
+    templated_prompts: bool  # prompt/completion rows go through the model's own chat template
 
 
-def write_tokenization_cache(key: str, directory: Path, train: list[TokenizedExample],
-                             evaluation: list[TokenizedExample]) -> None:
-    import os
+def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progress: Progress) -> tuple[TokenRows, bool]:
+    """The file's usable rows tokenized: from the cache, or built now. A cache
+    that cannot be written falls back to a temporary directory."""
+    import atexit
+    import shutil
+    import tempfile
 
-    from safetensors.torch import save_file
-
+    directory = cache_dir(cache) / "tokenized" / key
+    rows = open_store(directory)
+    if rows is not None:
+        return rows, True
+    meta = {"data": dataset.path.name, "rows": dataset.rows}
+    report = lambda done: progress("tokenize", done, dataset.rows)  # noqa: E731
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{key}.{os.getpid()}.tmp"
-        save_file({**_flatten(train, "train"), **_flatten(evaluation, "eval")}, str(tmp))
-        os.replace(tmp, directory / f"{key}.safetensors")
+        return build_store(directory, usable_examples(dataset.path), tokenizer, meta, report), False
     except OSError:
-        pass  # a cache that cannot be written only costs time next run
-
-
-def read_tokenization_cache(key: str, directory: Path) -> tuple[list[TokenizedExample], list[TokenizedExample]] | None:
-    from safetensors.torch import load_file
-
-    path = directory / f"{key}.safetensors"
-    if not path.is_file():
-        return None
+        fallback = Path(tempfile.mkdtemp(prefix="llmcustoms-tokens-"))
+        atexit.register(shutil.rmtree, fallback, True)
     try:
-        tensors = load_file(str(path))
-        return _unflatten(tensors, "train"), _unflatten(tensors, "eval")
-    except Exception:  # a damaged cache file is ignored: safetensors raises several types
-        return None
+        return build_store(fallback / key, usable_examples(dataset.path), tokenizer, meta, report), False
+    except OSError as exc:
+        raise DataError(f"Cannot store the tokenized rows of {dataset.path.name}: {exc.strerror or exc}.",
+                        "Free some disk space, or point --cache-dir at a disk with room.") from None
+
+
+def _tokenize(model_name: str, options: TrainOptions, dataset: Dataset, eval_dataset: Dataset | None,
+              train_on_prompt: bool, trust_remote_code: bool, progress: Progress) -> Tokenized:
+    """Every usable row of the data (and of --eval-data) tokenized, untruncated."""
+    from llmcustoms import modeling
+    from llmcustoms.chattemplates import ensure_chat_template, prompts_use_template
+    from llmcustoms.rowformats import base_format
+    from llmcustoms.tokenization import Tokenizer
+
+    hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
+    used_fallback = ensure_chat_template(hf_tokenizer)
+    stop_ids = modeling.stop_token_ids(model_name)
+    raw_prompts = bool(options.override("raw_prompts", False))
+    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids, raw_prompts=raw_prompts)
+    started = time.perf_counter()
+    stores, all_cached = [], True
+    for data in (dataset, eval_dataset):
+        if data is None:
+            stores.append(None)
+            continue
+        key = tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, fingerprint(data.path), raw_prompts)
+        rows, cached = _store(key, options.cache_dir, data, tokenizer, progress)
+        stores.append(rows)
+        all_cached = all_cached and cached
+    return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
+                     base_format(dataset.format) == "prompt_completion"
+                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts))
+
+
+def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
+    return DataStats(lengths=tuple(train.full_lengths.tolist()), first_loss_positions=tuple(train.first_loss.tolist()),
+                     eval_rows=eval_rows, format=fmt)
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
-                tokenizer_required: bool = True, world_size: int = 1) -> PreparedRun:
+                tokenizer_required: bool = True, world_size: int = 1, progress: Progress = no_progress) -> PreparedRun:
     """Read, split, choose, tokenize and plan. With `tokenizer_required=False`
     (the `plan` command) a model that is not downloaded is planned from preset
     facts and character-based length estimates instead of failing."""
     from llmcustoms import modeling
 
     started = time.perf_counter()
-    dataset = read_dataset(options.data, skip_bad_rows=options.skip_bad_rows)
+    dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
     preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
     catalog = tuple(spec for family in families.values() for spec in family.models)
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
-    train_examples, eval_examples, eval_source, fraction = _split(options, dataset, preset)
+    split = _split(options, dataset, preset, progress)
+    read_seconds = dataset.seconds + (split.eval_dataset.seconds if split.eval_dataset else 0.0)
     data_sha = fingerprint(options.data)
     eval_sha = fingerprint(options.eval_data) if options.eval_data else ""
 
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
                   for m in preset.model_candidates(hardware.has_gpu)]
     choice_reason = None
+    rough = estimated_stats(dataset, split.train, len(split.evaluation))
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
     else:
-        rough = estimated_stats(train_examples, len(eval_examples), dataset.format)
         model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides, world_size)
 
-    hf_tokenizer, used_fallback = None, False
-    train_full: list[TokenizedExample] = []
-    eval_full: list[TokenizedExample] = []
+    tokenized = None
     try:
-        # Untruncated first: planning picks max_seq_len from these lengths.
-        data_key = f"{data_sha}:{eval_sha or fraction}:{options.override('seed', 42)}:{options.skip_bad_rows}"
-        hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
-            model.name, train_examples, eval_examples, bool(options.override("train_on_prompt", False)), trust_remote_code,
-            data_key, options.cache_dir)
+        tokenized = _tokenize(model.name, options, dataset, split.eval_dataset,
+                              bool(options.override("train_on_prompt", False)), trust_remote_code, progress)
     except ModelError:
         if tokenizer_required:
             raise
-    if hf_tokenizer is None:
-        stats = estimated_stats(train_examples, len(eval_examples), dataset.format)
+    train_full = evaluation_full = None
+    if tokenized is None:
+        stats = rough
     else:
-        stats = DataStats(lengths=tuple(len(e.input_ids) for e in train_full),
-                          first_loss_positions=tuple(first_loss_position(e) for e in train_full),
-                          eval_rows=len(eval_full), format=dataset.format)
+        train_full = tokenized.rows.select(split.train)
+        evaluation_full = (tokenized.eval_rows or tokenized.rows).select(split.evaluation)
+        stats = measured_stats(train_full, len(evaluation_full), dataset.format)
 
     plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source, world_size=world_size)
     if choice_reason:
         plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
     plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
                    data_sha256=data_sha, row_max_len=plan.max_seq_len, eval_data_sha256=eval_sha,
-                   skip_bad_rows=options.skip_bad_rows,
-                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None, eval_split=fraction)
-    train = truncate(train_full, plan.max_seq_len)
-    evaluation = truncate(eval_full, plan.max_seq_len)
-    if hf_tokenizer is not None:
-        if plan.eval_rows != len(evaluation.examples):
-            plan = plan.with_changes(eval_rows=len(evaluation.examples))
-        if not train.examples:
-            raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
-                              "Raise --max-seq-len.")
-    return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
-                       dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
-                       dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback,
-                       seconds=time.perf_counter() - started)
+                   skip_bad_rows=options.skip_bad_rows, bad_row_policy=options.policy,
+                   data_report=dataset.to_json(),
+                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None,
+                   eval_split=split.fraction)
+    prepared = PreparedRun(plan=plan, tokenizer=None, train=None, evaluation=None, dataset=dataset,
+                           eval_source=split.source, truncated=0, dropped=0, used_fallback_template=False,
+                           read_seconds=read_seconds)
+    if tokenized is None:
+        cut, kept = stats.rows_truncated(plan.max_seq_len), stats.rows_kept(plan.max_seq_len)
+        return replace(prepared, plan=replace(plan, data_report=_facts(dataset, stats.lengths, stats.length_source,
+                                                                          plan, cut, stats.train_rows - kept)))
+    return _cut_to_plan(prepared, tokenized, train_full, evaluation_full)
+
+
+def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
+           dropped: int) -> dict[str, Any]:
+    return data_facts(dataset.to_json(), lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps,
+                      plan.epochs)
+
+
+def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenRows,
+                 evaluation_full: TokenRows) -> PreparedRun:
+    plan = prepared.plan
+    train, train_cut, train_dropped = train_full.truncated(plan.max_seq_len)
+    evaluation, eval_cut, eval_dropped = evaluation_full.truncated(plan.max_seq_len)
+    if plan.eval_rows != len(evaluation):
+        plan = plan.with_changes(eval_rows=len(evaluation))
+    if not len(train):
+        raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
+                          "Raise --max-seq-len.")
+    plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
+                                            train_dropped))
+    return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
+                   truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
+                   used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,
+                   cached=tokenized.cached, templated_prompts=tokenized.templated_prompts)
 
 
 def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
@@ -343,19 +393,25 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
             if fingerprint(path) != expected:
                 raise DataError(f"{Path(path).name} has changed since the run started (its checksum differs).",
                                 "Restore the original data file, or start a new run with `llmcustoms train`.")
-    options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data, skip_bad_rows=plan.skip_bad_rows,
-                           overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan")})
-    dataset = read_dataset(plan.data, skip_bad_rows=plan.skip_bad_rows)
-    train_examples, eval_examples, eval_source, _ = _split(options, dataset, preset=None)
-    hf_tokenizer, used_fallback, train_full, eval_full = _tokenize(
-        plan.model, train_examples, eval_examples, plan.train_on_prompt, plan.trust_remote_code)
+    # "skip" for runs planned before the policy existed with --skip-bad-rows: the rows they trained on.
+    policy = "skip" if plan.skip_bad_rows else plan.bad_row_policy
+    options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data,
+                           skip_bad_rows=policy == "skip", strict=policy == "strict",
+                           overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan"),
+                                      "raw_prompts": (plan.raw_prompts, "plan")})
+    dataset = read_dataset(plan.data, options.policy)
+    split = _split(options, dataset, None, no_progress)
+    tokenized = _tokenize(plan.model, options, dataset, split.eval_dataset, plan.train_on_prompt,
+                          plan.trust_remote_code, no_progress)
     # The rows as the run began; FineTuner cuts them further if recovery shortened them.
-    train = truncate(train_full, plan.row_max_len or plan.max_seq_len)
-    evaluation = truncate(eval_full, plan.row_max_len or plan.max_seq_len)
-    if len(train.examples) != plan.train_rows:
+    row_max_len = plan.row_max_len or plan.max_seq_len
+    train, train_cut, train_dropped = tokenized.rows.select(split.train).truncated(row_max_len)
+    evaluation, eval_cut, eval_dropped = (tokenized.eval_rows or tokenized.rows).select(split.evaluation).truncated(row_max_len)
+    if len(train) != plan.train_rows:
         raise DataError(f"{Path(plan.data).name} has changed since the run started: it now gives "
-                        f"{len(train.examples)} training rows, the run was planned for {plan.train_rows}.",
+                        f"{len(train)} training rows, the run was planned for {plan.train_rows}.",
                         "Restore the original data file, or start a new run with `llmcustoms train`.")
-    return PreparedRun(plan=plan, tokenizer=hf_tokenizer, train=train.examples, evaluation=evaluation.examples,
-                       dataset=dataset, eval_source=eval_source, truncated=train.truncated + evaluation.truncated,
-                       dropped=train.dropped + evaluation.dropped, used_fallback_template=used_fallback)
+    return PreparedRun(plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
+                       dataset=dataset, eval_source=split.source, truncated=train_cut + eval_cut,
+                       dropped=train_dropped + eval_dropped, used_fallback_template=tokenized.used_fallback,
+                       read_seconds=dataset.seconds, tokenize_seconds=tokenized.seconds, cached=tokenized.cached)

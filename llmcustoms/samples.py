@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmcustoms.data import Example, read_dataset
+from llmcustoms.data import usable_examples
+from llmcustoms.rowformats import Example
 
 SAMPLE_PROMPTS = 3
 MAX_NEW_TOKENS = 48
@@ -46,6 +47,10 @@ class SamplePrompt:
 
 def prompt_of(example: Example) -> SamplePrompt | None:
     """The first reply's prompt in a row, or None (plain text has no prompt)."""
+    if example.uses_tools:
+        # Answering it fairly would need the tools and calls passed to the
+        # template too; a sample is a look, so such rows are not drawn.
+        return None
     if example.is_chat:
         for index, (role, content) in enumerate(example.messages):
             if role == "assistant" and index > 0:
@@ -67,15 +72,14 @@ def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SampleP
 def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
     """Prompts from the run's evaluation rows (none without evaluation), each
     short enough to be answered within the plan's sequence length."""
-    from llmcustoms.tokenization import first_loss_position
-
     room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
-    rows = {e.row for e in prepared.evaluation if first_loss_position(e) <= room}
+    evaluation = prepared.evaluation
+    rows = set(evaluation.row_numbers[evaluation.first_loss <= room].tolist()) if evaluation is not None else set()
     if not rows:
         return []
     plan = prepared.plan
-    source = read_dataset(plan.eval_data, skip_bad_rows=plan.skip_bad_rows) if plan.eval_data else prepared.dataset
-    return pick_prompts([e for e in source.examples if e.row in rows], count, plan.seed)
+    source = plan.eval_data or plan.data
+    return pick_prompts([e for e in usable_examples(source) if e.row in rows], count, plan.seed)
 
 
 class SampleReplies:

@@ -1,13 +1,8 @@
 """Turn `Example`s into token ids and labels, with the loss masked on prompts.
 
-Chat rows are rendered with the tokenizer's own chat template. To know exactly
-which tokens belong to the assistant, the conversation is rendered once per
-assistant turn (the prompt up to the turn with `add_generation_prompt=True`,
-then the prompt plus the reply) and the text is cut at those boundaries. Each
-piece is tokenized on its own, so labels are -100 on exactly the prompt pieces.
-
-Tokenizers without a chat template get `FALLBACK_CHAT_TEMPLATE` (documented
-in the README); it is saved with the adapter so generation uses the same one.
+`chattemplates.py` renders a row as text pieces, each marked learned or not.
+Each piece is tokenized on its own, so labels are -100 on exactly the prompt
+pieces.
 
 Every sequence ends with a token the model stops on: a reply whose template
 ends with an end-of-turn token followed by whitespace (ChatML's
@@ -17,86 +12,16 @@ ends with an end-of-turn token followed by whitespace (ChatML's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from llmcustoms.data import Example, Message
+import numpy as np
+
+from llmcustoms.chattemplates import chat_segments, raw_segments, supports_tools, tool_support_error
+from llmcustoms.chattemplates import has_own_template as template_is_own
 from llmcustoms.errors import ModelError
+from llmcustoms.rowformats import Example
 
 IGNORE_INDEX = -100
-
-# Used when a tokenizer has no chat template (Phi-2, base Llama checkpoints).
-# `{bos}` is filled with the BOS token for tokenizers that normally start with one.
-FALLBACK_CHAT_TEMPLATE = (
-    "{bos}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ '### System:\\n' + message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'user' %}{{ '### User:\\n' + message['content'] + '\\n\\n' }}"
-    "{% else %}{{ '### Assistant:\\n' + message['content'] + eos_token + '\\n\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
-)
-
-
-def starts_with_bos(tokenizer) -> bool:
-    """Whether this tokenizer puts BOS in front of plain text by default."""
-    if tokenizer.bos_token_id is None:
-        return False
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bool(ids) and ids[0] == tokenizer.bos_token_id
-
-
-def ensure_chat_template(tokenizer) -> bool:
-    """Give the tokenizer the fallback template if it has none. Returns True if it did."""
-    if getattr(tokenizer, "chat_template", None):
-        return False
-    bos = "{{ bos_token }}" if starts_with_bos(tokenizer) else ""
-    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE.replace("{bos}", bos)
-    return True
-
-
-def _render(tokenizer, messages: tuple[Message, ...], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": r, "content": c} for r, c in messages],
-        tokenize=False, add_generation_prompt=generation_prompt,
-    )
-
-
-def chat_segments(tokenizer, messages: tuple[Message, ...]) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_assistant_reply) pieces."""
-    segments: list[tuple[str, bool]] = []
-    done = ""
-    for k, (role, _) in enumerate(messages):
-        if role != "assistant":
-            continue
-        prefix = _render(tokenizer, messages[:k], generation_prompt=True)
-        full = _render(tokenizer, messages[: k + 1], generation_prompt=False)
-        if not (prefix.startswith(done) and full.startswith(prefix)):
-            return _last_turn_segments(tokenizer, messages)
-        segments.append((prefix[len(done):], False))
-        segments.append((full[len(prefix):], True))
-        done = full
-    return segments
-
-
-def _last_turn_segments(tokenizer, messages: tuple[Message, ...]) -> list[tuple[str, bool]]:
-    # Some templates rewrite earlier turns (e.g. drop reasoning) as the
-    # conversation grows, so per-turn cuts do not line up; then only the last
-    # reply is trained on, which is still exact.
-    last = max(i for i, (role, _) in enumerate(messages) if role == "assistant")
-    prefix = _render(tokenizer, messages[:last], generation_prompt=True)
-    full = _render(tokenizer, messages[: last + 1], generation_prompt=False)
-    if not full.startswith(prefix):
-        raise ModelError(
-            "This model's chat template renders a conversation differently from its prompt, "
-            "so the reply cannot be separated from the prompt.",
-            "Pass --train-on-prompt to train on whole conversations, or use a model with a standard template.",
-        )
-    return [(prefix, False), (full[len(prefix):], True)]
-
-
-def raw_segments(tokenizer, example: Example) -> list[tuple[str, bool]]:
-    """prompt/completion and text rows: no template, BOS if the model uses one."""
-    bos = tokenizer.bos_token if starts_with_bos(tokenizer) else ""
-    return [(bos + example.prompt, False), (example.completion, True)]
 
 
 @dataclass(frozen=True)
@@ -121,17 +46,43 @@ class TokenizedData:
 class Tokenizer:
     """Binds a Hugging Face tokenizer to the masking rules of one run."""
 
-    def __init__(self, hf_tokenizer, train_on_prompt: bool = False, stop_token_ids: set[int] | None = None):
+    def __init__(self, hf_tokenizer, train_on_prompt: bool = False, stop_token_ids: set[int] | None = None,
+                 raw_prompts: bool = False, has_own_template: bool | None = None):
+        """`raw_prompts` (--raw-prompts) joins prompt/completion rows as they
+        are; otherwise they go through the chat template as a user and an
+        assistant turn when it is the model's own. `has_own_template` says
+        whether it is; None tells by comparing it with the fallback template
+        that `ensure_chat_template` gives models without one."""
         if hf_tokenizer.eos_token_id is None:
             raise ModelError("The tokenizer has no EOS token, so the model could not learn where to stop.",
                              "Use a tokenizer that defines eos_token.")
         self.hf = hf_tokenizer
         self.train_on_prompt = train_on_prompt
         self.stop_token_ids = set(stop_token_ids or ()) | {hf_tokenizer.eos_token_id}
+        own = template_is_own(hf_tokenizer) if has_own_template is None else has_own_template
+        # The fallback template is a format the model never saw: a prompt the
+        # user wrote out as text teaches more as it is.
+        self.templated_prompts = own and not raw_prompts
+        self.tools_supported: bool | None = None  # probed at the first row that uses tools
 
     def segments(self, example: Example) -> list[tuple[str, bool]]:
-        if example.is_chat:
-            return chat_segments(self.hf, example.messages)
+        """The row as (text, learned) pieces, in order."""
+        from jinja2 import TemplateError
+
+        if example.uses_tools and not self.tools_supported:
+            self.tools_supported = supports_tools(self.hf)
+            if not self.tools_supported:
+                raise tool_support_error(example)
+        try:
+            if example.is_chat:
+                return chat_segments(self.hf, example.messages, example.tool_schemas())
+            if example.prompt and self.templated_prompts:
+                return chat_segments(self.hf, example.as_conversation().messages)
+        except TemplateError as error:
+            # The template's own words (e.g. "roles must alternate"), never the row's.
+            raise ModelError(f"This model's chat template refused row {example.row}: {error}.",
+                             "Check that row's turns against what the template accepts (some refuse a system turn, or "
+                             "need user and assistant turns to alternate), or fix the row or use another model.") from None
         return raw_segments(self.hf, example)
 
     def _end_with_stop_token(self, ids: list[int]) -> list[int]:
@@ -146,18 +97,32 @@ class Tokenizer:
 
     def encode(self, example: Example) -> TokenizedExample:
         """Token ids and labels of one example, not truncated."""
-        segments = [(text, trained) for text, trained in self.segments(example) if text]
-        pieces = self.hf([text for text, _ in segments], add_special_tokens=False)["input_ids"]
-        last_reply = max(i for i, (_, trained) in enumerate(segments) if trained)
+        ids, learned = self.encode_many([example])[0]
+        return TokenizedExample(example.row, ids.tolist(), np.where(learned != 0, ids, IGNORE_INDEX).tolist())
+
+    def encode_many(self, examples: Sequence[Example]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(token ids, learned mask) of each example, not truncated. All pieces
+        go to the tokenizer in one call: fast tokenizers spread a batch over the cores."""
+        segments = [[(text, trained) for text, trained in self.segments(e) if text] for e in examples]
+        pieces = self.hf([text for row in segments for text, _ in row], add_special_tokens=False)["input_ids"]
+        out, k = [], 0
+        for row in segments:
+            out.append(self._assemble(row, pieces[k:k + len(row)]))
+            k += len(row)
+        return out
+
+    def _assemble(self, segments: list[tuple[str, bool]], pieces: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        replies = [i for i, (_, trained) in enumerate(segments) if trained]
+        last_reply = replies[-1] if replies else -1  # none when clipping left no reply: the row is dropped later
         input_ids: list[int] = []
-        labels: list[int] = []
+        learned: list[bool] = []
         for i, ((_, trained), ids) in enumerate(zip(segments, pieces)):
             ids = list(ids)
             if i == last_reply:
                 ids = self._end_with_stop_token(ids)
             input_ids += ids
-            labels += ids if (trained or self.train_on_prompt) else [IGNORE_INDEX] * len(ids)
-        return TokenizedExample(example.row, input_ids, labels)
+            learned += [trained or self.train_on_prompt] * len(ids)
+        return np.array(input_ids, np.int32), np.array(learned, np.uint8)
 
 
 def first_loss_position(example: TokenizedExample) -> int:

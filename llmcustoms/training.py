@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -97,7 +98,7 @@ def launch_train(options: Any, session: Session, launch: Launch, run_name: str |
     # Refused here, once (exit 2), rather than by every process behind the
     # launcher, whose own report would bury the message.
     check_distributed_method(options.override("method", None), options.override("distributed", None))
-    read_dataset(options.data, skip_bad_rows=options.skip_bad_rows)
+    read_dataset(options.data, options.policy)
     # Every process must write to the same run: name it once, here.
     name = run_name or default_run_name(options.model or "auto", options.preset or "quality")
     target = RunDirectory.inside(session.output_dir, name)
@@ -113,8 +114,9 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
     """Plan, show the plan, ask, train. Returns the `TrainResult` (None when
     the user declined or this is not the main process)."""
     from llmcustoms import console as ui
+    from llmcustoms.dataview import PreparationProgress, show_prepared
     from llmcustoms.hardware import detect
-    from llmcustoms.preparation import prepare_run
+    from llmcustoms.preparation import no_progress, prepare_run
     from llmcustoms.rundir import RunDirectory
 
     tracker = session.tracker()
@@ -126,17 +128,19 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
     else:
         RunDirectory(session.output_dir).check_available(overwrite=True)
     hardware = detect()
-    prepared = prepare_run(options, hardware, world_size=world)
+    with PreparationProgress() if not quiet else nullcontext(no_progress) as progress:
+        prepared = prepare_run(options, hardware, world_size=world, progress=progress)
     plan = prepared.plan
     run_dir = RunDirectory.inside(session.output_dir, run_name or default_run_name(plan.model, plan.preset))
     if not quiet:
-        ui.show_prepared(prepared, options.data)
+        show_prepared(prepared, options.data)
         ui.show_plan(plan, hardware)
         if not yes and not confirm("Start training?"):
             return None
     if launching.is_main_process():
         run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
         run_dir.write_plan(plan)
+        run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: said from the start
     wait_for_all_processes(world)
     return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker)
 

@@ -166,17 +166,17 @@ class PreparedStudy:
     tokens_per_trial: int
 
 
-def prepare_study(options: Any, output_dir: Path, request: StudyRequest) -> PreparedStudy:
+def prepare_study(options: Any, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
     from llmcustoms.hardware import detect
-    from llmcustoms.preparation import prepare_run
+    from llmcustoms.preparation import no_progress, prepare_run
 
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
     hardware = detect()
-    prepared = prepare_run(options, hardware)
+    prepared = prepare_run(options, hardware, progress=progress or no_progress)
     base = prepared.plan
-    mean_tokens = sum(len(e.input_ids) for e in prepared.train) / max(1, len(prepared.train))
+    mean_tokens = float(prepared.train.lengths.mean())
     steps = trial_steps(base, request.max_steps, request.budget_tokens, mean_tokens)
     default_name = f"{Path(options.data).stem}-{Path(base.model.rstrip('/')).name}"
     name = request.study_name or re.sub(r"[^A-Za-z0-9._-]+", "-", default_name).lower()
@@ -399,7 +399,7 @@ def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: 
 
     best = _best_trial(study)
     model = describe_model(base.model, load_families(), "plan", base.trust_remote_code)
-    values = preset.resolve(len(prepared.dataset.examples), model.arch.params).values
+    values = preset.resolve(prepared.dataset.rows, model.arch.params).values
     params = best.params
     values.update(lr=float(params["lr"]), warmup_ratio=float(params["warmup_ratio"]))
     if "lora_r" in params:

@@ -43,8 +43,8 @@ def ask_data(default: str | None) -> tuple[str, Any]:
             dialog.show_data_problem(error.message, error.hint)
             default = None
             continue
-        stats = estimated_stats(dataset.examples, 0, dataset.format)
-        dialog.show_data_checked(dataset.format_description, len(dataset.examples), stats.percentile(50),
+        stats = estimated_stats(dataset, None, 0)
+        dialog.show_data_checked(dataset.format_description, dataset.rows, stats.percentile(50),
                                  stats.percentile(95))
         return path, (dataset, stats)
     raise ConfigError("No usable data file was given.", "Run `llmcustoms setup --data PATH`.")

@@ -64,3 +64,23 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
     assert summary["code"]["tune"]["planned_steps"] == quality["planned_steps"]  # the same budget
     assert 0.0 <= summary["identity"]["base"]["identity_accuracy"] <= 1.0 and base["test_loss"] > 0
     assert json.loads(results.read_text()) == summary
+
+
+def test_large_data_measures_memory_and_time_to_first_step(tmp_path, tiny_models):
+    sys.path.insert(0, str(BENCHMARKS))
+    import large_data
+
+    model = str(tiny_models["llama"])
+    baseline = large_data.measure_baseline(model, tmp_path, seed=1)
+    entry = large_data.measure_size(200 * 1024 / large_data.GiB, model, tmp_path, seed=1, baseline=baseline)
+    assert entry["bytes"] >= 200 * 1024 and entry["rows"] > 20
+    rows = [json.loads(line) for line in Path(entry["file"]).read_text().splitlines()]
+    assert len(rows) == entry["rows"] and len({json.dumps(r) for r in rows}) == len(rows)
+    assert max(len(m["content"]) for r in rows for m in r["messages"]) >= 0.99 * max(entry["huge_row_chars"])
+    for run in (baseline["train"], entry["plan"], entry["train_cold"], entry["train_warm"]):
+        assert run["returncode"] == 0, run.get("log_tail")
+        assert run["peak_rss_mib"] > 100  # the process holds at least torch
+    for run in (baseline["train"], entry["train_cold"], entry["train_warm"]):
+        assert 0 < run["first_step_s"] <= run["seconds"]
+    table = large_data.table({"baseline": baseline, "sizes": {"0.0002": entry}})
+    assert len(table.splitlines()) == 4 and "failed" not in table

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from llmcustoms.data import FORMAT_DESCRIPTIONS, read_dataset
+from types import SimpleNamespace
+
+from llmcustoms import data
 from llmcustoms.errors import DataError
+from llmcustoms.rowformats import FORMAT_DESCRIPTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SECRET = "SECRET-ROW-CONTENT-12345"
@@ -28,6 +31,15 @@ def jsonl(*rows: object) -> bytes:
 
 def good(i: int) -> dict:
     return {"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."}
+
+
+def read_dataset(path: Path, skip_bad_rows: bool = False, policy: str | None = None) -> SimpleNamespace:
+    """What `data.read_dataset` found, plus the usable rows themselves. Strict
+    unless told otherwise: most tests here check the message for one bad row."""
+    found = data.read_dataset(path, policy or ("skip" if skip_bad_rows else "strict"))
+    return SimpleNamespace(format=found.format, format_description=found.format_description, skipped=found.skipped,
+                           skip_reasons=found.bad.by_reason, bad=found.bad, unlearned=found.unlearned, found=found,
+                           examples=list(data.usable_examples(path)))
 
 
 def bad_input(path: Path, **kwargs) -> DataError:
@@ -225,7 +237,7 @@ def test_malformed_json_line(tmp_path):
     err = bad_input(write(tmp_path, "train.jsonl", data))
     assert err.message.startswith("train.jsonl, line 2: not valid JSON")
     assert "line 1" not in err.message and "line 3" not in err.message
-    assert "--skip-bad-rows" in err.hint
+    assert "--strict" in err.hint
 
 
 def test_non_utf8_bytes_in_jsonl(tmp_path):
@@ -286,10 +298,10 @@ def test_unsupported_extension(tmp_path):
 
 
 def test_unknown_columns(tmp_path):
-    rows = [{"question": SECRET, "answer": SECRET}, {"question": "q", "answer": "a", "source": SECRET}]
+    rows = [{"query": SECRET, "reply": SECRET}, {"query": "q", "reply": "a", "source": SECRET}]
     err = bad_input(write(tmp_path, "qa.jsonl", jsonl(*rows)))
     assert err.message.startswith("qa.jsonl: cannot tell the data format")
-    for name in ("question", "answer", "source"):
+    for name in ("query", "reply", "source"):
         assert name in err.message
     for description in FORMAT_DESCRIPTIONS.values():
         assert description in err.hint
@@ -297,9 +309,9 @@ def test_unknown_columns(tmp_path):
 
 
 def test_unknown_columns_in_csv(tmp_path):
-    data = f"question,answer\n{SECRET},{SECRET}\n".encode()
+    data = f"query,reply\n{SECRET},{SECRET}\n".encode()
     err = bad_input(write(tmp_path, "qa.csv", data))
-    assert "question" in err.message and "answer" in err.message
+    assert "query" in err.message and "reply" in err.message
     assert "Alpaca" in err.hint
 
 
@@ -338,8 +350,9 @@ def test_sharegpt_unknown_role(tmp_path):
     rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")),
             sharegpt_row(("human", SECRET), ("robot", SECRET))]
     err = bad_input(write(tmp_path, "chat.jsonl", jsonl(*rows)))
-    assert err.message.startswith("chat.jsonl, line 2: conversations[2] has an unknown role (accepted:")
-    assert "robot" not in err.message  # the value itself is row content: never echoed
+    # The role is named (a field's name, not the row's text), and where it is.
+    assert err.message.startswith("chat.jsonl, line 2: unknown role 'robot' (conversations[2]; accepted:")
+    assert SECRET not in str(err)
     for role in ("human", "gpt", "system"):
         assert role in err.message
 
@@ -362,7 +375,7 @@ def test_system_turn_not_first_and_empty_turn(tmp_path):
     assert err.message == "chat.jsonl, line 2: field 'conversations' has a system turn that is not the first turn."
     rows = [sharegpt_row(("human", "hi"), ("gpt", "hello")), sharegpt_row(("human", SECRET), ("gpt", " \n"))]
     err = bad_input(write(tmp_path, "empty_turn.jsonl", jsonl(*rows)))
-    assert err.message == "empty_turn.jsonl, line 2: conversations[2] (assistant) is empty."
+    assert err.message == "empty_turn.jsonl, line 2: empty assistant turn (conversations[2])."
 
 
 def test_json_array_missing_comma(tmp_path):
@@ -459,7 +472,7 @@ def test_skip_bad_rows(tmp_path):
 def test_skip_bad_rows_all_bad_still_raises(tmp_path):
     rows = [{"instruction": SECRET, "output": ""}, {"instruction": "", "output": SECRET}]
     err = bad_input(write(tmp_path, "bad.jsonl", jsonl(*rows)), skip_bad_rows=True)
-    assert err.message == "bad.jsonl: no usable rows (2 skipped as bad)."
+    assert err.message.startswith("bad.jsonl: no usable rows (2 bad; the first: bad.jsonl, line 1: ")
     assert SECRET not in str(err)
 
 
@@ -487,3 +500,55 @@ def test_line_numbers_deep_into_a_json_array_are_exact(tmp_path):
     text = "[\n" + ",\n".join(rows) + "\n]"
     err = bad_input(write(tmp_path, "big.json", text.encode()))
     assert err.message.startswith(f"big.json, row 2501 (line {2 + 2500 * 3}): field 'text' is empty")
+
+
+# ------------------------------------------------------------ the bad-row policy
+
+def test_a_few_bad_rows_are_skipped_by_default_and_reported_by_reason(tmp_path):
+    rows = [good(i) for i in range(1, 41)]
+    rows[4] = {"instruction": SECRET, "output": ""}
+    rows[30] = {"instruction": SECRET, "output": "  "}
+    path = write(tmp_path, "few.jsonl", jsonl(*rows))
+    found = data.read_dataset(path)
+    assert found.rows == 38 and found.skipped == 2
+    assert found.bad.lines() == ["field 'output' is empty: 2 rows (line 5, line 31)"]
+    assert found.to_json()["bad_rows"]["where"] == {"field 'output' is empty": ["line 5", "line 31"]}
+    assert SECRET not in json.dumps(found.to_json())
+
+
+def test_more_than_five_percent_bad_rows_stop_unless_told_to_skip(tmp_path):
+    rows = [good(i) if i % 10 >= 3 else {"instruction": SECRET, "output": ""} for i in range(1, 41)]  # 30% bad
+    path = write(tmp_path, "many.jsonl", jsonl(*rows))
+    err = bad_input(path, policy="default")
+    assert "12 of 40 rows (30%) fail validation" in err.message and "line 1" in err.message
+    assert "--skip-bad-rows" in err.hint and SECRET not in str(err)
+    assert data.read_dataset(path, "skip").rows == 28
+    assert bad_input(path, policy="strict").message.startswith("many.jsonl, line 1: field 'output' is empty")
+
+
+def test_strict_and_skip_bad_rows_together_are_refused():
+    from llmcustoms.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        data.bad_row_policy(strict=True, skip_bad_rows=True)
+    assert data.bad_row_policy(False, False) == "default" and data.bad_row_policy(True, False) == "strict"
+
+
+def test_duplicates_and_near_empty_replies_are_counted(tmp_path):
+    rows = [good(1), {"instruction": "Question  1?", "input": "", "output": "Answer 1. "}, good(2),
+            {"instruction": "Say ok", "output": "ok"}]
+    found = data.read_dataset(write(tmp_path, "dups.jsonl", jsonl(*rows)))
+    assert found.duplicates == 1 and found.near_empty == 1 and found.rows == 4
+
+
+def test_a_json_array_is_read_in_chunks_with_exact_lines(tmp_path, monkeypatch):
+    from llmcustoms import datafiles
+
+    monkeypatch.setattr(datafiles, "JSON_CHUNK", 7)  # every row spans several reads
+    rows = [json.dumps({"text": f"row {i} " + "x" * (i * 13)}, indent=1) for i in range(60)]
+    rows[45] = '{"text": 12}'
+    path = write(tmp_path, "chunked.json", ("[\n" + ",\n".join(rows) + "\n]\n").encode())
+    found = read_dataset(path, policy="skip")
+    assert [e.row for e in found.examples] == [i + 1 for i in range(60) if i != 45]
+    assert found.examples[59 - 1].completion == "row 59 " + "x" * (59 * 13)
+    assert found.bad.where == {"field 'text' must be text, found int": [f"line {2 + 45 * 3}"]}

@@ -14,10 +14,10 @@ import pytest
 PACKAGE = Path(__file__).parent.parent / "llmcustoms"
 MODULES = sorted(PACKAGE.glob("*.py"))
 # The modules that may import Rich: everything the user sees is drawn there.
-UI_MODULES = {"console.py", "dialog.py", "tuneview.py"}
+UI_MODULES = {"console.py", "dataview.py", "dialog.py", "tuneview.py"}
 # The planning layer: pure, and importing nothing from running or the UI.
 PLANNING = ("errors", "options", "settings", "presets", "hardware", "memory", "sizing", "duration", "fitting", "plan",
-            "planning")
+            "planning", "dataadvice")
 # Planning and everything `--help` touches: importable without torch.
 WITHOUT_TORCH = tuple(f"llmcustoms.{name}" for name in PLANNING) + (
     "llmcustoms.cli", "llmcustoms.flags", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")

@@ -188,6 +188,6 @@ def test_the_cache_directory_from_the_env_file_is_used(tmp_path, tiny_models, mo
     monkeypatch.delenv("LLMCUSTOMS_CACHE_DIR", raising=False)
     (tmp_path / ".env").write_text(f"LLMCUSTOMS_CACHE_DIR={tmp_path / 'from-env'}\n")
     assert plan_json("--model", str(tiny_models["llama"]))["model"] == str(tiny_models["llama"])
-    assert list((tmp_path / "from-env" / "tokenized").glob("*.safetensors"))
+    assert list((tmp_path / "from-env" / "tokenized").glob("*/meta.json"))
     plan_json("--model", str(tiny_models["llama"]), "--cache-dir", str(tmp_path / "from-flag"))
-    assert list((tmp_path / "from-flag" / "tokenized").glob("*.safetensors"))
+    assert list((tmp_path / "from-flag" / "tokenized").glob("*/meta.json"))

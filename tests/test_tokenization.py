@@ -12,8 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from llmcustoms.batching import collate
-from llmcustoms.data import Example, read_dataset
-from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer, ensure_chat_template, first_loss_position, truncate
+from llmcustoms.chattemplates import ensure_chat_template
+from llmcustoms.data import usable_examples
+from llmcustoms.rowformats import Example
+from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer, first_loss_position, truncate
 from tiny_models import FIXTURES
 
 CONVERSATION = Example(row=1, messages=(
@@ -75,16 +77,17 @@ def test_every_sequence_ends_with_the_stop_token(tiny_models, family):
     tokenizer = load_tokenizer(tiny_models[family])
     encoder = Tokenizer(tokenizer)
     for name in ("alpaca.jsonl", "sharegpt.json", "messages.jsonl", "prompt_completion.csv", "text.jsonl"):
-        for example in read_dataset(FIXTURES / name).examples[:5]:
+        for example in list(usable_examples(FIXTURES / name))[:5]:
             encoded = encoder.encode(example)
             assert encoded.input_ids[-1] == tokenizer.eos_token_id, name
             assert encoded.labels[-1] == tokenizer.eos_token_id, name
 
 
-def test_prompt_completion_trains_on_completion_only_and_keeps_bos(tiny_models):
+def test_raw_prompt_completion_trains_on_completion_only_and_keeps_bos(tiny_models):
+    # --raw-prompts; without it the model's own template renders the row (tests/test_formats.py).
     tokenizer = load_tokenizer(tiny_models["llama"])
     example = Example(row=1, prompt="Question: What do bees make?\nAnswer:", completion=" Honey.")
-    encoded = Tokenizer(tokenizer).encode(example)
+    encoded = Tokenizer(tokenizer, raw_prompts=True).encode(example)
     assert encoded.input_ids[0] == tokenizer.bos_token_id
     assert spans(tokenizer, encoded.input_ids, encoded.labels, trained=False) == ["<s>Question: What do bees make?\nAnswer:"]
     assert spans(tokenizer, encoded.input_ids, encoded.labels, trained=True) == [" Honey.</s>"]
@@ -140,10 +143,11 @@ def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))
     fresh = prepare_run(options, Hardware.cpu_only())
-    assert len(list((tmp_path / "tokenized").glob("*.safetensors"))) == 1
+    assert len(list((tmp_path / "tokenized").glob("*/meta.json"))) == 1 and not fresh.cached
     cached = prepare_run(options, Hardware.cpu_only())
-    assert cached.train == fresh.train and cached.evaluation == fresh.evaluation
+    assert cached.cached and cached.tokenize_seconds < fresh.tokenize_seconds
+    assert list(cached.train) == list(fresh.train) and list(cached.evaluation) == list(fresh.evaluation)
     prompts_too = TrainOptions(data=options.data, model=options.model, overrides={"train_on_prompt": (True, "flag")})
     other = prepare_run(prompts_too, Hardware.cpu_only())
-    assert len(list((tmp_path / "tokenized").glob("*.safetensors"))) == 2
+    assert len(list((tmp_path / "tokenized").glob("*/meta.json"))) == 2
     assert all(e.labels == e.input_ids for e in other.train)

@@ -1,0 +1,61 @@
+"""What matters about the data before training, with one-line advice.
+
+Pure: from the counts reading found (`data.Dataset.to_json()`), the training
+rows' token lengths and the plan's length and schedule to a dict that goes
+into plan.json (so `plan --json` has it) and is shown before training. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+# Fewer training rows than this are easily memorised.
+FEW_ROWS = 100
+# A run with fewer optimizer steps than this learns little.
+FEW_STEPS = 20
+
+
+def length_percentiles(lengths: Sequence[int]) -> dict[str, int]:
+    if not len(lengths):
+        return {}
+    values = np.percentile(np.asarray(lengths), [50, 90, 99])
+    return {"p50": int(values[0]), "p90": int(values[1]), "p99": int(values[2]), "max": int(np.max(lengths))}
+
+
+def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, truncated: int, dropped: int,
+           total_steps: int, epochs: float) -> list[str]:
+    """One line per thing worth knowing, each saying what to do."""
+    rows = max(1, int(report.get("rows", 0)))
+    lines = []
+    duplicates = int(report.get("duplicates", 0))
+    if duplicates:
+        lines.append(f"{duplicates:,} exact duplicates ({duplicates / rows:.0%}, whitespace ignored): consider "
+                     "removing them; a repeated row is learned as if it mattered more")
+    near_empty = int(report.get("near_empty_replies", 0))
+    if near_empty:
+        lines.append(f"{near_empty:,} replies are under 5 characters: check they are meant to be that short")
+    if truncated:
+        p99 = length_percentiles(lengths).get("p99", 0)
+        lines.append(f"{truncated:,} rows are longer than {max_seq_len} tokens and lose the end of their reply"
+                     + (f": --max-seq-len {p99} would keep 99% whole" if p99 > max_seq_len else ""))
+    if dropped:
+        lines.append(f"{dropped:,} rows have no reply left within {max_seq_len} tokens and are dropped: raise "
+                     "--max-seq-len or shorten their prompts")
+    train_rows = len(lengths)
+    if train_rows < FEW_ROWS:
+        lines.append(f"only {train_rows:,} training rows: the model may learn them by heart; a few hundred "
+                     "varied rows teach better")
+    if total_steps < FEW_STEPS:
+        lines.append(f"only {total_steps} optimizer steps ({epochs:g} epochs): expect little change; add rows, "
+                     "raise --epochs, or lower --batch-size")
+    return lines
+
+
+def data_facts(report: dict[str, Any], lengths: Sequence[int], length_source: str, max_seq_len: int,
+               truncated: int, dropped: int, total_steps: int, epochs: float) -> dict[str, Any]:
+    """Reading's counts plus token lengths and advice, for plan.json."""
+    return {**report, "train_token_lengths": length_percentiles(lengths), "length_source": length_source,
+            "truncated_rows": truncated, "dropped_rows": dropped,
+            "advice": advice(report, lengths, max_seq_len, truncated, dropped, total_steps, epochs)}

@@ -1,0 +1,230 @@
+"""Tokenized rows on disk, memory-mapped, so data larger than memory can train.
+
+A store is a directory of flat arrays: every row's token ids one after the
+other (`ids`, int32), whether each token is learned (`learned`, uint8), where
+each row starts (`offsets`), its row number in the data file (`rows`) and the
+index of its first learned label (`first_loss`). Training reads a micro-batch
+at a time from them; the operating system pages in only what is read.
+
+Stores are written once, under a key naming everything the ids depend on
+(`preparation.tokenization_cache_key`), into a temporary directory renamed
+into place when complete, so a killed run never leaves half a store that
+looks whole. `TokenRows` is a view: a selection of a store's rows (the
+training split, say), optionally cut to a length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
+
+STORE_FORMAT = "tokenized-v2"
+# No row keeps more tokens than this (far beyond any max_seq_len a run uses);
+# text is clipped to MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN characters before
+# tokenizing, so one huge row costs little time and memory.
+MAX_ROW_TOKENS = 65536
+MAX_CHARS_PER_TOKEN = 8
+MAX_ROW_CHARS = MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN
+
+
+@dataclass(frozen=True)
+class Arrays:
+    """The flat arrays of a store (memory-mapped, or in memory for small data)."""
+
+    ids: np.ndarray
+    learned: np.ndarray
+    offsets: np.ndarray  # n + 1
+    rows: np.ndarray
+    first_loss: np.ndarray
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[TokenizedExample]) -> "Arrays":
+        ids = np.array([t for e in examples for t in e.input_ids], np.int32)
+        learned = np.array([label != IGNORE_INDEX for e in examples for label in e.labels], np.uint8)
+        offsets = np.cumsum([0] + [len(e.input_ids) for e in examples], dtype=np.int64)
+        first = [_first_loss(np.array([label != IGNORE_INDEX for label in e.labels], np.uint8)) for e in examples]
+        return cls(ids, learned, offsets, np.array([e.row for e in examples], np.int64), np.array(first, np.int32))
+
+
+def _first_loss(learned: np.ndarray) -> int:
+    """Index of the first label that counts (label i is predicted from i-1, so never 0)."""
+    hits = np.flatnonzero(learned[1:])
+    return int(hits[0]) + 1 if len(hits) else len(learned)
+
+
+class TokenRows:
+    """Some rows of a store, optionally cut to `max_len` tokens. Indexing gives
+    a `TokenizedExample`; lengths and first learned positions are arrays."""
+
+    def __init__(self, arrays: Arrays, index: np.ndarray | None = None, max_len: int | None = None):
+        self.arrays = arrays
+        self.index = np.arange(len(arrays.rows), dtype=np.int64) if index is None else np.asarray(index, np.int64)
+        self.max_len = max_len
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[TokenizedExample]) -> "TokenRows":
+        return cls(Arrays.from_examples(examples))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):  # a few rows as a list, as from a list of rows
+            return [self[j] for j in range(*i.indices(len(self)))]
+        k = self.index[i]
+        start, end = int(self.arrays.offsets[k]), int(self.arrays.offsets[k + 1])
+        if self.max_len is not None:
+            end = min(end, start + self.max_len)
+        ids = self.arrays.ids[start:end].astype(np.int64)
+        labels = np.where(self.arrays.learned[start:end] != 0, ids, IGNORE_INDEX)
+        return TokenizedExample(int(self.arrays.rows[k]), ids.tolist(), labels.tolist())
+
+    def __iter__(self) -> Iterator[TokenizedExample]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def full_lengths(self) -> np.ndarray:
+        """Tokens per row before any cut (at most MAX_ROW_TOKENS)."""
+        return np.diff(self.arrays.offsets)[self.index]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        full = self.full_lengths
+        return full if self.max_len is None else np.minimum(full, self.max_len)
+
+    @property
+    def first_loss(self) -> np.ndarray:
+        return self.arrays.first_loss[self.index].astype(np.int64)
+
+    @property
+    def row_numbers(self) -> np.ndarray:
+        return self.arrays.rows[self.index]
+
+    def select(self, positions: Sequence[int] | np.ndarray) -> "TokenRows":
+        return TokenRows(self.arrays, self.index[np.asarray(positions, np.int64)], self.max_len)
+
+    def cut(self, max_len: int) -> "TokenRows":
+        """The same rows shortened to `max_len` tokens; none is dropped."""
+        limit = max_len if self.max_len is None else min(max_len, self.max_len)
+        return TokenRows(self.arrays, self.index, limit)
+
+    def truncated(self, max_len: int) -> tuple["TokenRows", int, int]:
+        """(rows cut to max_len without those left with nothing to learn,
+        rows truncated, rows dropped)."""
+        keep = self.first_loss < max_len
+        truncated = int((self.lengths > max_len).sum())
+        return TokenRows(self.arrays, self.index[keep], max_len), truncated, int((~keep).sum())
+
+    def trained_tokens(self, positions: Sequence[int]) -> int:
+        """Labels that count towards the loss in these rows (after the cut)."""
+        total = 0
+        for i in positions:
+            k = self.index[i]
+            start = int(self.arrays.offsets[k])
+            end = int(self.arrays.offsets[k + 1]) if self.max_len is None else min(int(self.arrays.offsets[k + 1]), start + self.max_len)
+            total += int(self.arrays.learned[start + 1:end].sum())
+        return total
+
+
+class StoreWriter:
+    """Appends tokenized rows to a new store; `finish` puts it in place."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.tmp = directory.parent / f".{directory.name}.{os.getpid()}.tmp"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.ids_file = open(self.tmp / "ids.bin", "wb")
+        self.learned_file = open(self.tmp / "learned.bin", "wb")
+        self.offsets, self.rows, self.first = array("q", [0]), array("q"), array("i")
+
+    def add(self, row: int, ids: np.ndarray, learned: np.ndarray) -> None:
+        ids.astype(np.int32).tofile(self.ids_file)
+        learned.astype(np.uint8).tofile(self.learned_file)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.rows.append(row)
+        self.first.append(_first_loss(learned))
+
+    def finish(self, meta: dict) -> Path:
+        for f in (self.ids_file, self.learned_file):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        np.save(self.tmp / "offsets.npy", np.frombuffer(self.offsets, np.int64))
+        np.save(self.tmp / "rows.npy", np.frombuffer(self.rows, np.int64))
+        np.save(self.tmp / "first_loss.npy", np.frombuffer(self.first, np.int32))
+        (self.tmp / "meta.json").write_text(json.dumps({"format": STORE_FORMAT, "tokens": self.offsets[-1], **meta}))
+        try:
+            os.rename(self.tmp, self.directory)
+        except OSError:
+            if not self.directory.is_dir():  # another process finished the same store first: keep theirs
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.directory
+
+    def abandon(self) -> None:
+        for f in (self.ids_file, self.learned_file):
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _mapped(path: Path, dtype: type, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def open_store(directory: Path) -> TokenRows | None:
+    """The rows of a complete store, memory-mapped; None if missing or damaged."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        if meta.get("format") != STORE_FORMAT:
+            return None
+        tokens = int(meta["tokens"])
+        offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        if len(offsets) == 0 or int(offsets[-1]) != tokens:
+            return None
+        arrays = Arrays(ids=_mapped(directory / "ids.bin", np.int32, tokens),
+                        learned=_mapped(directory / "learned.bin", np.uint8, tokens), offsets=np.asarray(offsets),
+                        rows=np.load(directory / "rows.npy"), first_loss=np.load(directory / "first_loss.npy"))
+    except (OSError, ValueError, KeyError):  # a damaged store is rebuilt
+        return None
+    if len(arrays.rows) + 1 != len(arrays.offsets) or len(arrays.first_loss) != len(arrays.rows):
+        return None
+    return TokenRows(arrays)
+
+
+def build_store(directory: Path, examples: Iterator, tokenizer, meta: dict,
+                progress: Callable[[int], None] | None = None, chunk_rows: int = 256) -> TokenRows:
+    """Tokenize `examples` into a new store at `directory` and open it. Text is
+    clipped before tokenizing and ids cut after, to MAX_ROW_TOKENS."""
+    writer = StoreWriter(directory)
+    done = 0
+    try:
+        while True:
+            chunk = [e.clipped(MAX_ROW_CHARS) for e in itertools.islice(examples, chunk_rows)]
+            if not chunk:
+                break
+            for example, (ids, learned) in zip(chunk, tokenizer.encode_many(chunk)):
+                writer.add(example.row, ids[:MAX_ROW_TOKENS], learned[:MAX_ROW_TOKENS])
+            done += len(chunk)
+            if progress is not None:
+                progress(done)
+        writer.finish(meta)
+    except BaseException:
+        writer.abandon()
+        raise
+    rows = open_store(directory)
+    if rows is None:
+        raise OSError(f"the tokenized rows written to {directory} cannot be read back")
+    return rows

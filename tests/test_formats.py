@@ -1,0 +1,377 @@
+"""Every row shape: detected and named, turned into the right `Example`, and
+masked exactly, token by token.
+
+The masks are checked by decoding the learned and the masked tokens
+separately and comparing them with text written out by hand for each
+template, so the test does not trust the code under test to say where the
+boundaries are. Tool calling is checked with a tiny tokenizer carrying a copy
+of Qwen2.5-Instruct's chat template (tests/fixtures/shapes/).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmcustoms.chattemplates import ensure_chat_template, supports_tools
+from llmcustoms.data import read_dataset
+from llmcustoms.datafiles import RawRow, read_rows
+from llmcustoms.errors import DataError, ModelError
+from llmcustoms.rowformats import (FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format, detect_format,
+                                   to_example)
+from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer
+from tiny_models import FIXTURES, build_tokenizer
+
+SHAPES = FIXTURES / "shapes"
+SECRET = "SECRET-ROW-CONTENT-12345"
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    return build_tokenizer("chatml")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    tokenizer = build_tokenizer("chatml")
+    tokenizer.chat_template = (SHAPES / "qwen2_5_chat_template.jinja").read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def no_template():
+    tokenizer = build_tokenizer("none")
+    ensure_chat_template(tokenizer)
+    return tokenizer
+
+
+def examples_of(path: Path) -> tuple[str, list[Example]]:
+    rows = list(read_rows(path))
+    fmt = detect_format(rows, path)
+    return fmt, [to_example(raw, fmt) for raw in rows]
+
+
+def row(value: dict, fmt: str) -> Example:
+    return to_example(RawRow(1, 1, value=value), fmt)
+
+
+def problem(value: dict, fmt: str) -> str:
+    with pytest.raises(RowProblem) as info:
+        row(value, fmt)
+    assert SECRET not in str(info.value)
+    return str(info.value)
+
+
+def spans(tokenizer, encoded, trained: bool) -> list[str]:
+    """Decode maximal runs of tokens that are (or are not) learned."""
+    out, run = [], []
+    for token, label in zip(encoded.input_ids, encoded.labels):
+        assert label in (IGNORE_INDEX, token)  # a label is the token itself or masked
+        if (label != IGNORE_INDEX) == trained:
+            run.append(token)
+        elif run:
+            out.append(tokenizer.decode(run)), run.clear()
+    if run:
+        out.append(tokenizer.decode(run))
+    return out
+
+
+def masks(tokenizer, example: Example, **options) -> tuple[list[str], list[str]]:
+    """(masked spans, learned spans) of one encoded example; it must end in EOS."""
+    encoded = Tokenizer(tokenizer, **options).encode(example)
+    assert encoded.input_ids[-1] == encoded.labels[-1] == tokenizer.eos_token_id
+    return spans(tokenizer, encoded, trained=False), spans(tokenizer, encoded, trained=True)
+
+
+def chatml_turn(role: str, text: str) -> str:
+    return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+
+
+# ------------------------------------------------------------------ detection
+
+@pytest.mark.parametrize("name, fmt, description", [
+    ("messages_parts.jsonl", "messages", "OpenAI messages (messages: [{role, content}])"),
+    ("messages_tools.jsonl", "messages", "OpenAI messages (messages: [{role, content}])"),
+    ("sharegpt_system.jsonl", "sharegpt", "ShareGPT (conversations: [{from, value}])"),
+    ("sharegpt_tools.json", "sharegpt", "ShareGPT (conversations: [{from, value}])"),
+    ("alpaca_system.jsonl", "alpaca", "Alpaca (instruction, input, output)"),
+    ("alpaca_response.csv", "alpaca_response", "Alpaca (instruction, response)"),
+    ("question_answer.jsonl", "question_answer", "Alpaca (question, answer)"),
+    ("input_output.csv", "input_output", "prompt/completion (input, output)"),
+    ("kto.jsonl", "prompt_completion", "prompt/completion (prompt, completion)"),
+    ("kto.csv", "messages", "OpenAI messages (messages: [{role, content}])"),
+])
+def test_each_shape_is_detected_and_named(name, fmt, description):
+    detected, examples = examples_of(SHAPES / name)
+    assert detected == fmt
+    assert FORMAT_DESCRIPTIONS[detected] == description
+    assert len(examples) >= 1
+
+
+def test_variants_read_like_their_base_format():
+    assert [base_format(f) for f in ("alpaca_response", "question_answer", "input_output", "messages", "text")] == \
+        ["alpaca", "alpaca", "prompt_completion", "messages", "text"]
+    _, examples = examples_of(SHAPES / "input_output.csv")
+    assert examples[0] == Example(1, prompt="Question: What do bees make?\nAnswer:", completion=" Honey.")
+    _, examples = examples_of(SHAPES / "alpaca_response.csv")  # Dolly's context follows the instruction
+    assert examples[1].messages == (("user", "Name the colour.\n\nThe sky on a clear day."), ("assistant", "Blue."))
+
+
+def test_detection_order_puts_chat_lists_first_and_alpaca_before_input_output(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    cases = [({"messages": [], "instruction": "i", "output": "o"}, "messages"),
+             ({"conversations": [], "text": "t"}, "sharegpt"),
+             ({"instruction": "i", "input": "x", "output": "o"}, "alpaca"),
+             ({"input": "x", "output": "o"}, "input_output"),
+             ({"question": "q", "answer": "a", "text": "t"}, "question_answer")]
+    for value, fmt in cases:
+        assert detect_format([RawRow(1, 1, value=value)], path) == fmt, value
+
+
+# --------------------------------------------------------- messages and parts
+
+def test_content_parts_are_joined_and_masked_like_text(chatml):
+    _, examples = examples_of(SHAPES / "messages_parts.jsonl")
+    assert examples[0].messages == (("system", "Answer briefly."), ("user", "What do bees make?\nOne word."),
+                                    ("assistant", "Honey."))
+    masked, learned = masks(chatml, examples[0])
+    assert masked == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?\nOne word.")
+                      + "<|im_start|>assistant\n"]
+    assert learned == ["Honey.<|im_end|>"]
+
+
+def test_a_part_that_is_not_text_is_named_not_shown():
+    value = {"messages": [{"role": "user", "content": [{"type": "text", "text": SECRET},
+                                                       {"type": "image_url", "image_url": {"url": SECRET}}]},
+                          {"role": "assistant", "content": SECRET}]}
+    message = problem(value, "messages")
+    assert message.startswith("content part of type 'image_url' is not text (messages[1].content[2];")
+
+
+def test_unknown_role_is_named_and_the_accepted_roles_listed():
+    value = {"messages": [{"role": "user", "content": SECRET}, {"role": "function", "content": SECRET},
+                          {"role": "assistant", "content": SECRET}]}
+    assert problem(value, "messages") == "unknown role 'function' (messages[2]; accepted: assistant, system, tool, user)"
+    long_role = {"conversations": [{"from": "a_very_long_role_name_indeed", "value": SECRET}]}
+    assert problem(long_role, "sharegpt").startswith("unknown role 'a_very_long_role_nam...' (conversations[1]; accepted: ")
+    # Something that is not a name could be content: it is described, never echoed.
+    sentence = {"messages": [{"role": f"{SECRET} and more", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    assert problem(sentence, "messages").startswith("unknown role that is not a name (messages[1];")
+
+
+# ------------------------------------------------------------------- ShareGPT
+
+def test_sharegpt_system_field_becomes_the_system_turn(chatml):
+    _, examples = examples_of(SHAPES / "sharegpt_system.jsonl")
+    assert examples[0].messages == (("system", "Answer briefly."), ("user", "What do bees make?"), ("assistant", "Honey."))
+    assert examples[1].messages[0] == ("system", "Be kind.")
+    masked, learned = masks(chatml, examples[0])
+    assert masked == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?")
+                      + "<|im_start|>assistant\n"]
+    assert learned == ["Honey.<|im_end|>"]
+    both = {"system": "s", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "h"},
+                                             {"from": "gpt", "value": "g"}]}
+    assert problem(both, "sharegpt") == "both a 'system' field and a system turn"
+
+
+def test_sharegpt_function_call_and_observation_learn_the_call_not_the_result(qwen):
+    _, (example,) = examples_of(SHAPES / "sharegpt_tools.json")
+    call = example.messages[2]
+    assert call.role == "assistant" and call.content == ""
+    assert [(c.name, json.loads(c.arguments), c.id) for c in call.tool_calls] == [("get_weather", {"city": "Paris"}, "call00001")]
+    assert (example.messages[3].role, example.messages[3].tool_call_id, example.messages[3].name) == \
+        ("tool", "call00001", "get_weather")
+    masked, learned = masks(qwen, example)
+    schema = ('{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", '
+              '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}')
+    assert masked == [
+        "<|im_start|>system\nYou are a weather bot.\n\n# Tools\n\nYou may call one or more functions to assist with the "
+        "user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{schema}\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+        "</tool_call><|im_end|>\n" + chatml_turn("user", "What is the weather in Paris?") + "<|im_start|>assistant\n",
+        "<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    ]
+    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                       "It is 21 degrees in Paris.<|im_end|>"]
+
+
+# ---------------------------------------------------------- OpenAI tool calls
+
+def test_openai_tool_calls_are_learned_and_tool_results_are_not(qwen):
+    _, examples = examples_of(SHAPES / "messages_tools.jsonl")
+    first, second = examples
+    assert first.messages[1].content == "" and first.messages[1].tool_calls[0].id == "call_1"
+    masked, learned = masks(qwen, second)
+    assert masked[0].startswith("<|im_start|>system\nUse the tools.\n\n# Tools\n")
+    assert masked[0].endswith("</tool_call><|im_end|>\n" + chatml_turn("user", "Weather and time in Rome?")
+                              + "<|im_start|>assistant\n")
+    assert '"name": "get_time"' in masked[0]  # a bare schema, wrapped as OpenAI's {type, function}
+    assert masked[1:] == ["<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n"
+                          "</tool_response><|im_end|>\n<|im_start|>assistant\n"]
+    assert learned == ['Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+                       '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n',
+                       "Sunny, and it is noon.<|im_end|>"]
+
+
+def test_without_the_tools_list_the_calls_are_still_learned(qwen):
+    _, (first, _) = examples_of(SHAPES / "messages_tools.jsonl")
+    masked, learned = masks(qwen, Example(first.row, messages=first.messages))
+    assert masked[0] == "<|im_start|>system\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\n" + \
+        chatml_turn("user", "What is the weather in Paris?") + "<|im_start|>assistant\n"
+    assert learned[0] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+
+
+@pytest.mark.parametrize("style", ["chatml", "no_template"])
+def test_a_template_without_tool_support_is_refused_clearly(request, qwen, style):
+    tokenizer = request.getfixturevalue(style)
+    assert supports_tools(qwen) and not supports_tools(tokenizer)
+    _, examples = examples_of(SHAPES / "messages_tools.jsonl")
+    tools_only = Example(3, messages=(("user", "Hi"), ("assistant", "Hello.")), tools=examples[0].tools)
+    for example in (examples[1], tools_only):
+        with pytest.raises(ModelError) as info:
+            Tokenizer(tokenizer).encode(example)
+        assert "tool calls (role 'tool' / tool_calls" in info.value.message
+        assert f"row {example.row}" in info.value.message
+        assert "Qwen2.5 Instruct" in info.value.hint and "Mistral-7B-Instruct-v0.3" in info.value.hint
+        assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     "tool call arguments are not valid JSON (messages[2].tool_calls[1])"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]},
+     "tool call without a name (messages[2].tool_calls[1])"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     "tool call arguments must be an object, found list (messages[2].tool_calls[1])"),
+    ({"role": "assistant", "content": None}, "content must be text or a list of text parts, found NoneType (messages[2])"),
+])
+def test_bad_tool_calls_are_row_problems(value, expected):
+    turns = [{"role": "user", "content": SECRET}, value, {"role": "tool", "content": SECRET},
+             {"role": "assistant", "content": SECRET}]
+    assert problem({"messages": turns}, "messages") == expected
+
+
+def test_a_tool_result_needs_a_call_before_it():
+    turns = [{"role": "user", "content": SECRET}, {"role": "tool", "content": SECRET}, {"role": "assistant", "content": "x"}]
+    assert problem({"messages": turns}, "messages") == "tool result without a tool call before it (messages[2])"
+    assert problem({"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+                    "tools": "[not json"}, "messages") == "field 'tools' is not valid JSON"
+
+
+# ------------------------------------------------------------- Alpaca shapes
+
+@pytest.mark.parametrize("name, index, prompt, reply", [
+    ("alpaca_system.jsonl", 0, chatml_turn("system", "You translate.") + chatml_turn("user", "Translate to French.\n\ncat"),
+     "chat"),
+    ("alpaca_system.jsonl", 1, chatml_turn("user", "What do bees make?"), "Honey."),  # an empty system is no turn
+    ("alpaca_response.csv", 1, chatml_turn("user", "Name the colour.\n\nThe sky on a clear day."), "Blue."),
+    ("question_answer.jsonl", 1, chatml_turn("user", "How many legs does a spider have?"), "Eight."),
+])
+def test_alpaca_shapes_learn_only_the_reply(chatml, name, index, prompt, reply):
+    _, examples = examples_of(SHAPES / name)
+    masked, learned = masks(chatml, examples[index])
+    assert masked == [prompt + "<|im_start|>assistant\n"]
+    assert learned == [reply + "<|im_end|>"]
+
+
+# ---------------------------------------------------------- prompt/completion
+
+def test_prompt_completion_goes_through_the_models_own_template(chatml):
+    _, examples = examples_of(SHAPES / "input_output.csv")
+    masked, learned = masks(chatml, examples[0])
+    assert masked == [chatml_turn("user", "Question: What do bees make?\nAnswer:") + "<|im_start|>assistant\n"]
+    assert learned == ["Honey.<|im_end|>"]
+
+
+def test_prompt_completion_is_raw_when_asked_or_when_the_template_is_the_fallback(chatml, no_template):
+    _, examples = examples_of(SHAPES / "input_output.csv")
+    masked, learned = masks(chatml, examples[0], raw_prompts=True)
+    assert masked == ["Question: What do bees make?\nAnswer:"] and learned == [" Honey.<|im_end|>"]
+    masked, learned = masks(no_template, examples[0])
+    assert masked == ["Question: What do bees make?\nAnswer:"] and learned == [" Honey.<|endoftext|>"]
+    masked, learned = masks(chatml, examples[0], has_own_template=False)
+    assert masked == ["Question: What do bees make?\nAnswer:"]
+
+
+def test_text_rows_stay_raw_even_with_a_template(chatml):
+    masked, learned = masks(chatml, Example(1, completion="Bees make honey."))
+    assert masked == [] and learned == ["Bees make honey.<|im_end|>"]
+
+
+def test_generation_prompts_the_way_training_rendered(chatml, no_template):
+    from llmcustoms.generation import prompt_ids
+
+    messages = [{"role": "user", "content": "Question: What do bees make?\nAnswer:"}]
+    plan = SimpleNamespace(data_format="input_output", raw_prompts=False)
+    templated = chatml.decode(prompt_ids(chatml, plan, messages)[0])
+    assert templated == chatml_turn("user", "Question: What do bees make?\nAnswer:") + "<|im_start|>assistant\n"
+    raw = SimpleNamespace(data_format="input_output", raw_prompts=True)
+    assert chatml.decode(prompt_ids(chatml, raw, messages)[0]) == "Question: What do bees make?\nAnswer:"
+    assert no_template.decode(prompt_ids(no_template, plan, messages)[0]) == "Question: What do bees make?\nAnswer:"
+
+
+# --------------------------------------------------------- preference and KTO
+
+@pytest.mark.parametrize("name", ["preference_prompt.jsonl", "preference_conversations.json", "preference_messages.jsonl"])
+def test_preference_pairs_are_refused_never_trained_as_replies(name):
+    with pytest.raises(DataError) as info:
+        read_dataset(SHAPES / name)
+    assert info.value.message.startswith(f"{name} holds preference pairs (chosen/rejected)")
+    assert "does not train on preference data yet" in info.value.message
+    assert "chosen reply" in info.value.hint and info.value.exit_code == 2
+    assert "Honey" not in str(info.value) and "Milk" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["kto.jsonl", "kto.csv"])
+def test_kto_rows_labelled_false_are_never_learned(name):
+    _, examples = examples_of(SHAPES / name)
+    assert [e.desirable for e in examples] == [True, False, True]
+    dataset = read_dataset(SHAPES / name)
+    assert dataset.unlearned == 1 and dataset.rows == 2 and dataset.skipped == 0
+
+
+@pytest.mark.parametrize("label", [1, "yes", ["true"], ""])
+def test_a_label_that_is_not_true_or_false_is_a_row_problem(label):
+    value = {"prompt": SECRET, "completion": SECRET, "label": label}
+    assert problem(value, "prompt_completion").startswith("field 'label' must be true or false, found ")
+
+
+# ----------------------------------------------------------------- templates
+
+def test_a_template_that_refuses_a_row_is_a_clear_error(chatml):
+    strict = build_tokenizer("chatml")
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    example = Example(7, messages=(("system", SECRET), ("user", SECRET), ("assistant", SECRET)))
+    with pytest.raises(ModelError) as info:
+        Tokenizer(strict).encode(example)
+    assert info.value.message == "This model's chat template refused row 7: System role not supported."
+    assert SECRET not in str(info.value)
+
+
+# ------------------------------------------------------------------- Message
+
+def test_messages_still_read_as_role_content_pairs_and_keep_their_calls():
+    _, (first, _) = examples_of(SHAPES / "messages_tools.jsonl")
+    call = first.messages[1]
+    role, content = call
+    assert (role, content) == ("assistant", "") and call == ("assistant", "")
+    assert call != Message("assistant", "")  # the calls count when both sides have them
+    assert pickle.loads(pickle.dumps(first)) == first
+    assert Example(1, messages=(("user", "a"), ("assistant", "b"))).messages[1].role == "assistant"
+    # The calls are part of the row's text: a row calling with other arguments is no duplicate.
+    other = to_example(RawRow(1, 1, value={"messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"celsius\": 21}"},
+        {"role": "assistant", "content": "It is 21 degrees in Paris."}], "tools": json.loads(first.tools)}), "messages")
+    assert other.normalised_text() != first.normalised_text()
+    assert first.char_count() > sum(len(c) for _, c in first.messages) + len(first.tools)  # calls are counted
+    assert first.messages[1].text() == 'get_weather({"city": "Paris"})' and first.reply() == "It is 21 degrees in Paris."

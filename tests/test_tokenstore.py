@@ -1,0 +1,88 @@
+"""The memory-mapped store of tokenized rows: what goes in comes out exactly,
+a damaged or half-written store is never used, and a huge row costs little."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llmcustoms import tokenstore
+from llmcustoms.data import read_dataset, usable_examples
+from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer
+from llmcustoms.tokenstore import TokenRows, build_store, open_store
+from tiny_models import FIXTURES
+
+
+@pytest.fixture
+def encoder(tiny_models):
+    from transformers import AutoTokenizer
+
+    return Tokenizer(AutoTokenizer.from_pretrained(tiny_models["qwen2"]))
+
+
+def test_rows_come_back_exactly_as_encoded(tmp_path, encoder):
+    path = FIXTURES / "sharegpt.json"
+    rows = build_store(tmp_path / "store", usable_examples(path), encoder, {}, chunk_rows=5)
+    expected = [encoder.encode(e) for e in usable_examples(path)]
+    assert len(rows) == len(expected) == read_dataset(path).rows
+    assert list(rows) == expected
+    assert list(open_store(tmp_path / "store")) == expected  # memory-mapped from disk again
+    assert rows.first_loss.tolist() == [next(i for i in range(1, len(e.labels)) if e.labels[i] != IGNORE_INDEX)
+                                        for e in expected]
+
+
+def test_views_select_and_cut_without_copying_the_store(tmp_path, encoder):
+    rows = build_store(tmp_path / "store", usable_examples(FIXTURES / "messages.jsonl"), encoder, {})
+    picked = rows.select([3, 1])
+    assert [e.row for e in picked] == [rows[3].row, rows[1].row]
+    first = int(picked.first_loss[0])
+    kept, truncated, dropped = picked.truncated(first + 2)
+    assert truncated == 2 and len(kept) + dropped == 2
+    assert all(len(e.input_ids) <= first + 2 for e in kept)
+    assert kept.lengths.tolist() == [len(e.input_ids) for e in kept]
+    assert kept.arrays is rows.arrays
+
+
+def test_a_list_of_rows_and_a_store_give_the_same_view(encoder):
+    examples = [encoder.encode(e) for e in usable_examples(FIXTURES / "alpaca.jsonl")][:6]
+    rows = TokenRows.from_examples(examples)
+    assert list(rows) == examples
+    assert rows.trained_tokens(range(6)) == sum(e.trainable_tokens for e in examples)
+
+
+def test_a_damaged_or_unfinished_store_is_not_used(tmp_path, encoder):
+    directory = tmp_path / "store"
+    build_store(directory, usable_examples(FIXTURES / "text.jsonl"), encoder, {})
+    ids = directory / "ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-8])  # cut short, as by a full disk
+    assert open_store(directory) is None
+    (directory / "meta.json").write_text(json.dumps({"format": "older"}))
+    assert open_store(directory) is None
+    assert open_store(tmp_path / "missing") is None
+
+
+def test_an_interrupted_build_leaves_nothing_that_looks_whole(tmp_path, encoder):
+    def rows_then_ctrl_c():
+        yield from list(usable_examples(FIXTURES / "text.jsonl"))[:3]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_store(tmp_path / "store", rows_then_ctrl_c(), encoder, {}, chunk_rows=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_huge_row_is_clipped_before_tokenizing(tmp_path, encoder, monkeypatch):
+    monkeypatch.setattr(tokenstore, "MAX_ROW_TOKENS", 64)
+    monkeypatch.setattr(tokenstore, "MAX_ROW_CHARS", 64 * 8)
+    data = tmp_path / "huge.jsonl"
+    data.write_text(json.dumps({"prompt": "Summarise: " + "word " * 200_000, "completion": "Short."}) + "\n"
+                    + json.dumps({"prompt": "Hi", "completion": "Hello."}) + "\n")
+    seen = []
+    original = encoder.encode_many
+    monkeypatch.setattr(encoder, "encode_many", lambda chunk: seen.extend(chunk) or original(chunk))
+    rows = build_store(tmp_path / "store", usable_examples(data), encoder, {})
+    assert max(e.char_count() for e in seen) <= 64 * 8
+    assert rows.full_lengths.tolist()[0] == 64 and len(rows[1].input_ids) < 64
+    assert np.array_equal(rows.row_numbers, [1, 2])
