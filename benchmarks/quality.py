@@ -142,13 +142,14 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
 
     from llmcustoms import modeling
     from llmcustoms.batching import TrainingRows, count_loss_tokens
-    from llmcustoms.data import read_dataset
+    from llmcustoms.data import usable_examples
     from llmcustoms.losses import select_logits, token_cross_entropy
-    from llmcustoms.tokenization import Tokenizer, ensure_chat_template
+    from llmcustoms.chattemplates import ensure_chat_template
+    from llmcustoms.tokenization import Tokenizer
 
     ensure_chat_template(tokenizer)
     encoder = Tokenizer(tokenizer, stop_token_ids=modeling.stop_token_ids(plan.model))
-    rows = [encoder.encode(e) for e in read_dataset(test).examples]
+    rows = [encoder.encode(e) for e in usable_examples(test)]
     batches = TrainingRows([], rows, tokenizer.pad_token_id, 1).evaluation_batches(8)
     total = torch.tensor(sum(count_loss_tokens(b["labels"]) for b in batches))
     select_logits(model)
@@ -160,12 +161,12 @@ def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[st
     """(prompt, greedy reply): for identity, each test row's question whose
     answer in the data names the identity (with the conversation before it);
     otherwise the first row's first prompt."""
-    from llmcustoms.data import read_dataset
+    from llmcustoms.data import usable_examples
     from llmcustoms.generation import generate
     from llmcustoms.samples import prompt_of
 
     prompts = []
-    for example in read_dataset(test).examples:
+    for example in usable_examples(test):
         if not identity:
             prompts.append(prompt_of(example))
             break

@@ -52,19 +52,19 @@ def build_assets(data: Path, workdir: Path, rows: int, device: str) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from llmcustoms.data import read_dataset
+    from llmcustoms.data import usable_examples
     from llmcustoms.preparation import split_eval
 
-    dataset = read_dataset(data, skip_bad_rows=True)
-    train_idx, eval_idx = split_eval(len(dataset.examples), SETTINGS["eval_rows"] / len(dataset.examples), SETTINGS["seed"])
-    train = [dataset.examples[i] for i in train_idx][:rows]
-    evaluation = [dataset.examples[i] for i in eval_idx][:SETTINGS["eval_rows"]]
+    examples = list(usable_examples(data))  # bad rows skipped
+    train_idx, eval_idx = split_eval(len(examples), SETTINGS["eval_rows"] / len(examples), SETTINGS["seed"])
+    train = [examples[i] for i in train_idx][:rows]
+    evaluation = [examples[i] for i in eval_idx][:SETTINGS["eval_rows"]]
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend.train_from_iterator([c for e in dataset.examples for _, c in e.messages],
+    backend.train_from_iterator([c for e in examples for _, c in e.messages],
                                 trainers.BpeTrainer(vocab_size=8000, special_tokens=special, show_progress=False,
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -90,7 +90,7 @@ def load_rows(assets: dict) -> tuple[list, list, object]:
     """The same token ids and labels for every system (llmcustoms' own masking)."""
     from transformers import AutoTokenizer
 
-    from llmcustoms.data import Example
+    from llmcustoms.rowformats import Example
     from llmcustoms.tokenization import Tokenizer, truncate
 
     hf = AutoTokenizer.from_pretrained(assets["model"])

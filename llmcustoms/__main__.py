@@ -1,3 +1,5 @@
 from llmcustoms.cli import main
 
-main()
+# Guarded: tokenizing workers start by importing the main module again.
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,7 @@ def length_percentiles(lengths: Sequence[int]) -> dict[str, int]:
 
 
 def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, truncated: int, dropped: int,
-           total_steps: int, epochs: float) -> list[str]:
+           total_steps: int, epochs: float | None) -> list[str]:
     """One line per thing worth knowing, each saying what to do."""
     rows = max(1, int(report.get("rows", 0)))
     lines = []
@@ -47,15 +47,16 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
     if train_rows < FEW_ROWS:
         lines.append(f"only {train_rows:,} training rows: the model may learn them by heart; a few hundred "
                      "varied rows teach better")
-    if total_steps < FEW_STEPS:
+    if epochs is not None and total_steps < FEW_STEPS:
         lines.append(f"only {total_steps} optimizer steps ({epochs:g} epochs): expect little change; add rows, "
                      "raise --epochs, or lower --batch-size")
     return lines
 
 
 def data_facts(report: dict[str, Any], lengths: Sequence[int], length_source: str, max_seq_len: int,
-               truncated: int, dropped: int, total_steps: int, epochs: float) -> dict[str, Any]:
-    """Reading's counts plus token lengths and advice, for plan.json."""
+               truncated: int, dropped: int, total_steps: int, epochs: float | None) -> dict[str, Any]:
+    """Reading's counts plus token lengths and advice, for plan.json. `epochs`
+    is None when the user set the number of steps: then it is not advised on."""
     return {**report, "train_token_lengths": length_percentiles(lengths), "length_source": length_source,
             "truncated_rows": truncated, "dropped_rows": dropped,
             "advice": advice(report, lengths, max_seq_len, truncated, dropped, total_steps, epochs)}

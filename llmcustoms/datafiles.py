@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -312,6 +313,18 @@ def fingerprint(path: str | Path) -> str:
     """sha256 over a data file (or every file of a saved dataset directory), so
     `resume` can tell that the data it trains on is the data the run began with."""
     path = Path(path)
+    if path.is_file():  # asked for more than once per command: remembered while the file is unchanged
+        stat = path.stat()
+        return _file_fingerprint(str(path.absolute()), stat.st_size, stat.st_mtime_ns)
+    return _fingerprint(path)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    return _fingerprint(Path(path))
+
+
+def _fingerprint(path: Path) -> str:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     digest = hashlib.sha256()
     for file in files:

@@ -26,7 +26,7 @@ from llmcustoms.plan import DataStats, Plan
 from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
 from llmcustoms.settings import Settings
-from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store
+from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store, tokenizing_workers
 
 DEFAULT_PRESET = "quality"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
@@ -220,13 +220,14 @@ def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progre
         return rows, True
     meta = {"data": dataset.path.name, "rows": dataset.rows}
     report = lambda done: progress("tokenize", done, dataset.rows)  # noqa: E731
+    workers = tokenizing_workers(dataset.rows)
     try:
-        return build_store(directory, usable_examples(dataset.path), tokenizer, meta, report), False
+        return build_store(directory, usable_examples(dataset.path), tokenizer, meta, report, workers=workers), False
     except OSError:
         fallback = Path(tempfile.mkdtemp(prefix="llmcustoms-tokens-"))
         atexit.register(shutil.rmtree, fallback, True)
     try:
-        return build_store(fallback / key, usable_examples(dataset.path), tokenizer, meta, report), False
+        return build_store(fallback / key, usable_examples(dataset.path), tokenizer, meta, report, workers=workers), False
     except OSError as exc:
         raise DataError(f"Cannot store the tokenized rows of {dataset.path.name}: {exc.strerror or exc}.",
                         "Free some disk space, or point --cache-dir at a disk with room.") from None
@@ -329,8 +330,9 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
 
 def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
            dropped: int) -> dict[str, Any]:
+    epochs = None if plan.sources.get("total_steps") == "flag" else plan.epochs
     return data_facts(dataset.to_json(), lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps,
-                      plan.epochs)
+                      epochs)
 
 
 def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenRows,

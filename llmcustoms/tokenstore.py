@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import shutil
 from array import array
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -35,6 +39,12 @@ STORE_FORMAT = "tokenized-v2"
 MAX_ROW_TOKENS = 65536
 MAX_CHARS_PER_TOKEN = 8
 MAX_ROW_CHARS = MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN
+# Data with fewer rows is tokenized in one process; more spreads over the cores.
+# With fewer cores, workers only add the cost of passing rows between processes:
+# on 2 cores, 20 MB of chat rows took 11.9 s with 2 workers and 8.5 s without.
+PARALLEL_MIN_ROWS = 20_000
+PARALLEL_MIN_CORES = 4
+MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,11 @@ def _mapped(path: Path, dtype: type, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+def _saved(path: Path) -> np.ndarray:
+    # open_memmap reads plain numeric .npy files only: never a pickle.
+    return np.lib.format.open_memmap(path, mode="r")
+
+
 def open_store(directory: Path) -> TokenRows | None:
     """The rows of a complete store, memory-mapped; None if missing or damaged."""
     try:
@@ -191,12 +206,12 @@ def open_store(directory: Path) -> TokenRows | None:
         if meta.get("format") != STORE_FORMAT:
             return None
         tokens = int(meta["tokens"])
-        offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        offsets = _saved(directory / "offsets.npy")
         if len(offsets) == 0 or int(offsets[-1]) != tokens:
             return None
         arrays = Arrays(ids=_mapped(directory / "ids.bin", np.int32, tokens),
                         learned=_mapped(directory / "learned.bin", np.uint8, tokens), offsets=np.asarray(offsets),
-                        rows=np.load(directory / "rows.npy"), first_loss=np.load(directory / "first_loss.npy"))
+                        rows=_saved(directory / "rows.npy"), first_loss=_saved(directory / "first_loss.npy"))
     except (OSError, ValueError, KeyError):  # a damaged store is rebuilt
         return None
     if len(arrays.rows) + 1 != len(arrays.offsets) or len(arrays.first_loss) != len(arrays.rows):
@@ -204,20 +219,74 @@ def open_store(directory: Path) -> TokenRows | None:
     return TokenRows(arrays)
 
 
+def tokenizing_workers(rows: int) -> int:
+    """Processes to tokenize `rows` rows with: one for small data (starting
+    workers costs seconds) or few cores, else one per core but one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if rows < PARALLEL_MIN_ROWS or cores < PARALLEL_MIN_CORES:
+        return 1
+    return min(cores - 1, MAX_WORKERS)  # one core stays with reading and writing
+
+
+_worker_tokenizer: Any = None
+
+
+def _start_worker(tokenizer: Any) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode_chunk(chunk: list, tokenizer: Any = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Clip, tokenize and cut one chunk of examples (in a worker, or here)."""
+    chunk = [e.clipped(MAX_ROW_CHARS) for e in chunk]
+    encoded = (tokenizer or _worker_tokenizer).encode_many(chunk)
+    return [(e.row, ids[:MAX_ROW_TOKENS], learned[:MAX_ROW_TOKENS]) for e, (ids, learned) in zip(chunk, encoded)]
+
+
+def _encoded_chunks(examples: Iterator, tokenizer: Any, chunk_rows: int, workers: int) -> Iterator[list]:
+    """Encoded chunks in the data's order. With workers, reading and checking
+    stay here while rendering and tokenizing run in other processes; a few
+    chunks in flight per worker keep memory bounded."""
+    chunks = iter(lambda: list(itertools.islice(examples, chunk_rows)), [])
+    if workers <= 1:
+        for chunk in chunks:
+            yield _encode_chunk(chunk, tokenizer)
+        return
+    # spawn, not fork: the parent may hold threads (tokenizers, torch) a fork would copy mid-work.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(tokenizer,))
+    pending: deque = deque()
+    try:
+        for chunk in chunks:
+            pending.append((pool.submit(_encode_chunk, chunk), chunk))
+            if len(pending) >= 2 * workers:
+                yield _result(*pending.popleft(), tokenizer)
+        while pending:
+            yield _result(*pending.popleft(), tokenizer)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _result(future: Any, chunk: list, tokenizer: Any) -> list:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        # Workers could not start (a main module that cannot be imported
+        # again, as in an interactive session): this process does the chunk.
+        return _encode_chunk(chunk, tokenizer)
+
+
 def build_store(directory: Path, examples: Iterator, tokenizer, meta: dict,
-                progress: Callable[[int], None] | None = None, chunk_rows: int = 256) -> TokenRows:
+                progress: Callable[[int], None] | None = None, chunk_rows: int = 256, workers: int = 1) -> TokenRows:
     """Tokenize `examples` into a new store at `directory` and open it. Text is
     clipped before tokenizing and ids cut after, to MAX_ROW_TOKENS."""
     writer = StoreWriter(directory)
     done = 0
     try:
-        while True:
-            chunk = [e.clipped(MAX_ROW_CHARS) for e in itertools.islice(examples, chunk_rows)]
-            if not chunk:
-                break
-            for example, (ids, learned) in zip(chunk, tokenizer.encode_many(chunk)):
-                writer.add(example.row, ids[:MAX_ROW_TOKENS], learned[:MAX_ROW_TOKENS])
-            done += len(chunk)
+        for encoded in _encoded_chunks(examples, tokenizer, chunk_rows, workers):
+            for row, ids, learned in encoded:
+                writer.add(row, ids, learned)
+            done += len(encoded)
             if progress is not None:
                 progress(done)
         writer.finish(meta)

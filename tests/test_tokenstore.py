@@ -86,3 +86,16 @@ def test_a_huge_row_is_clipped_before_tokenizing(tmp_path, encoder, monkeypatch)
     assert max(e.char_count() for e in seen) <= 64 * 8
     assert rows.full_lengths.tolist()[0] == 64 and len(rows[1].input_ids) < 64
     assert np.array_equal(rows.row_numbers, [1, 2])
+
+
+def test_worker_processes_give_the_same_store(tmp_path, encoder):
+    path = FIXTURES / "alpaca.jsonl"
+    alone = build_store(tmp_path / "one", usable_examples(path), encoder, {}, chunk_rows=7)
+    shared = build_store(tmp_path / "two", usable_examples(path), encoder, {}, chunk_rows=7, workers=2)
+    assert list(shared) == list(alone)
+    assert (tmp_path / "two" / "ids.bin").read_bytes() == (tmp_path / "one" / "ids.bin").read_bytes()
+
+
+def test_a_store_of_no_rows_opens(tmp_path, encoder):
+    rows = build_store(tmp_path / "empty", iter(()), encoder, {})
+    assert len(rows) == 0 and rows.lengths.tolist() == []
