@@ -108,11 +108,11 @@ class PreparedRun:
     templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
 
 
-def split_eval(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def split_eval(n_rows: int, fraction: float, seed: int, most: int | None = MAX_EVAL_ROWS) -> tuple[list[int], list[int]]:
     """Seeded train/eval split of row indices; the same seed gives the same split."""
     if fraction <= 0 or n_rows < 2:
         return list(range(n_rows)), []
-    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)), MAX_EVAL_ROWS)
+    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)), most or n_rows)
     order = np.random.default_rng(seed).permutation(n_rows)
     eval_idx = np.sort(order[:n_eval])
     keep = np.ones(n_rows, bool)
@@ -156,14 +156,15 @@ class Split:
     fraction: float
 
 
-def _split(options: TrainOptions, dataset: Dataset, preset: Any, progress: Progress) -> Split:
+def _split(options: TrainOptions, dataset: Dataset, preset: Any, progress: Progress,
+           most: int | None = MAX_EVAL_ROWS) -> Split:
     if options.eval_data:
         eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))
         return Split(list(range(dataset.rows)), list(range(eval_set.rows)), eval_set,
                      f"from {Path(options.eval_data).name}", 0.0)
     seed = options.override("seed", 42)
     fraction, fraction_source = eval_fraction(preset, dataset.rows, options.overrides)
-    train_idx, eval_idx = split_eval(dataset.rows, fraction, seed)
+    train_idx, eval_idx = split_eval(dataset.rows, fraction, seed, most)
     if not train_idx:
         raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
                         "Lower --eval-split or add more rows.")
@@ -397,12 +398,16 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
                                 "Restore the original data file, or start a new run with `llmcustoms train`.")
     # "skip" for runs planned before the policy existed with --skip-bad-rows: the rows they trained on.
     policy = "skip" if plan.skip_bad_rows else plan.bad_row_policy
+    # A plan without a data report was made before prompt/completion rows went
+    # through the chat template and before the evaluation rows were capped:
+    # its rows are rebuilt the way it made them.
+    older = not plan.data_report
     options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data,
                            skip_bad_rows=policy == "skip", strict=policy == "strict",
                            overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan"),
-                                      "raw_prompts": (plan.raw_prompts, "plan")})
+                                      "raw_prompts": (plan.raw_prompts or older, "plan")})
     dataset = read_dataset(plan.data, options.policy)
-    split = _split(options, dataset, None, no_progress)
+    split = _split(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
     tokenized = _tokenize(plan.model, options, dataset, split.eval_dataset, plan.train_on_prompt,
                           plan.trust_remote_code, no_progress)
     # The rows as the run began; FineTuner cuts them further if recovery shortened them.

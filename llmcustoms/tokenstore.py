@@ -222,7 +222,10 @@ def open_store(directory: Path) -> TokenRows | None:
 def tokenizing_workers(rows: int) -> int:
     """Processes to tokenize `rows` rows with: one for small data (starting
     workers costs seconds) or few cores, else one per core but one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use, not the machine's
+    except AttributeError:  # not on every platform
+        cores = os.cpu_count() or 1
     if rows < PARALLEL_MIN_ROWS or cores < PARALLEL_MIN_CORES:
         return 1
     return min(cores - 1, MAX_WORKERS)  # one core stays with reading and writing
