@@ -170,9 +170,9 @@ def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[st
         if not identity:
             prompts.append(prompt_of(example))
             break
-        for index, (role, content) in enumerate(example.messages):
-            if role == "assistant" and IDENTITY in content.lower():
-                prompts.append([{"role": r, "content": c} for r, c in example.messages[:index]])
+        for index, message in enumerate(example.messages):
+            if message.role == "assistant" and IDENTITY in message.content.lower():
+                prompts.append([{"role": m.role, "content": m.content} for m in example.messages[:index]])
                 break
     if not identity:
         prompts = [list(prompts[0].messages)]

@@ -64,7 +64,7 @@ def build_assets(data: Path, workdir: Path, rows: int, device: str) -> dict:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend.train_from_iterator([c for e in examples for _, c in e.messages],
+    backend.train_from_iterator([m.content for e in examples for m in e.messages],
                                 trainers.BpeTrainer(vocab_size=8000, special_tokens=special, show_progress=False,
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -81,8 +81,8 @@ def build_assets(data: Path, workdir: Path, rows: int, device: str) -> dict:
                          initializer_range=0.1)
     LlamaForCausalLM(config).save_pretrained(model_dir)
     rows_file = workdir / "rows.json"
-    rows_file.write_text(json.dumps({"train": [list(e.messages) for e in train],
-                                     "eval": [list(e.messages) for e in evaluation]}))
+    pairs = lambda rows: [[[m.role, m.content] for m in e.messages] for e in rows]  # noqa: E731
+    rows_file.write_text(json.dumps({"train": pairs(train), "eval": pairs(evaluation)}))
     return {"model": str(model_dir), "rows": str(rows_file), "device": device}
 
 

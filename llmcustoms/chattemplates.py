@@ -94,8 +94,8 @@ def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | 
     An assistant turn's piece holds its reply and its tool calls."""
     segments: list[tuple[str, bool]] = []
     done = ""
-    for k, (role, _) in enumerate(messages):
-        if role != "assistant":
+    for k, message in enumerate(messages):
+        if message.role != "assistant":
             continue
         prefix = _render(tokenizer, messages[:k], tools, generation_prompt=True)
         full = _render(tokenizer, messages[: k + 1], tools, generation_prompt=False)
@@ -111,7 +111,7 @@ def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[di
     # Some templates rewrite earlier turns (e.g. drop reasoning) as the
     # conversation grows, so per-turn cuts do not line up; then only the last
     # reply is trained on, which is still exact.
-    last = max(i for i, (role, _) in enumerate(messages) if role == "assistant")
+    last = max(i for i, message in enumerate(messages) if message.role == "assistant")
     prefix = _render(tokenizer, messages[:last], tools, generation_prompt=True)
     full = _render(tokenizer, messages[: last + 1], tools, generation_prompt=False)
     if not full.startswith(prefix):

@@ -59,56 +59,16 @@ class ToolCall:
         return len(self.name) + len(self.arguments)
 
 
-class Message(tuple):
-    """One turn. It unpacks, indexes and compares as the `(role, content)` pair
-    a turn always was, so code that reads pairs keeps working; beside the pair,
-    an assistant turn may carry `tool_calls` and a tool result its
-    `tool_call_id` and `name`. Two Messages are equal only if those agree too.
-    Immutable, like the tuple it is."""
+@dataclass(frozen=True)
+class Message:
+    """One turn: a role and its content; beside them, an assistant turn may
+    carry `tool_calls` and a tool result its `tool_call_id` and `name`."""
 
-    tool_calls: tuple[ToolCall, ...]
-    tool_call_id: str
-    name: str
-
-    def __new__(cls, role: str, content: str, tool_calls: tuple[ToolCall, ...] = (),
-                tool_call_id: str = "", name: str = "") -> "Message":
-        self = super().__new__(cls, (role, content))
-        object.__setattr__(self, "tool_calls", tuple(tool_calls))
-        object.__setattr__(self, "tool_call_id", tool_call_id)
-        object.__setattr__(self, "name", name)
-        return self
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise AttributeError("Message is immutable")
-
-    def __reduce__(self):
-        return Message, (self[0], self[1], self.tool_calls, self.tool_call_id, self.name)
-
-    def _extras(self) -> tuple:
-        return self.tool_calls, self.tool_call_id, self.name
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Message):
-            return tuple.__eq__(self, other) and self._extras() == other._extras()
-        return tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = tuple.__hash__
-
-    def __repr__(self) -> str:
-        extras = "".join(f", {k}={v!r}" for k, v in zip(("tool_calls", "tool_call_id", "name"), self._extras()) if v)
-        return f"Message({self[0]!r}, {self[1]!r}{extras})"
-
-    @property
-    def role(self) -> str:
-        return self[0]
-
-    @property
-    def content(self) -> str:
-        return self[1]
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
     def chars(self) -> int:
         return len(self.content) + sum(call.chars() for call in self.tool_calls)

@@ -34,6 +34,7 @@ BAD_ROW_SHARE = 0.05
 NEAR_EMPTY_CHARS = 5
 # How many locations of each kind of bad row are named.
 LOCATIONS_SHOWN = 3
+WHITESPACE = b" \t\n\r\x0b\x0c"
 POLICIES = ("default", "strict", "skip")
 
 Progress = Callable[[int], None]  # called with the rows read so far
@@ -152,7 +153,7 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
         total.append(example.char_count())
         prompt.append(example.prompt_chars())
         turns.append(len(example.messages))
-        hashes.append(int.from_bytes(hashlib.blake2b(example.normalised_text().encode(), digest_size=8).digest(), "little"))
+        hashes.append(_duplicate_key(example))
         dataset.near_empty += len(example.reply().strip()) < NEAR_EMPTY_CHARS
         if progress is not None and len(total) % 1000 == 0:
             progress(len(total) + dataset.bad.count)
@@ -188,6 +189,14 @@ def usable_examples(path: str | Path) -> Iterator[Example]:
     for _, example, _ in rows:
         if example is not None and example.desirable:
             yield example
+
+
+def _duplicate_key(example: Example) -> int:
+    """Equal for rows that differ at most in whitespace. Whitespace is dropped
+    rather than collapsed: as fast as hashing alone, where collapsing it
+    (split and join) took half of reading a file."""
+    text = example.identity_text().encode("utf-8", "surrogatepass").translate(None, WHITESPACE)
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 def _reason_kind(problem: str) -> str:

@@ -45,8 +45,8 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
                      "--max-seq-len or shorten their prompts")
     train_rows = len(lengths)
     if train_rows < FEW_ROWS:
-        lines.append(f"only {train_rows:,} training rows: the model may learn them by heart; a few hundred "
-                     "varied rows teach better")
+        lines.append(f"only {train_rows:,} training row{'s' if train_rows != 1 else ''}: the model may learn "
+                     "them by heart; a few hundred varied rows teach better")
     if epochs is not None and total_steps < FEW_STEPS:
         lines.append(f"only {total_steps} optimizer steps ({epochs:g} epochs): expect little change; add rows, "
                      "raise --epochs, or lower --batch-size")

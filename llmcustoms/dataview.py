@@ -56,14 +56,15 @@ def show_prepared(prepared: Any, data_path: str) -> None:
     console.print(line)
     if dataset.skipped:
         why = "--skip-bad-rows" if dataset.policy == "skip" else "a small share; --strict stops at the first"
-        console.print(f"[yellow]{dataset.skipped:,} bad rows skipped[/] ({why}):")
+        rows = "1 bad row" if dataset.skipped == 1 else f"{dataset.skipped:,} bad rows"
+        console.print(f"[yellow]{rows} skipped[/] ({why}):")
         for reason in dataset.bad.lines():
             console.print(f"  {escape(reason)}")
     if dataset.unlearned:
-        console.print(f"{dataset.unlearned:,} rows marked undesirable (label: false) are left out: their replies "
-                      "are never learned.")
+        rows = "1 row" if dataset.unlearned == 1 else f"{dataset.unlearned:,} rows"
+        console.print(f"{rows} marked undesirable (label: false) left out: those replies are never learned.")
     if prepared.plan.eval_rows:
-        console.print(f"Evaluation: {prepared.plan.eval_rows:,} rows held out ({escape(prepared.eval_source)})")
+        console.print(f"Evaluation: {prepared.plan.eval_rows:,} row{'s' if prepared.plan.eval_rows != 1 else ''} held out ({escape(prepared.eval_source)})")
     if prepared.templated_prompts:
         console.print("prompt/completion rows go through the model's chat template as a user turn and an assistant "
                       "turn (--raw-prompts joins them as they are).")

@@ -234,15 +234,14 @@ def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progre
                         "Free some disk space, or point --cache-dir at a disk with room.") from None
 
 
-def _tokenize(model_name: str, options: TrainOptions, dataset: Dataset, eval_dataset: Dataset | None,
-              train_on_prompt: bool, trust_remote_code: bool, progress: Progress) -> Tokenized:
+def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset: Dataset,
+              eval_dataset: Dataset | None, train_on_prompt: bool, progress: Progress) -> Tokenized:
     """Every usable row of the data (and of --eval-data) tokenized, untruncated."""
     from llmcustoms import modeling
     from llmcustoms.chattemplates import ensure_chat_template, prompts_use_template
     from llmcustoms.rowformats import base_format
     from llmcustoms.tokenization import Tokenizer
 
-    hf_tokenizer = modeling.load_tokenizer(model_name, trust_remote_code)
     used_fallback = ensure_chat_template(hf_tokenizer)
     stop_ids = modeling.stop_token_ids(model_name)
     raw_prompts = bool(options.override("raw_prompts", False))
@@ -297,11 +296,13 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
 
     tokenized = None
     try:
-        tokenized = _tokenize(model.name, options, dataset, split.eval_dataset,
-                              bool(options.override("train_on_prompt", False)), trust_remote_code, progress)
-    except ModelError:
+        hf_tokenizer = modeling.load_tokenizer(model.name, trust_remote_code)
+    except ModelError:  # not downloaded: `plan` goes on with estimated lengths
         if tokenizer_required:
             raise
+    else:  # a row the model cannot take (tool calls, say) is an error for `plan` too
+        tokenized = _tokenize(model.name, hf_tokenizer, options, dataset, split.eval_dataset,
+                              bool(options.override("train_on_prompt", False)), progress)
     train_full = evaluation_full = None
     if tokenized is None:
         stats = rough
@@ -408,8 +409,10 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
                                       "raw_prompts": (plan.raw_prompts or older, "plan")})
     dataset = read_dataset(plan.data, options.policy)
     split = _split(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
-    tokenized = _tokenize(plan.model, options, dataset, split.eval_dataset, plan.train_on_prompt,
-                          plan.trust_remote_code, no_progress)
+    from llmcustoms.modeling import load_tokenizer
+
+    tokenized = _tokenize(plan.model, load_tokenizer(plan.model, plan.trust_remote_code), options, dataset,
+                          split.eval_dataset, plan.train_on_prompt, no_progress)
     # The rows as the run began; FineTuner cuts them further if recovery shortened them.
     row_max_len = plan.row_max_len or plan.max_seq_len
     train, train_cut, train_dropped = tokenized.rows.select(split.train).truncated(row_max_len)

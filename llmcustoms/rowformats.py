@@ -134,10 +134,11 @@ class Example:
         a reply that calls tools includes the calls."""
         return self.messages[-1].text() if self.is_chat else self.completion
 
-    def normalised_text(self) -> str:
-        """Roles and text with whitespace collapsed: equal for exact duplicates."""
-        parts = [f"{m.role}\x00{m.tool_call_id}\x00{' '.join(m.text().split())}" for m in self.messages]
-        return "\x01".join(parts + [self.tools, " ".join(self.prompt.split()), " ".join(self.completion.split())])
+    def identity_text(self) -> str:
+        """Everything that makes the row what it is (roles, text, calls, tools),
+        for finding duplicates."""
+        parts = [f"{m.role}\x00{m.tool_call_id}\x00{m.text()}" for m in self.messages]
+        return "\x01".join(parts + [self.tools, self.prompt, self.completion])
 
     def clipped(self, max_chars: int) -> "Example":
         """The row cut to at most `max_chars` characters of text, from the end:
@@ -241,13 +242,13 @@ def _conversation(row: int, value: dict, fmt: str) -> Example:
 
 
 def _desirable(value: dict) -> bool:
-    """A KTO-style `label`: True or False (a CSV's "true"/"false" too); no label is True."""
+    """A KTO-style `label`: False (or a CSV's "false") marks a reply not to
+    learn. A label of another kind (a class name, a number) is some other
+    column, as in a classification file, and changes nothing."""
     label = value.get("label")
-    if label is None or isinstance(label, bool):
-        return label is not False
-    if isinstance(label, str) and label.strip().lower() in ("true", "false"):
-        return label.strip().lower() == "true"
-    raise RowProblem(f"field 'label' must be true or false, found {type(label).__name__}")
+    if isinstance(label, str):
+        return label.strip().lower() != "false"
+    return label is not False
 
 
 def to_example(raw: RawRow, fmt: str) -> Example:

@@ -52,10 +52,10 @@ def prompt_of(example: Example) -> SamplePrompt | None:
         # template too; a sample is a look, so such rows are not drawn.
         return None
     if example.is_chat:
-        for index, (role, content) in enumerate(example.messages):
-            if role == "assistant" and index > 0:
-                before = tuple({"role": r, "content": c} for r, c in example.messages[:index])
-                return SamplePrompt(example.row, before, content) if before[-1]["role"] == "user" else None
+        for index, message in enumerate(example.messages):
+            if message.role == "assistant" and index > 0:
+                before = tuple({"role": m.role, "content": m.content} for m in example.messages[:index])
+                return SamplePrompt(example.row, before, message.content) if before[-1]["role"] == "user" else None
         return None
     if example.prompt:
         return SamplePrompt(example.row, ({"role": "user", "content": example.prompt},), example.completion)

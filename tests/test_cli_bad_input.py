@@ -80,6 +80,29 @@ def test_skip_bad_rows_trains(cli, tiny_models, tmp_path):
     assert (runs / "skip" / "plan.json").exists()
 
 
+def test_a_few_bad_rows_are_skipped_and_reported_many_stop_and_strict_stops_at_the_first(cli, tiny_models, tmp_path):
+    rows = [good(i) for i in range(1, 41)]
+    rows[6] = {"instruction": SECRET, "input": "", "output": ""}
+    path = tmp_path / "few_bad.jsonl"
+    path.write_bytes(jsonl(*rows))
+    runs = tmp_path / "runs"
+    model = ("--model", str(tiny_models["llama"]))
+    result = cli("train", str(path), *model, "--yes", "--max-steps", "1", "--output-dir", str(runs), "--run-name", "few")
+    out = output_of(result)
+    assert result.returncode == 0 and SECRET not in out, out
+    assert "1 bad row skipped" in out and "field 'output' is empty: 1 row (line 7)" in out
+    for name in ("plan.json", "status.json"):
+        saved = json.loads((runs / "few" / name).read_text())
+        report = saved["data_report"] if name == "plan.json" else saved["data"]
+        assert report["bad_rows"]["where"] == {"field 'output' is empty": ["line 7"]} and report["rows"] == 39
+    strict = cli("train", str(path), *model, "--strict", "--yes", "--output-dir", str(runs), "--run-name", "strict")
+    assert_clean_user_error(strict, "few_bad.jsonl, line 7: field 'output' is empty")
+    many = tmp_path / "many_bad.jsonl"
+    many.write_bytes(jsonl(*[good(i) if i % 10 >= 3 else rows[6] for i in range(1, 41)]))
+    result = cli("plan", str(many), *model)
+    assert_clean_user_error(result, "12 of 40 rows (30%) fail validation", "--skip-bad-rows")
+
+
 def test_model_hub_id_not_cached_offline(cli, tmp_path):
     runs = tmp_path / "runs"
     result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--model", "no-such-org/no-such-model", "--yes",

@@ -12,6 +12,7 @@ import pytest
 from types import SimpleNamespace
 
 from llmcustoms import data
+from llmcustoms.chatturns import Message
 from llmcustoms.errors import DataError
 from llmcustoms.rowformats import FORMAT_DESCRIPTIONS
 
@@ -77,28 +78,28 @@ def test_alpaca_fixture_normalised():
     assert any(r["input"] for r in raw) and any(not r["input"] for r in raw)
     for row, example in zip(raw, dataset.examples):
         user = row["instruction"] + ("\n\n" + row["input"] if row["input"] else "")
-        assert example.messages == (("user", user), ("assistant", row["output"]))
+        assert example.messages == (Message("user", user), Message("assistant", row["output"]))
         assert example.prompt == "" and example.completion == ""
     # Row 3 has an input: it follows the instruction after a blank line.
     assert dataset.examples[2].messages == (
-        ("user", "How many legs does a spider have?\n\nAnswer in one sentence."),
-        ("assistant", "A spider has eight legs."),
+        Message("user", "How many legs does a spider have?\n\nAnswer in one sentence."),
+        Message("assistant", "A spider has eight legs."),
     )
-    assert dataset.examples[0].messages[0] == ("user", "What is the capital of France?")
+    assert dataset.examples[0].messages[0] == Message("user", "What is the capital of France?")
 
 
 def test_sharegpt_fixture_normalised():
     dataset = read_dataset(FIXTURES / "sharegpt.json")
     first = dataset.examples[0]
     assert first.messages == (
-        ("system", "You are a helpful assistant."),
-        ("user", "What is the capital of France?"),
-        ("assistant", "The capital of France is Paris."),
-        ("user", "What do bees make?"),
-        ("assistant", "Bees make honey."),
+        Message("system", "You are a helpful assistant."),
+        Message("user", "What is the capital of France?"),
+        Message("assistant", "The capital of France is Paris."),
+        Message("user", "What do bees make?"),
+        Message("assistant", "Bees make honey."),
     )
     for example in dataset.examples:
-        roles = [role for role, _ in example.messages]
+        roles = [m.role for m in example.messages]
         assert set(roles) <= {"system", "user", "assistant"}
         assert "system" not in roles[1:]
         assert roles[-1] == "assistant"
@@ -107,9 +108,9 @@ def test_sharegpt_fixture_normalised():
 def test_messages_fixture_normalised():
     dataset = read_dataset(FIXTURES / "messages.jsonl")
     assert dataset.examples[0].messages == (
-        ("system", "Answer briefly."),
-        ("user", "What is the capital of France?"),
-        ("assistant", "The capital of France is Paris."),
+        Message("system", "Answer briefly."),
+        Message("user", "What is the capital of France?"),
+        Message("assistant", "The capital of France is Paris."),
     )
 
 
@@ -460,7 +461,7 @@ def test_skip_bad_rows(tmp_path):
     dataset = read_dataset(path, skip_bad_rows=True)
     assert dataset.format == "alpaca"
     assert [e.row for e in dataset.examples] == [1, 3, 6]
-    assert [e.messages[1][1] for e in dataset.examples] == ["Answer 1.", "Answer 3.", "Answer 6."]
+    assert [e.messages[1].content for e in dataset.examples] == ["Answer 1.", "Answer 3.", "Answer 6."]
     assert dataset.skipped == 3
     assert sum(dataset.skip_reasons.values()) == 3
     assert dataset.skip_reasons["not valid JSON"] == 1

@@ -119,7 +119,7 @@ def test_variants_read_like_their_base_format():
     _, examples = examples_of(SHAPES / "input_output.csv")
     assert examples[0] == Example(1, prompt="Question: What do bees make?\nAnswer:", completion=" Honey.")
     _, examples = examples_of(SHAPES / "alpaca_response.csv")  # Dolly's context follows the instruction
-    assert examples[1].messages == (("user", "Name the colour.\n\nThe sky on a clear day."), ("assistant", "Blue."))
+    assert examples[1].messages == (Message("user", "Name the colour.\n\nThe sky on a clear day."), Message("assistant", "Blue."))
 
 
 def test_detection_order_puts_chat_lists_first_and_alpaca_before_input_output(tmp_path):
@@ -137,8 +137,8 @@ def test_detection_order_puts_chat_lists_first_and_alpaca_before_input_output(tm
 
 def test_content_parts_are_joined_and_masked_like_text(chatml):
     _, examples = examples_of(SHAPES / "messages_parts.jsonl")
-    assert examples[0].messages == (("system", "Answer briefly."), ("user", "What do bees make?\nOne word."),
-                                    ("assistant", "Honey."))
+    assert examples[0].messages == (Message("system", "Answer briefly."), Message("user", "What do bees make?\nOne word."),
+                                    Message("assistant", "Honey."))
     masked, learned = masks(chatml, examples[0])
     assert masked == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?\nOne word.")
                       + "<|im_start|>assistant\n"]
@@ -168,8 +168,9 @@ def test_unknown_role_is_named_and_the_accepted_roles_listed():
 
 def test_sharegpt_system_field_becomes_the_system_turn(chatml):
     _, examples = examples_of(SHAPES / "sharegpt_system.jsonl")
-    assert examples[0].messages == (("system", "Answer briefly."), ("user", "What do bees make?"), ("assistant", "Honey."))
-    assert examples[1].messages[0] == ("system", "Be kind.")
+    assert examples[0].messages == (Message("system", "Answer briefly."), Message("user", "What do bees make?"),
+                                    Message("assistant", "Honey."))
+    assert examples[1].messages[0] == Message("system", "Be kind.")
     masked, learned = masks(chatml, examples[0])
     assert masked == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?")
                       + "<|im_start|>assistant\n"]
@@ -336,10 +337,11 @@ def test_kto_rows_labelled_false_are_never_learned(name):
     assert dataset.unlearned == 1 and dataset.rows == 2 and dataset.skipped == 0
 
 
-@pytest.mark.parametrize("label", [1, "yes", ["true"], ""])
-def test_a_label_that_is_not_true_or_false_is_a_row_problem(label):
-    value = {"prompt": SECRET, "completion": SECRET, "label": label}
-    assert problem(value, "prompt_completion").startswith("field 'label' must be true or false, found ")
+@pytest.mark.parametrize("label", [1, 0, "positive", ["true"], ""])
+def test_a_label_that_is_not_true_or_false_is_another_column(label):
+    # A classification file's label (a class, a number) is not a KTO judgement.
+    raw = RawRow(1, 1, value={"prompt": "Q", "completion": "A", "label": label})
+    assert to_example(raw, "prompt_completion").desirable
 
 
 # ----------------------------------------------------------------- templates
@@ -358,12 +360,12 @@ def test_a_template_that_refuses_a_row_is_a_clear_error(chatml):
 
 # ------------------------------------------------------------------- Message
 
-def test_messages_still_read_as_role_content_pairs_and_keep_their_calls():
+def test_messages_keep_their_calls_and_pickle():
     _, (first, _) = examples_of(SHAPES / "messages_tools.jsonl")
     call = first.messages[1]
-    role, content = call
-    assert (role, content) == ("assistant", "") and call == ("assistant", "")
-    assert call != Message("assistant", "")  # the calls count when both sides have them
+    assert (call.role, call.content) == ("assistant", "") and call.tool_calls
+    assert call != Message("assistant", "")  # the calls count in equality
+    assert call != ("assistant", "")  # a Message is no pair
     assert pickle.loads(pickle.dumps(first)) == first
     assert Example(1, messages=(("user", "a"), ("assistant", "b"))).messages[1].role == "assistant"
     # The calls are part of the row's text: a row calling with other arguments is no duplicate.
@@ -372,6 +374,6 @@ def test_messages_still_read_as_role_content_pairs_and_keep_their_calls():
         {"role": "assistant", "tool_calls": [{"id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "{\"celsius\": 21}"},
         {"role": "assistant", "content": "It is 21 degrees in Paris."}], "tools": json.loads(first.tools)}), "messages")
-    assert other.normalised_text() != first.normalised_text()
-    assert first.char_count() > sum(len(c) for _, c in first.messages) + len(first.tools)  # calls are counted
+    assert other.identity_text() != first.identity_text()
+    assert first.char_count() > sum(len(m.content) for m in first.messages) + len(first.tools)  # calls are counted
     assert first.messages[1].text() == 'get_weather({"city": "Paris"})' and first.reply() == "It is 21 degrees in Paris."

@@ -151,3 +151,20 @@ def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path
     other = prepare_run(prompts_too, Hardware.cpu_only())
     assert len(list((tmp_path / "tokenized").glob("*/meta.json"))) == 2
     assert all(e.labels == e.input_ids for e in other.train)
+
+
+def test_a_plan_made_before_templated_prompts_resumes_with_its_raw_rows(tmp_path, tiny_models, monkeypatch):
+    from dataclasses import replace
+
+    from llmcustoms.hardware import Hardware
+    from llmcustoms.preparation import TrainOptions, prepare_resume, prepare_run
+
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
+    raw = TrainOptions(data=str(FIXTURES / "prompt_completion.csv"), model=str(tiny_models["qwen2"]),
+                       overrides={"raw_prompts": (True, "flag")})
+    began = prepare_run(raw, Hardware.cpu_only())
+    templated = prepare_run(replace(raw, overrides={}), Hardware.cpu_only())
+    assert list(templated.train) != list(began.train)  # the chat template changes the tokens
+    older = replace(began.plan, raw_prompts=False, data_report={})  # plan.json as written before either existed
+    assert list(prepare_resume(older).train) == list(began.train)
+    assert list(prepare_resume(templated.plan).train) == list(templated.train)
