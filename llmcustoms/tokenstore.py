@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -237,6 +238,9 @@ _worker_tokenizer: Any = None
 def _start_worker(tokenizer: Any) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+    # Ctrl-C reaches the whole process group: the main process stops the
+    # workers; each printing its own traceback would bury the message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_chunk(chunk: list, tokenizer: Any = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
