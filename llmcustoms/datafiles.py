@@ -17,6 +17,7 @@ import csv
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -26,6 +27,7 @@ from llmcustoms.errors import DataError
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bytes read at a time from a JSON array; doubled while one row is larger.
 JSON_CHUNK = 1 << 20
+_SPACE = re.compile(r"[ \t\r\n]*")
 JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
 
 
@@ -72,18 +74,20 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 
 
 class _TextStream:
-    """A UTF-8 file read in chunks, keeping a buffer of what is not consumed
-    yet and the line number of the buffer's start."""
+    """A UTF-8 file read in chunks. `buffer[pos:]` is what is not consumed yet
+    and `line` the line number at `pos`; the consumed part is dropped only
+    when more is read, so consuming a row costs no copy of the rest."""
 
     def __init__(self, path: Path, f: IO[bytes]):
         self.path, self.f = path, f
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
-        self.buffer, self.line, self.eof = "", 1, False
+        self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
 
     def more(self, size: int) -> bool:
         """Append up to `size` more bytes of text; False at the end of the file."""
         if self.eof:
             return False
+        self.buffer, self.pos = self.buffer[self.pos:], 0
         raw = self.f.read(size)
         try:
             self.buffer += self.decoder.decode(raw, final=not raw)
@@ -94,20 +98,25 @@ class _TextStream:
         self.eof = not raw
         return bool(raw)
 
-    def consume(self, upto: int) -> None:
-        self.line += self.buffer.count("\n", 0, upto)
-        self.buffer = self.buffer[upto:]
+    def at(self, text: str) -> bool:
+        return self.buffer.startswith(text, self.pos)
+
+    def rest(self) -> bool:
+        return self.pos < len(self.buffer)
+
+    def consume_to(self, end: int) -> None:
+        self.line += self.buffer.count("\n", self.pos, end)
+        self.pos = end
 
     def skip_space(self) -> None:
         while True:
-            stripped = self.buffer.lstrip(" \t\r\n")
-            self.consume(len(self.buffer) - len(stripped))
-            if self.buffer or not self.more(JSON_CHUNK):
+            self.consume_to(_SPACE.match(self.buffer, self.pos).end())
+            if self.rest() or not self.more(JSON_CHUNK):
                 return
 
-    def fail(self, pos: int, msg: str) -> DataError:
-        line = self.line + self.buffer.count("\n", 0, pos)
-        col = pos - (self.buffer.rfind("\n", 0, pos) + 1) + 1
+    def fail(self, at: int, msg: str) -> DataError:
+        line = self.line + self.buffer.count("\n", self.pos, at)
+        col = at - (self.buffer.rfind("\n", 0, at) + 1) + 1
         return DataError(f"{self.path.name}, line {line}: not valid JSON ({msg} at column {col}).",
                          "Check the file with a JSON validator; a missing comma or quote is the usual cause.")
 
@@ -115,9 +124,9 @@ class _TextStream:
 def _array_elements(text: _TextStream) -> Iterator[RawRow]:
     """The elements of a JSON array, decoded one at a time from a stream."""
     decoder = json.JSONDecoder()
-    text.consume(1)  # the "["
+    text.consume_to(text.pos + 1)  # the "["
     text.skip_space()
-    if text.buffer.startswith("]"):
+    if text.at("]"):
         return
     row = 0
     while True:
@@ -125,7 +134,7 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
         size = JSON_CHUNK
         while True:
             try:
-                value, end = decoder.raw_decode(text.buffer)
+                value, end = decoder.raw_decode(text.buffer, text.pos)
                 # A value that ends the buffer may be cut short (a number); a
                 # whole row is always followed by "," or "]".
                 if end < len(text.buffer) or text.eof:
@@ -137,28 +146,29 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
             size *= 2
         row += 1
         yield RawRow(row, text.line, value=value)
-        text.consume(end)
+        text.consume_to(end)
         text.skip_space()
-        if text.buffer.startswith(","):
-            text.consume(1)
+        if text.at(","):
+            text.consume_to(text.pos + 1)
             continue
-        if text.buffer.startswith("]"):
-            text.consume(1)
+        if text.at("]"):
+            text.consume_to(text.pos + 1)
             text.skip_space()
-            if text.buffer:
-                raise text.fail(0, "Extra data after the array")
+            if text.rest():
+                raise text.fail(text.pos, "Extra data after the array")
             return
-        raise text.fail(0, "Expecting ',' or ']' between array elements")
+        raise text.fail(text.pos, "Expecting ',' or ']' between array elements")
 
 
 def _read_json(path: Path) -> Iterator[RawRow]:
     with open(path, "rb") as f:
         text = _TextStream(path, f)
         text.skip_space()
-        if text.buffer.startswith("["):
+        if text.at("["):
             yield from _array_elements(text)
             return
         # Many ".json" files are really JSON Lines; a single object is one row.
+        text.buffer, text.pos = text.buffer[text.pos:], 0
         while "\n" not in text.buffer and text.more(JSON_CHUNK):
             pass
         first_line, _, rest = text.buffer.partition("\n")

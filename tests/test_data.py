@@ -553,3 +553,8 @@ def test_a_json_array_is_read_in_chunks_with_exact_lines(tmp_path, monkeypatch):
     assert [e.row for e in found.examples] == [i + 1 for i in range(60) if i != 45]
     assert found.examples[59 - 1].completion == "row 59 " + "x" * (59 * 13)
     assert found.bad.where == {"field 'text' must be text, found int": [f"line {2 + 45 * 3}"]}
+
+
+def test_json_lines_saved_as_json_after_blank_lines(tmp_path):
+    path = write(tmp_path, "lines.json", b"\n\n" + jsonl(good(1), good(2)))
+    assert [e.row for e in read_dataset(path).examples] == [1, 2]
