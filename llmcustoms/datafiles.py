@@ -28,6 +28,7 @@ SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bytes read at a time from a JSON array; doubled while one row is larger.
 JSON_CHUNK = 1 << 20
 _SPACE = re.compile(r"[ \t\r\n]*")
+TOO_DEEP = "nested too deeply, or a number too long"
 JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
 
 
@@ -49,7 +50,9 @@ class RawRow:
         return f"{path.name}, row {self.row}"
 
     def location(self) -> str:
-        """Where the row is, without the file name: 'line 12' or 'row 3'."""
+        """Where the row is, without the file name: 'line 12', 'row 3' or 'row 3 at line 1'."""
+        if self.line is not None and self.line != self.row:
+            return f"row {self.row} at line {self.line}"
         return f"line {self.line}" if self.line is not None else f"row {self.row}"
 
 
@@ -71,6 +74,8 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                 yield RawRow(row, line_no, value=json.loads(text))
             except json.JSONDecodeError as exc:
                 yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
+            except (ValueError, RecursionError):  # the json module's limits: digits, nesting
+                yield RawRow(row, line_no, problem=f"not valid JSON ({TOO_DEEP})")
 
 
 class _TextStream:
@@ -82,21 +87,31 @@ class _TextStream:
         self.path, self.f = path, f
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
         self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
+        self.column0 = 0  # the column of buffer[0], which need not start a line
 
     def more(self, size: int) -> bool:
         """Append up to `size` more bytes of text; False at the end of the file."""
         if self.eof:
             return False
-        self.buffer, self.pos = self.buffer[self.pos:], 0
+        self.compact()
         raw = self.f.read(size)
         try:
             self.buffer += self.decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as exc:
-            line = self.line + self.buffer.count("\n") + raw[: exc.start].count(b"\n")
-            raise DataError(f"{self.path.name}, line {line}: not valid UTF-8 text (byte 0x{raw[exc.start]:02x}).",
+            # exc.object holds the decoder's leftover bytes and then `raw`.
+            line = self.line + self.buffer.count("\n") + exc.object[: exc.start].count(b"\n")
+            raise DataError(f"{self.path.name}, line {line}: not valid UTF-8 text (byte 0x{exc.object[exc.start]:02x}"
+                            f"{', and the file ends there' if not raw else ''}).",
                             "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').") from None
         self.eof = not raw
         return bool(raw)
+
+    def compact(self) -> None:
+        """Drop what was consumed, keeping the column of what is left."""
+        done = self.buffer[: self.pos]
+        newline = done.rfind("\n")
+        self.column0 = len(done) - newline - 1 if newline >= 0 else self.column0 + len(done)
+        self.buffer, self.pos = self.buffer[self.pos:], 0
 
     def at(self, text: str) -> bool:
         return self.buffer.startswith(text, self.pos)
@@ -116,9 +131,15 @@ class _TextStream:
 
     def fail(self, at: int, msg: str) -> DataError:
         line = self.line + self.buffer.count("\n", self.pos, at)
-        col = at - (self.buffer.rfind("\n", 0, at) + 1) + 1
+        newline = self.buffer.rfind("\n", 0, at)
+        col = at - newline if newline >= 0 else self.column0 + at + 1
         return DataError(f"{self.path.name}, line {line}: not valid JSON ({msg} at column {col}).",
                          "Check the file with a JSON validator; a missing comma or quote is the usual cause.")
+
+
+def _cut_short(error: json.JSONDecodeError, buffer: str) -> bool:
+    """Whether decoding failed because the text ends, not because it is wrong."""
+    return error.pos >= len(buffer.rstrip()) - 1 or error.msg.startswith("Unterminated string")
 
 
 def _array_elements(text: _TextStream) -> Iterator[RawRow]:
@@ -140,8 +161,12 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
                 if end < len(text.buffer) or text.eof:
                     break
             except json.JSONDecodeError as exc:
-                if text.eof:
+                # Read on only if the row may just be cut short by the chunk;
+                # a mistake in the middle fails here, not after the whole file.
+                if text.eof or not _cut_short(exc, text.buffer):
                     raise text.fail(exc.pos, exc.msg) from None
+            except (ValueError, RecursionError):  # the json module's limits
+                raise text.fail(text.pos, TOO_DEEP) from None
             text.more(size)
             size *= 2
         row += 1
@@ -168,7 +193,7 @@ def _read_json(path: Path) -> Iterator[RawRow]:
             yield from _array_elements(text)
             return
         # Many ".json" files are really JSON Lines; a single object is one row.
-        text.buffer, text.pos = text.buffer[text.pos:], 0
+        text.compact()
         while "\n" not in text.buffer and text.more(JSON_CHUNK):
             pass
         first_line, _, rest = text.buffer.partition("\n")
@@ -249,7 +274,9 @@ def _read_csv(path: Path) -> Iterator[RawRow]:
     with open(path, "rb") as f:
         # csv.reader, not DictReader: DictReader skips blank lines without saying
         # so, and the line numbers of every later row would be off.
-        yield from _csv_rows(path, csv.reader(_decoded_lines(path, f)))
+        # strict: a stray quote is an error at its line, not a cell that
+        # silently swallows every row after it.
+        yield from _csv_rows(path, csv.reader(_decoded_lines(path, f), strict=True))
 
 
 def _read_arrow_rows(rows: Iterator[dict]) -> Iterator[RawRow]:

@@ -54,7 +54,8 @@ def load_trained(run: RunDirectory) -> tuple[Any, Any, Any]:
 
 def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]]) -> Any:
     """Token ids of the prompt, in the format the run trained on."""
-    if not prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts):
+    # A plan without a data report predates templated prompts: its rows were raw.
+    if not prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report):
         text = "".join(m["content"] for m in messages if m["role"] == "user")
         return tokenizer(text, return_tensors="pt")["input_ids"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -217,8 +217,11 @@ def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progre
 
     directory = cache_dir(cache) / "tokenized" / key
     rows = open_store(directory)
-    if rows is not None:
+    if rows is not None and len(rows) == dataset.rows:
         return rows, True
+    # Damaged, unreadable, or not of these rows (the checking rules changed):
+    # it goes, or the new store could not take its place.
+    shutil.rmtree(directory, ignore_errors=True)
     meta = {"data": dataset.path.name, "rows": dataset.rows}
     report = lambda done: progress("tokenize", done, dataset.rows)  # noqa: E731
     workers = tokenizing_workers(dataset.rows)

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import tempfile
 from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +45,8 @@ MAX_ROW_CHARS = MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN
 # With fewer cores, workers only add the cost of passing rows between processes:
 # on 2 cores, 20 MB of chat rows took 11.9 s with 2 workers and 8.5 s without.
 PARALLEL_MIN_ROWS = 20_000
+# Text tokenized in one call, at most (about 4 MB: a few hundred MB of memory while it is tokenized).
+CHUNK_CHARS = 4_000_000
 PARALLEL_MIN_CORES = 4
 MAX_WORKERS = 8
 
@@ -132,7 +135,9 @@ class TokenRows:
     def truncated(self, max_len: int) -> tuple["TokenRows", int, int]:
         """(rows cut to max_len without those left with nothing to learn,
         rows truncated, rows dropped)."""
-        keep = self.first_loss < max_len
+        # A row keeps a learned token only if its first one is inside both the
+        # cut and the row (a row of prompt only has first_loss == its length).
+        keep = self.first_loss < np.minimum(self.full_lengths, max_len)
         truncated = int((self.lengths > max_len).sum())
         return TokenRows(self.arrays, self.index[keep], max_len), truncated, int((~keep).sum())
 
@@ -152,9 +157,9 @@ class StoreWriter:
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.tmp = directory.parent / f".{directory.name}.{os.getpid()}.tmp"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        # A name of its own: processes on several machines may share a cache (and a pid).
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
         self.ids_file = open(self.tmp / "ids.bin", "wb")
         self.learned_file = open(self.tmp / "learned.bin", "wb")
         self.offsets, self.rows, self.first = array("q", [0]), array("q"), array("i")
@@ -254,7 +259,7 @@ def _encoded_chunks(examples: Iterator, tokenizer: Any, chunk_rows: int, workers
     """Encoded chunks in the data's order. With workers, reading and checking
     stay here while rendering and tokenizing run in other processes; a few
     chunks in flight per worker keep memory bounded."""
-    chunks = iter(lambda: list(itertools.islice(examples, chunk_rows)), [])
+    chunks = _chunks(examples, chunk_rows)
     if workers <= 1:
         for chunk in chunks:
             yield _encode_chunk(chunk, tokenizer)
@@ -265,22 +270,38 @@ def _encoded_chunks(examples: Iterator, tokenizer: Any, chunk_rows: int, workers
     pending: deque = deque()
     try:
         for chunk in chunks:
-            pending.append((pool.submit(_encode_chunk, chunk), chunk))
+            pending.append([None, chunk])  # kept before submitting, so a refused submit loses no chunk
+            pending[-1][0] = pool.submit(_encode_chunk, chunk)
             if len(pending) >= 2 * workers:
-                yield _result(*pending.popleft(), tokenizer)
+                yield pending[0][0].result()
+                pending.popleft()
         while pending:
-            yield _result(*pending.popleft(), tokenizer)
+            yield pending[0][0].result()
+            pending.popleft()
+    except BrokenProcessPool:
+        # Workers could not start (a main module that cannot be imported
+        # again, as in an interactive session) or one was killed: this
+        # process does what is left, in order.
+        for _, chunk in pending:
+            yield _encode_chunk(chunk, tokenizer)
+        for chunk in chunks:
+            yield _encode_chunk(chunk, tokenizer)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _result(future: Any, chunk: list, tokenizer: Any) -> list:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        # Workers could not start (a main module that cannot be imported
-        # again, as in an interactive session): this process does the chunk.
-        return _encode_chunk(chunk, tokenizer)
+def _chunks(examples: Iterator, most_rows: int) -> Iterator[list]:
+    """Examples in chunks of at most `most_rows` rows and about CHUNK_CHARS
+    characters: tokenizing a chunk of long documents must not take gigabytes."""
+    chunk, chars = [], 0
+    for example in examples:
+        chunk.append(example)
+        chars += min(example.char_count(), MAX_ROW_CHARS)
+        if len(chunk) >= most_rows or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
 
 
 def build_store(directory: Path, examples: Iterator, tokenizer, meta: dict,

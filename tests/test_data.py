@@ -552,9 +552,44 @@ def test_a_json_array_is_read_in_chunks_with_exact_lines(tmp_path, monkeypatch):
     found = read_dataset(path, policy="skip")
     assert [e.row for e in found.examples] == [i + 1 for i in range(60) if i != 45]
     assert found.examples[59 - 1].completion == "row 59 " + "x" * (59 * 13)
-    assert found.bad.where == {"field 'text' must be text, found int": [f"line {2 + 45 * 3}"]}
+    assert found.bad.where == {"field 'text' must be text, found int": [f"row 46 at line {2 + 45 * 3}"]}
 
 
 def test_json_lines_saved_as_json_after_blank_lines(tmp_path):
     path = write(tmp_path, "lines.json", b"\n\n" + jsonl(good(1), good(2)))
     assert [e.row for e in read_dataset(path).examples] == [1, 2]
+
+
+# --- found in review: malformed files fail clearly, and early
+
+def test_a_stray_quote_in_a_csv_is_an_error_not_a_swallowed_file(tmp_path):
+    rows = "".join(f"q{i},a{i}\n" for i in range(1, 60))
+    data = f"prompt,completion\n{rows}q60,\"a60 with a stray quote\n{rows}".encode()
+    err = bad_input(write(tmp_path, "quote.csv", data))
+    assert err.message.startswith("quote.csv, line 61: not valid CSV")
+
+
+def test_a_mistake_early_in_a_json_array_fails_before_reading_the_rest(tmp_path, monkeypatch):
+    from llmcustoms import datafiles
+
+    monkeypatch.setattr(datafiles, "JSON_CHUNK", 64)
+    reads = []
+    original = datafiles._TextStream.more
+    monkeypatch.setattr(datafiles._TextStream, "more", lambda self, size: reads.append(size) or original(self, size))
+    body = ",".join(json.dumps({"text": f"row {i}"}) for i in range(2000))
+    path = write(tmp_path, "early.json", ("[" + json.dumps({"text": "a"}) + ",{bad}," + body + "]").encode())
+    err = bad_input(path)
+    assert err.message.startswith("early.json, line 1: not valid JSON (Expecting property name enclosed in double quotes at column 17)")
+    assert sum(reads) < 1000  # the 40 KB after the mistake were never read
+
+
+@pytest.mark.parametrize("data", [b'[{"text": "a"}]\xe9', b'[{"text": "\xe2\x82'])
+def test_a_file_cut_in_the_middle_of_a_character_is_a_clear_error(tmp_path, data):
+    assert "not valid UTF-8 text" in bad_input(write(tmp_path, "cut.json", data)).message
+
+
+def test_rows_beyond_the_json_modules_limits_are_bad_rows(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    path = write(tmp_path, "deep.jsonl", jsonl(*[good(i) for i in range(1, 40)]) + ('{"text": ' + deep + "}\n").encode())
+    found = data.read_dataset(path)
+    assert found.rows == 39 and list(found.bad.by_reason) == ["not valid JSON"]

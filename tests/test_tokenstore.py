@@ -99,3 +99,56 @@ def test_worker_processes_give_the_same_store(tmp_path, encoder):
 def test_a_store_of_no_rows_opens(tmp_path, encoder):
     rows = build_store(tmp_path / "empty", iter(()), encoder, {})
     assert len(rows) == 0 and rows.lengths.tolist() == []
+
+
+def test_rows_with_nothing_learned_are_dropped_not_trained_as_empty(encoder):
+    from llmcustoms.tokenization import TokenizedExample
+
+    prompt_only = TokenizedExample(1, [5, 6, 7], [IGNORE_INDEX] * 3)  # a reply clipped away
+    empty = TokenizedExample(2, [], [])
+    fine = TokenizedExample(3, [5, 6, 7], [IGNORE_INDEX, 6, 7])
+    kept, truncated, dropped = TokenRows.from_examples([prompt_only, empty, fine]).truncated(512)
+    assert [e.row for e in kept] == [3] and dropped == 2 and truncated == 0
+
+
+def test_long_documents_are_tokenized_in_chunks_of_bounded_text(monkeypatch):
+    from llmcustoms.rowformats import Example
+
+    monkeypatch.setattr(tokenstore, "CHUNK_CHARS", 1000)
+    rows = [Example(i, prompt="p", completion="x" * 400) for i in range(1, 8)]
+    chunks = list(tokenstore._chunks(iter(rows), 256))
+    assert [len(c) for c in chunks] == [3, 3, 1] and [e.row for c in chunks for e in c] == list(range(1, 8))
+
+
+def test_workers_that_cannot_start_leave_the_work_to_this_process(tmp_path, encoder, monkeypatch):
+    from concurrent.futures.process import BrokenProcessPool
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, *args):
+            raise BrokenProcessPool("a worker died")
+
+        def shutdown(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(tokenstore, "ProcessPoolExecutor", Broken)
+    path = FIXTURES / "alpaca.jsonl"
+    rows = build_store(tmp_path / "store", usable_examples(path), encoder, {}, chunk_rows=5, workers=2)
+    assert list(rows) == [encoder.encode(e) for e in usable_examples(path)]
+
+
+def test_a_damaged_cached_store_is_replaced_by_the_next_run(tmp_path, tiny_models, monkeypatch):
+    from llmcustoms.hardware import Hardware
+    from llmcustoms.preparation import TrainOptions, prepare_run
+
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
+    options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))
+    first = list(prepare_run(options, Hardware.cpu_only()).train)  # read before the file is damaged under its map
+    [store] = (tmp_path / "tokenized").iterdir()
+    ids = store / "ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-8])
+    again = prepare_run(options, Hardware.cpu_only())
+    assert not again.cached and list(again.train) == first
+    assert open_store(store) is not None and prepare_run(options, Hardware.cpu_only()).cached
