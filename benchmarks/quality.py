@@ -133,7 +133,8 @@ def load(model: str, run: Path | None):
         return load_trained(RunDirectory(run))
     tokenizer = AutoTokenizer.from_pretrained(model)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    return base, tokenizer, argparse.Namespace(data_format="sharegpt", raw_prompts=False, model=model)
+    return base, tokenizer, argparse.Namespace(data_format="sharegpt", raw_prompts=False, data_report={"base": True},
+                                               model=model)
 
 
 def test_loss(model, tokenizer, plan, test: Path) -> float:

@@ -309,10 +309,13 @@ def test_generation_prompts_the_way_training_rendered(chatml, no_template):
     from llmcustoms.generation import prompt_ids
 
     messages = [{"role": "user", "content": "Question: What do bees make?\nAnswer:"}]
-    plan = SimpleNamespace(data_format="input_output", raw_prompts=False)
+    report = {"rows": 1}  # a plan made since prompts go through the template
+    plan = SimpleNamespace(data_format="input_output", raw_prompts=False, data_report=report)
     templated = chatml.decode(prompt_ids(chatml, plan, messages)[0])
     assert templated == chatml_turn("user", "Question: What do bees make?\nAnswer:") + "<|im_start|>assistant\n"
-    raw = SimpleNamespace(data_format="input_output", raw_prompts=True)
+    older = SimpleNamespace(data_format="input_output", raw_prompts=False, data_report={})  # trained raw
+    assert chatml.decode(prompt_ids(chatml, older, messages)[0]) == "Question: What do bees make?\nAnswer:"
+    raw = SimpleNamespace(data_format="input_output", raw_prompts=True, data_report=report)
     assert chatml.decode(prompt_ids(chatml, raw, messages)[0]) == "Question: What do bees make?\nAnswer:"
     assert no_template.decode(prompt_ids(no_template, plan, messages)[0]) == "Question: What do bees make?\nAnswer:"
 
