@@ -100,18 +100,20 @@ class TrainingRows:
         self.train = as_token_rows(train)
         self.evaluation = as_token_rows(evaluation)
         self.lengths = self.train.lengths.tolist()
+        self.current_lengths = self.train.lengths  # after any cut: what a step computes
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def cut(self, max_len: int) -> None:
         self.train, self.evaluation = self.train.cut(max_len), self.evaluation.cut(max_len)
+        self.current_lengths = self.train.lengths
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         return collate([self.train[i] for i in rows], self.pad_token_id, self.pad_to_multiple_of)
 
     def token_counts(self, rows: list[int]) -> tuple[int, int]:
         """(trained tokens, input tokens) of these training rows."""
-        return self.train.trained_tokens(rows), int(self.train.lengths[rows].sum())
+        return self.train.trained_tokens(rows), int(self.current_lengths[rows].sum())
 
     def evaluation_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
         return [collate([self.evaluation[i] for i in batch], self.pad_token_id, self.pad_to_multiple_of)

@@ -160,8 +160,10 @@ def _split(options: TrainOptions, dataset: Dataset, preset: Any, progress: Progr
            most: int | None = MAX_EVAL_ROWS) -> Split:
     if options.eval_data:
         eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))
-        return Split(list(range(dataset.rows)), list(range(eval_set.rows)), eval_set,
-                     f"from {Path(options.eval_data).name}", 0.0)
+        kept = min(eval_set.rows, most or eval_set.rows)
+        first = f", its first {kept:,} rows" if kept < eval_set.rows else ""
+        return Split(list(range(dataset.rows)), list(range(kept)), eval_set,
+                     f"from {Path(options.eval_data).name}{first}", 0.0)
     seed = options.override("seed", 42)
     fraction, fraction_source = eval_fraction(preset, dataset.rows, options.overrides)
     train_idx, eval_idx = split_eval(dataset.rows, fraction, seed, most)
