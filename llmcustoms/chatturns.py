@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
-OPENAI_ROLES = {role: role for role in ROLES}
+# "developer" is what newer OpenAI exports call the system turn.
+OPENAI_ROLES = {**{role: role for role in ROLES}, "developer": "system"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system",
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}

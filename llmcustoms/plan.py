@@ -131,6 +131,9 @@ class Plan:
     bad_row_policy: str = "default"
     raw_prompts: bool = False
     data_report: dict[str, Any] = field(default_factory=dict)
+    # What the training rows' token ids depend on (`preparation.tokenization_cache_key`):
+    # resume refuses to go on with ids made another way.
+    tokens_key: str = ""
     reasons: tuple[str, ...] = ()
     # What is likely to go wrong with this plan (e.g. out of memory), apart from
     # the reasons so a caller can show them as warnings without parsing text.

@@ -208,6 +208,7 @@ class Tokenized:
     seconds: float
     cached: bool
     templated_prompts: bool  # prompt/completion rows go through the model's own chat template
+    key: str  # the training data's store key: what its token ids depend on
 
 
 def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progress: Progress) -> tuple[TokenRows, bool]:
@@ -252,18 +253,18 @@ def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset
     raw_prompts = bool(options.override("raw_prompts", False))
     tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids, raw_prompts=raw_prompts)
     started = time.perf_counter()
-    stores, all_cached = [], True
+    stores, keys, all_cached = [], [], True
     for data in (dataset, eval_dataset):
         if data is None:
             stores.append(None)
             continue
-        key = tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, fingerprint(data.path), raw_prompts)
-        rows, cached = _store(key, options.cache_dir, data, tokenizer, progress)
+        keys.append(tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, fingerprint(data.path), raw_prompts))
+        rows, cached = _store(keys[-1], options.cache_dir, data, tokenizer, progress)
         stores.append(rows)
         all_cached = all_cached and cached
     return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
                      base_format(dataset.format) == "prompt_completion"
-                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts))
+                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts), keys[0])
 
 
 def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
@@ -353,7 +354,7 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
         raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
                           "Raise --max-seq-len.")
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
-                                            train_dropped))
+                                            train_dropped), tokens_key=tokenized.key)
     return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                    truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
                    used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,
@@ -418,6 +419,11 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
 
     tokenized = _tokenize(plan.model, load_tokenizer(plan.model, plan.trust_remote_code), options, dataset,
                           split.eval_dataset, plan.train_on_prompt, no_progress)
+    if plan.tokens_key and tokenized.key != plan.tokens_key:
+        raise DataError("The rows would be tokenized differently from when the run began (the model's tokenizer or "
+                        "chat template, or llmcustoms' reading of the data, has changed), so the resumed run would "
+                        "not continue the same training.",
+                        "Restore the model files the run began with, or start a new run with `llmcustoms train`.")
     # The rows as the run began; FineTuner cuts them further if recovery shortened them.
     row_max_len = plan.row_max_len or plan.max_seq_len
     train, train_cut, train_dropped = tokenized.rows.select(split.train).truncated(row_max_len)

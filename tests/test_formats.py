@@ -156,7 +156,7 @@ def test_a_part_that_is_not_text_is_named_not_shown():
 def test_unknown_role_is_named_and_the_accepted_roles_listed():
     value = {"messages": [{"role": "user", "content": SECRET}, {"role": "function", "content": SECRET},
                           {"role": "assistant", "content": SECRET}]}
-    assert problem(value, "messages") == "unknown role 'function' (messages[2]; accepted: assistant, system, tool, user)"
+    assert problem(value, "messages") == "unknown role 'function' (messages[2]; accepted: assistant, developer, system, tool, user)"
     long_role = {"conversations": [{"from": "a_very_long_role_name_indeed", "value": SECRET}]}
     assert problem(long_role, "sharegpt").startswith("unknown role 'a_very_long_role_nam...' (conversations[1]; accepted: ")
     # Something that is not a name could be content: it is described, never echoed.
@@ -380,3 +380,9 @@ def test_messages_keep_their_calls_and_pickle():
     assert other.identity_text() != first.identity_text()
     assert first.char_count() > sum(len(m.content) for m in first.messages) + len(first.tools)  # calls are counted
     assert first.messages[1].text() == 'get_weather({"city": "Paris"})' and first.reply() == "It is 21 degrees in Paris."
+
+
+def test_the_developer_role_is_the_system_turn():
+    example = row({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello!"}]}, "messages")
+    assert [m.role for m in example.messages] == ["system", "user", "assistant"]

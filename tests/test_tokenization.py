@@ -168,3 +168,18 @@ def test_a_plan_made_before_templated_prompts_resumes_with_its_raw_rows(tmp_path
     older = replace(began.plan, raw_prompts=False, data_report={})  # plan.json as written before either existed
     assert list(prepare_resume(older).train) == list(began.train)
     assert list(prepare_resume(templated.plan).train) == list(templated.train)
+
+
+def test_resume_refuses_rows_that_would_be_tokenized_another_way(tmp_path, tiny_models, monkeypatch):
+    from dataclasses import replace
+
+    from llmcustoms.errors import DataError
+    from llmcustoms.hardware import Hardware
+    from llmcustoms.preparation import TrainOptions, prepare_resume, prepare_run
+
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
+    began = prepare_run(TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"])),
+                        Hardware.cpu_only())
+    assert began.plan.tokens_key and list(prepare_resume(began.plan).train) == list(began.train)
+    with pytest.raises(DataError, match="tokenized differently"):
+        prepare_resume(replace(began.plan, tokens_key="made by another version"))
