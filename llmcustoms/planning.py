@@ -28,6 +28,7 @@ from llmcustoms.sizing import best_fit, does_not_fit
 
 DEFAULT_SEED = 42
 DEFAULT_KEEP_CHECKPOINTS = 3
+MIN_EVALUATIONS, MIN_SAVE_EVERY = 4, 5  # evaluations of even a short run; fewest steps between checkpoints
 # Larger micro-batches than this add little speed; memory is better spent elsewhere.
 MICRO_BATCH_CAP = 16
 # Sequence length is chosen to cover this share of rows, rounded up to a multiple of 64.
@@ -87,8 +88,7 @@ class _Problem:
 
 
 def _raise_problems(problems: list[_Problem]) -> None:
-    """One ConfigError naming every problem. A lone problem with a hint keeps its
-    own wording; out-of-range values (no hint) are always listed."""
+    """One ConfigError naming every problem; a lone problem with a hint keeps its own wording."""
     if not problems:
         return
     if len(problems) == 1 and problems[0].hint:
@@ -106,8 +106,7 @@ def _distributed_method_problems(method: str | None, distributed: str | None) ->
 
 
 def check_distributed_method(method: str | None, distributed: str | None) -> None:
-    """FSDP is for full fine-tuning; a ConfigError for an adapter method.
-    Cheap, so the launching process checks it before starting any other."""
+    """FSDP is for full fine-tuning: a ConfigError for an adapter method (cheap: checked before any process starts)."""
     _raise_problems(_distributed_method_problems(method, distributed))
 
 
@@ -238,16 +237,22 @@ def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) ->
     elif r.given("eval_every"):
         eval_every = r.get("eval_every")
     else:
-        every = max(1, schedule.steps_per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else schedule.total_steps
-        eval_every = r.chose("eval_every", every, f"evaluate every {every} steps: {evals_per_epoch} evaluation(s) per epoch")
+        per_epoch = max(1, schedule.steps_per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else schedule.total_steps
+        # A run shorter than the preset's interval (--max-steps) still gets a few evaluations.
+        fewest = max(1, math.ceil(schedule.total_steps / MIN_EVALUATIONS))
+        why = (f"{evals_per_epoch} evaluation(s) per epoch" if per_epoch <= fewest
+               else f"{MIN_EVALUATIONS} evaluations in this {schedule.total_steps}-step run")
+        eval_every = r.chose("eval_every", min(per_epoch, fewest), f"evaluate every {min(per_epoch, fewest)} steps: {why}")
     patience = r.get("early_stopping_patience")
     if patience and not eval_every:  # from the preset: a given patience was refused with the given values
         r.reasons.append("early stopping off: there are no evaluation rows to watch")
         patience = 0
     save_every = r.get("save_every")
     if not save_every:
-        every = min(500, max(1, schedule.total_steps // 10))
-        save_every = r.chose("save_every", every, f"checkpoint every {every} steps: about 10 per run, at most 500 steps apart")
+        # Not every step of a short run: that costs more than it could save, and the end is saved anyway.
+        every = min(500, max(MIN_SAVE_EVERY, schedule.total_steps // 10))
+        save_every = r.chose("save_every", every, f"checkpoint every {every} steps: about 10 per run, "
+                             f"{MIN_SAVE_EVERY} to 500 steps apart")
     return eval_every, patience, save_every
 
 
@@ -389,16 +394,14 @@ class ParameterOptimizer:
         return _Batch(distributed, method, micro, bool(checkpointing), shape)
 
     def _memory(self, r: _Resolver, model: ModelChoice, batch: _Batch, max_seq_len: int, precision: str) -> MemoryEstimate:
-        """The estimated peak of one process; a warning, not a refusal, when given
-        values push it over the safe budget (the user may know better)."""
+        """The estimated peak of one process; a warning, not a refusal, over the safe budget (the user may know better)."""
         memory = self._memory_optimizer(model.arch).estimate(
             batch.method, batch.micro_batch_size, max_seq_len, precision, batch.gradient_checkpointing,
             optimizer="adamw", **batch.memory_shape)
         if memory.fits:
             r.reasons.append(f"estimated peak memory {memory.summary()}")
         else:
-            r.warnings.append(f"the estimated peak ({memory.summary()}) exceeds the safe budget; "
-                              "out-of-memory is likely")
+            r.warnings.append(f"the estimated peak ({memory.summary()}) exceeds the safe budget; out-of-memory is likely")
         return memory
 
     def plan(self, model: ModelChoice, stats: DataStats, overrides: dict[str, tuple[Any, str]],

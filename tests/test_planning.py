@@ -407,3 +407,15 @@ def test_resuming_over_fewer_processes_adds_a_warning_not_a_reason():
     warned = plan.with_warning(_less_sharding_warning(plan, 1))
     assert warned.warnings[len(plan.warnings):] == (_less_sharding_warning(plan, 1),)
     assert warned.reasons == plan.reasons
+
+
+def test_the_schedule_fits_a_run_of_max_steps_8():
+    from llmcustoms.planning import MIN_SAVE_EVERY
+
+    stats = DataStats(lengths=tuple([100] * 900), first_loss_positions=tuple([20] * 900), eval_rows=100)
+    plan = ParameterOptimizer(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
+        model("HuggingFaceTB/SmolLM2-135M-Instruct"), stats, {"max_steps": (8, "flag")})
+    assert plan.total_steps == 8
+    assert plan.eval_every == 2  # 4 evaluations, not only the final one
+    assert plan.save_every == MIN_SAVE_EVERY  # not a checkpoint every step
+    assert any("evaluate every 2 steps: 4 evaluations in this 8-step run" in r for r in plan.reasons)
