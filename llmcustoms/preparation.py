@@ -293,12 +293,15 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
 
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
                   for m in preset.model_candidates(hardware.has_gpu)]
+
+    def estimate() -> DataStats:  # from characters: to choose the model, or to plan without its tokenizer
+        return estimated_stats(dataset, split.train, len(split.evaluation))
+
     choice_reason = None
-    rough = estimated_stats(dataset, split.train, len(split.evaluation))
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
     else:
-        model, choice_reason = optimizer.choose_model(candidates, rough, options.overrides, world_size)
+        model, choice_reason = optimizer.choose_model(candidates, estimate(), options.overrides, world_size)
 
     tokenized = None
     try:
@@ -311,7 +314,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                               bool(options.override("train_on_prompt", False)), progress)
     train_full = evaluation_full = None
     if tokenized is None:
-        stats = rough
+        stats = estimate()
     else:
         train_full = tokenized.rows.select(split.train)
         evaluation_full = (tokenized.eval_rows or tokenized.rows).select(split.evaluation)

@@ -24,6 +24,7 @@ from llmcustoms.errors import DataError, ModelError
 from llmcustoms.rowformats import (FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format, detect_format,
                                    to_example)
 from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer
+from test_tokenization import spans as decoded_spans
 from tiny_models import FIXTURES, build_tokenizer
 
 SHAPES = FIXTURES / "shapes"
@@ -69,16 +70,8 @@ def problem(value: dict, fmt: str) -> str:
 
 def spans(tokenizer, encoded, trained: bool) -> list[str]:
     """Decode maximal runs of tokens that are (or are not) learned."""
-    out, run = [], []
-    for token, label in zip(encoded.input_ids, encoded.labels):
-        assert label in (IGNORE_INDEX, token)  # a label is the token itself or masked
-        if (label != IGNORE_INDEX) == trained:
-            run.append(token)
-        elif run:
-            out.append(tokenizer.decode(run)), run.clear()
-    if run:
-        out.append(tokenizer.decode(run))
-    return out
+    assert all(label in (IGNORE_INDEX, token) for token, label in zip(encoded.input_ids, encoded.labels))
+    return decoded_spans(tokenizer, encoded.input_ids, encoded.labels, trained)
 
 
 def masks(tokenizer, example: Example, **options) -> tuple[list[str], list[str]]:
