@@ -217,13 +217,13 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
 def hardware() -> None:
     """Show this machine and which models and methods fit it."""
     with ending():
-        from llmcustoms import console as ui
+        from llmcustoms import console as ui, hubaccess
         from llmcustoms.fitting import fit_table
         from llmcustoms.hardware import detect
         from llmcustoms.presets import load_families
 
-        machine = detect()
-        ui.show_hardware(machine, fit_table(machine, load_families()))
+        fits = fit_table(machine := detect(), load_families())
+        ui.show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
 
 
 @app.command()

@@ -252,10 +252,14 @@ def confirm(question: str) -> bool:
     return Confirm.ask(question, default=True, console=console)
 
 
-def show_hardware(hardware: Any, fits: Any) -> None:
-    """The machine, and `fitting.FitTable`: which models and methods fit it."""
+def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
+    """The machine, and `fitting.FitTable`: which models and methods fit it, and
+    `where` each model would load from (`hubaccess.availability`)."""
     console.print(machine_table(hardware))
-    console.print(fits_table(fits))
+    console.print(fits_table(fits, where))
+    if "offline: no" in where.values():
+        console.print("The Hugging Face Hub cannot be reached: only cached models (or --model PATH to a local "
+                      "model directory) can be trained.")
     if not hardware.has_gpu:
         console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
                       "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
@@ -282,23 +286,26 @@ def machine_table(hardware: Any) -> Table:
     return table
 
 
-def fits_table(fits: Any) -> Table:
+def fits_table(fits: Any, where: dict[str, str] | None = None) -> Table:
     """`fitting.FitTable` as a table: per model and method, yes with the largest micro-batch, or why not."""
     table = Table(title=f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
                         f"({fits.seq_len}-token sequences; largest micro-batch)")
-    for column in ("model", "params", *fits.methods):
-        table.add_column(column, no_wrap=column == "model")
+    for column in ("model", "size", *fits.methods, *(("here",) if where else ())):
+        table.add_column(column, no_wrap=True)
     for model in fits.models:
-        table.add_row(model.hub_id, f"{model.params / 1e9:.1f}B", *(_fit_cell(model.methods[m]) for m in fits.methods))
+        here = (escape(where.get(model.hub_id, "")),) if where else ()
+        table.add_row(escape(model.hub_id.split("/")[-1]), f"{model.params / 1e9:.1f}B",
+                      *(_fit_cell(model.methods[m]) for m in fits.methods), *here)
+    table.caption = "yes N: fits, micro-batch up to N; ckpt: with gradient checkpointing; no: needs that much"
     return table
 
 
 def _fit_cell(fit: Any) -> str:
     if fit.micro_batch:
-        return f"[green]yes[/], {fit.micro_batch}"
+        return f"[green]yes[/] {fit.micro_batch}"
     if fit.needs_checkpointing:
-        return "[yellow]with checkpointing[/]"
-    return f"[red]no[/] ({fit.need_bytes / 1024 ** 3:.1f} GiB)"
+        return "[yellow]ckpt[/]"  # fits with gradient checkpointing (the footnote says so)
+    return f"[red]no[/] {fit.need_bytes / 1024 ** 3:.0f}G"
 
 
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from llmcustoms import hubaccess
 from llmcustoms.errors import ModelError
 from llmcustoms.plan import ModelChoice, Plan
 from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_model_spec
@@ -47,7 +48,10 @@ def _explain(name: str, exc: Exception) -> ModelError:
     if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
         return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
                           "Check the spelling, or pass --model PATH to a local model directory.")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    if hubaccess.offline_detected():
+        return ModelError(f"The model '{name}' is not in the local Hugging Face cache and the Hub cannot be reached.",
+                          "Connect to the internet once to download it, or pass --model PATH to a local model directory.")
+    if hubaccess.offline_by_setting():
         return ModelError(f"The model '{name}' is not in the local Hugging Face cache, and offline mode is on "
                           "(HF_HUB_OFFLINE=1), so the Hub cannot be reached.",
                           "Unset HF_HUB_OFFLINE to download it, or pass --model PATH to a local model directory.")
@@ -62,12 +66,13 @@ def _explain(name: str, exc: Exception) -> ModelError:
 
 
 def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
-    """Try the local cache first (instant and offline), then the Hub."""
+    """Try the local cache first (instant and offline), then the Hub, if it answers
+    at once (`hubaccess`: no minute of retries when it cannot be reached)."""
     location = model_location(name)
     try:
         return loader.from_pretrained(location, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
-        if Path(location).is_dir() or os.environ.get("HF_HUB_OFFLINE") == "1":
+        if Path(location).is_dir() or not hubaccess.hub_reachable():
             raise _explain(name, exc) from None
     try:
         return loader.from_pretrained(location, **kwargs)
@@ -233,6 +238,8 @@ def quiet_libraries() -> None:
     # bitsandbytes announces on import that an optional Hub-hosted CPU kernel is
     # missing; it falls back to its own kernel, so the notice only confuses.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # A retry line per attempt at an unreachable Hub: hubaccess says it once instead.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from llmcustoms import options
+from llmcustoms import hubaccess, options
 from llmcustoms.data import Dataset, bad_row_policy, read_dataset, usable_examples
 from llmcustoms.dataadvice import data_facts
 from llmcustoms.datafiles import fingerprint
@@ -300,8 +300,13 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     choice_reason = None
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
+        if hubaccess.availability(options.model) == hubaccess.UNAVAILABLE:
+            choice_reason = (f"model {options.model}: {hubaccess.offline_note()}, and it is not in the local "
+                             "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
     else:
-        model, choice_reason = optimizer.choose_model(candidates, estimate(), options.overrides, world_size)
+        usable, offline_reason = hubaccess.usable_candidates(candidates)
+        model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)
+        choice_reason += offline_reason
 
     tokenized = None
     try:
