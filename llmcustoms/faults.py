@@ -9,6 +9,8 @@ A testing aid, off unless the variable is set. A comma-separated list of
     sigint@4    SIGINT to this process after step 4 (and its checkpoint, if any)
     sigterm@4   SIGTERM, likewise
     sigkill@4   SIGKILL, likewise: the process dies on the spot
+    slow@4      every micro-batch of step 4 takes SLOW_MICRO_BATCH_S longer (a
+                long step to interrupt; not spent by firing)
 
 An optional `:rank=R` suffix limits a fault to one process of a distributed run.
 A fault fires once per run: processes restarted after a failure at step N
@@ -20,12 +22,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
-KINDS = ("oom", "eval_oom", "nan", "sigint", "sigterm", "sigkill")
+KINDS = ("oom", "eval_oom", "nan", "sigint", "sigterm", "sigkill", "slow")
+SLOW_MICRO_BATCH_S = 4.0
 SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 
@@ -60,6 +64,15 @@ class FaultInjector:
                 self.pending.remove(fault)
                 return True
         return False
+
+    def in_forward(self, step: int, training: bool) -> None:
+        """Inside a forward pass, after the embeddings: `step` is the last finished one."""
+        if not training:
+            self.raise_oom_if_due(step, "eval_oom")
+            return
+        self.raise_oom_if_due(step + 1)
+        if any(f.kind == "slow" and f.step == step + 1 and f.rank in (None, self.rank) for f in self.pending):
+            time.sleep(SLOW_MICRO_BATCH_S)
 
     def raise_oom_if_due(self, step: int, kind: str = "oom") -> None:
         if self.due(kind, step):

@@ -15,7 +15,8 @@ A training step's failures (out of memory, non-finite loss) are caught in
 plan; the loop rolls back to the last checkpoint and carries on. Out of memory
 while evaluating is caught in `evaluation.Evaluation`: the micro-batch is
 lowered and it evaluates again. Anything else ends the run in `run`, with status.json saying
-why. SIGINT and SIGTERM finish the current step, checkpoint, and stop.
+why. SIGINT and SIGTERM stop at the next micro-batch (the unfinished step is
+dropped), checkpoint the last finished step, and stop.
 Whatever depends on the number of processes is in `processes.Processes`.
 """
 
@@ -32,7 +33,7 @@ import torch
 
 from llmcustoms.batching import Rows, StepRows, TrainingRows, epoch_steps
 from llmcustoms.best_weights import BestWeights
-from llmcustoms.checkpoints import Checkpoint, CheckpointManager
+from llmcustoms.checkpoints import Checkpoint, CheckpointManager, rng_state, set_rng_state
 from llmcustoms.evaluation import Evaluation
 from llmcustoms.faults import FaultInjector
 from llmcustoms.losses import Loss, select_logits, token_cross_entropy
@@ -41,12 +42,13 @@ from llmcustoms.modeling import load_model
 from llmcustoms.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.plan import Plan
 from llmcustoms.position import Position, StopCause, StopReason, TrainResult
-from llmcustoms.processes import Processes, StopSignals
+from llmcustoms.processes import Processes
 from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem,
                                  create_failure_report)
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import SampleReplies, side_by_side
+from llmcustoms.stopsignals import StopRequested, StopSignals
 
 # status.json is rewritten (with fsync) at most this often while training runs.
 STATUS_INTERVAL_S = 5.0
@@ -64,18 +66,10 @@ class FineTuner:
         base model. `loss(model, batch, normaliser)`, `steps(lengths, step_rows,
         seed, epoch)` (an epoch's steps, as row indices) and `schedule(step,
         plan)` (the lr factor) replace the defaults."""
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.run_dir = run_dir
-        self.reporter = reporter
+        self.plan, self.tokenizer, self.run_dir, self.reporter = plan, tokenizer, run_dir, reporter
         self.faults = faults or FaultInjector.from_env()
-        self.on_evaluate = on_evaluate
-        self.save_artifacts = save_artifacts
-        self.loss = loss
-        self.steps = steps
-        self.schedule = schedule
-        self.samples = samples
-        self.baseline = baseline
+        self.on_evaluate, self.save_artifacts, self.samples, self.baseline = on_evaluate, save_artifacts, samples, baseline
+        self.loss, self.steps, self.schedule = loss, steps, schedule
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
@@ -84,12 +78,14 @@ class FineTuner:
                                              warn=lambda text: reporter.message(text, warning=True))
         self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True))
         self.position = Position()
+        self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.trained_since = time.monotonic()  # when the training since the last evaluation began
 
     def run(self, resume: bool = False) -> TrainResult:
         """Set up, train, save. Ends with a result, or with TrainingFailed,
         TrainingInterrupted or RestartNeeded once status.json says so."""
-        self._setup()
+        self._setup_processes()
+        self._setup_training()
         if resume:
             self._resume()
         self.run_dir.write_status("running", step=self.position.step, total_steps=self.plan.total_steps, reason=None,
@@ -115,10 +111,6 @@ class FineTuner:
         return self._finish(stop, time.perf_counter() - started, self.position.tokens - tokens_at_start)
 
     # ------------------------------------------------------------------ setup
-
-    def _setup(self) -> None:
-        self._setup_processes()
-        self._setup_training()
 
     def _setup_processes(self) -> None:
         """Once per run: a rollback keeps them. `Processes` keeps the writable run
@@ -152,8 +144,7 @@ class FineTuner:
         # Out-of-memory injection happens inside a forward pass, after the
         # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         model.get_input_embeddings().register_forward_hook(
-            lambda module, *_: self.faults.raise_oom_if_due(self.position.step + 1) if module.training
-            else self.faults.raise_oom_if_due(self.position.step, "eval_oom"))
+            lambda module, *_: self.faults.in_forward(self.position.step, module.training))
 
     def _setup_optimizer(self) -> None:
         self.optimizer = self.accelerator.prepare_optimizer(make_optimizer(self.model, self.plan))
@@ -192,6 +183,8 @@ class FineTuner:
                 self.position.next_epoch()
                 continue
             metrics, failure = self._attempt(steps[self.position.index])
+            if failure == "stopped":
+                self._stop_if_signalled(saved=self.saved_step == self.position.step, last=False)
             if failure is not None:
                 self._recover(failure)  # rolled back: the position is the checkpoint's
                 continue
@@ -216,12 +209,16 @@ class FineTuner:
         The only place a training step's failure is caught. The exception is
         dropped before memory is freed: its traceback holds the step's tensors.
         """
-        started = time.perf_counter()
+        started, generators = time.perf_counter(), rng_state()
         failure = None
         try:
             loss_sum, tokens = self._forward_backward(rows)
         except torch.OutOfMemoryError:
             failure = "oom"
+        except StopRequested:  # the step is dropped, as if never begun: a resumed run repeats it exactly
+            self.optimizer.zero_grad(set_to_none=True)
+            set_rng_state(*generators)
+            return None, "stopped"
         if failure is not None:
             self._free_memory()
             self.processes.restart_if_sharded(failure, self.position.step + 1)
@@ -256,6 +253,8 @@ class FineTuner:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for mb, weight in batches:
+            if self.processes.stop_now():
+                raise StopRequested
             mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
             # Summed over tokens and divided by the step's token count, not
             # averaged per micro-batch: any split, over micro-batches or ranks,
@@ -340,17 +339,19 @@ class FineTuner:
     # ------------------------------------------------------------ checkpoints
 
     def _save_checkpoint(self) -> None:
+        self.saved_step = self.position.step
         state = {**asdict(self.position), "scheduler": self.scheduler.state_dict(),
                  "micro_batch_size": self.plan.micro_batch_size}
         self.processes.save_checkpoint(self.checkpoints, self.position.step, self.model, self.optimizer, state,
                                        protect=self.position.best_step if self.plan.method == "full" else None)
 
     def _stop_if_signalled(self, saved: bool, last: bool) -> None:
-        """After a step: stop for SIGINT / SIGTERM, with a checkpoint of this step."""
+        """After a step, or in one (`StopRequested`): stop for SIGINT / SIGTERM, with a
+        checkpoint of the last finished step."""
         signum = self.processes.stopping()
         if signum is None or last:
             return
-        if not saved and self.save_artifacts:
+        if not saved and self.save_artifacts and self.position.step > 0:
             self._save_checkpoint()
         self.run_dir.write_status("interrupted", step=self.position.step,
                                   reason=f"stopped by {signal.Signals(signum).name}")

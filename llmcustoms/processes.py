@@ -20,14 +20,11 @@ what it is given. With several:
   tell the others; it asks for a restart (`RestartNeeded`) and the launcher
   restarts them all.
 
-`StopSignals` is here too: a signal reaches one process, the stop is agreed.
+A signal (`stopsignals.StopSignals`) reaches one process; the stop is agreed here.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +38,7 @@ from llmcustoms.modeling import save_trained
 from llmcustoms.plan import Plan
 from llmcustoms.recovery import RestartNeeded
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.stopsignals import StopSignals
 from llmcustoms.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
 
 # Gradients are all-reduced this many bytes at a time (DDP's default bucket size).
@@ -61,38 +59,6 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
         grouped[-1].append(tensor)
         size += nbytes
     return grouped
-
-
-class StopSignals:
-    """SIGINT and SIGTERM while training: the first asks the loop to stop after
-    the current step (with a checkpoint), a second one stops at once.
-
-    A context manager: the handlers are installed on entry (from the main
-    thread only; Python allows no other) and the previous ones put back on exit."""
-
-    def __init__(self, warn: Callable[[str], None]):
-        self.warn = warn
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        self.received = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: stop at once
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            os._exit(128 + signum)
-        self.received = signum
-        self.warn("stopping after this step and saving a checkpoint (press Ctrl-C again to quit at once)")
 
 
 class Processes:
@@ -204,6 +170,11 @@ class Processes:
         value = torch.tensor([int(flag)], device=self.device)
         dist.broadcast(value, src=0)
         return bool(value.item())
+
+    def stop_now(self) -> bool:
+        """Stop inside a step, before its next micro-batch: with one process only,
+        since with several the ranks would have to agree before every micro-batch."""
+        return self.world == 1 and self.signals.received is not None
 
     def stopping(self) -> int | None:
         """The signal to stop for after this step. With several processes, only one

@@ -253,7 +253,8 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
         if main:
             command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
                        else f"llmcustoms resume {run_dir.path}")
-            ui.print_error(f"Interrupted at step {stop.step}; a checkpoint was saved.", f"Continue with: {command}")
+            kept = "a checkpoint of it was saved" if stop.step else "no step had finished yet"
+            ui.print_notice(f"Stopped at step {stop.step}; {kept}.", f"Continue with: {command}")
         raise
     except TrainingFailed as failed:
         ui.show_failure(failed.report, run_dir.path)

@@ -205,7 +205,7 @@ def test_fsdp_signal_reaching_one_rank_stops_both_after_the_same_step_then_resum
     run = tmp_path / "run"
     status = json.loads((run / "status.json").read_text())
     assert (status["status"], status["step"]) == ("interrupted", 4), stopped.stderr[-3000:]
-    assert stopped.stderr.count("Interrupted at step 4") == 1  # one message, from the main process
+    assert stopped.stderr.count("Stopped at step 4") == 1  # one message, from the main process
     resumed = cli("resume", str(run), "--num-processes", "2", "--quiet", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     plan = json.loads((run / "plan.json").read_text())

@@ -84,7 +84,7 @@ def test_sigint_exits_130_interrupted_and_resume_matches(tmp_path, tiny_models, 
     process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1, 300)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() and time.time() < deadline and process.poll() is None:
+    while '"loss"' not in _text(run / "metrics.jsonl") and time.time() < deadline and process.poll() is None:
         time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
@@ -98,6 +98,45 @@ def test_sigint_exits_130_interrupted_and_resume_matches(tmp_path, tiny_models, 
     assert resumed.returncode == 0, resumed.stderr
     cli(*train_args(tiny_models["llama"], tmp_path, "reference", 0.1, 300))
     assert max_difference(adapter(run), adapter(tmp_path / "reference")) <= 1e-5
+
+
+def test_sigint_in_a_long_step_stops_at_the_next_micro_batch_and_resumes_exactly(tmp_path, tiny_models, baselines,
+                                                                                  cli):
+    """Step 4 is slowed (each of its 2 micro-batches takes SLOW_MICRO_BATCH_S
+    more): Ctrl-C one second into it stops after its first micro-batch, not
+    after the step; the unfinished step is dropped (its random draws too: dropout
+    is on) and step 3, not saved on schedule, is checkpointed then."""
+    from llmcustoms.faults import SLOW_MICRO_BATCH_S
+
+    run = tmp_path / "run"
+    env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": "slow@4"}
+    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1),
+                                "--save-every", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None and '"step": 3, "epoch"' not in _text(run / "metrics.jsonl"):
+        time.sleep(0.01)
+    time.sleep(1.0)  # after step 3's evaluation and checkpoint, inside step 4's first micro-batch
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = process.communicate(timeout=60)
+    stopping = time.monotonic() - sent
+    assert process.returncode == 130, err
+    # The rest of one micro-batch, then a checkpoint; the whole step would take 2 x SLOW_MICRO_BATCH_S.
+    assert stopping < 2 * SLOW_MICRO_BATCH_S - 1, stopping
+    said = " ".join(err.split())
+    assert "stopping: the last finished step is saved" in said and "Error" not in err and "Traceback" not in err
+    assert "Stopped at step 3" in said
+    assert f"resume{run}" in "".join(err.split())  # a long path wraps
+    state = status(run)
+    assert (state["status"], state["step"]) == ("interrupted", 3)
+    assert (run / "checkpoints" / "step-000003" / "manifest.json").exists()
+    resumed = cli("resume", str(run), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert max_difference(adapter(run), baselines["dropout"]) <= 1e-5
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def test_sigterm_exits_143(tmp_path, tiny_models, cli):
