@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from llmcustoms import __version__, flags
-from llmcustoms.console import console, print_error
+from llmcustoms.console import console, print_error, print_notice
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.flags import takes_options
 from llmcustoms.modeling import quiet_libraries
@@ -40,7 +40,7 @@ def exit_code(error: BaseException) -> int | None:
     `setup`, an interrupted `tune`); a process that asks every process of an
     FSDP run to restart leaves with 75 at once (`training._exit_for_restart`),
     and a second Ctrl-C during training quits at once with 128 + the signal
-    (`processes.StopSignals`): both skip the interpreter's shutdown on purpose."""
+    (`stopsignals.StopSignals`): both skip the interpreter's shutdown on purpose."""
     from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
 
     if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2
@@ -85,7 +85,7 @@ def _session(values: dict[str, Any], env_file: Optional[Path], quiet: bool = Fal
     return Session.load(flags.given_values(values), env_file, quiet)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 @takes_options("train")
 def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, yes: flags.Yes = False,
           quiet: flags.Quiet = False, env_file: flags.EnvFile = None, num_processes: flags.NumProcesses = None,
@@ -111,7 +111,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
         print(result.output_path) if session.quiet else ui.show_summary(result)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 @takes_options("resume")
 def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
@@ -135,7 +135,7 @@ def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file
         print(result.output_path) if session.quiet else ui.show_summary(result)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 @takes_options("plan")
 def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: flags.EnvFile = None,
          num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None, **values: Any) -> None:
@@ -164,7 +164,7 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     ui.show_plan(prepared.plan, hardware)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 @takes_options("tune")
 def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_tokens: flags.BudgetTokens = None,
          timeout: flags.Timeout = None, storage: flags.Storage = None, study_name: flags.StudyName = None,
@@ -198,7 +198,7 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         raise typer.Exit(130)
 
 
-@app.command("lr-find")
+@app.command("lr-find", cls=flags.Command)
 @takes_options("lr-find")
 def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr: flags.EndLr = 1.0,
             env_file: flags.EnvFile = None, **values: Any) -> None:
@@ -213,7 +213,7 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
         find_learning_rate(session.train_options(), session.output_dir, RangeTest(steps, start_lr, end_lr))
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def hardware() -> None:
     """Show this machine and which models and methods fit it."""
     with ending():
@@ -226,7 +226,7 @@ def hardware() -> None:
         ui.show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def presets() -> None:
     """List the presets and the model families they choose from."""
     with ending():
@@ -236,7 +236,7 @@ def presets() -> None:
         ui.show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".env")) -> None:
     """Interactive set-up: data, goal and model; writes .env.
 
@@ -255,7 +255,7 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
         console.print("  " + " ".join(command), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 @takes_options("runs")
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
     """List the runs: model, method, status, steps, best eval loss."""
@@ -273,7 +273,7 @@ def _run_directory(path: Path) -> Any:
     return RunDirectory.existing(path)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
     """Analyse a run and say what to change.
 
@@ -289,7 +289,7 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
             console.print(f"Wrote {draw(directory)}")
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def generate(run: flags.RunArg, prompt: flags.Prompt, max_new_tokens: flags.MaxNewTokens = 256,
              temperature: flags.Temperature = 0.7, seed: flags.Seed = None) -> None:
     """Generate a reply to one prompt with the run's model."""
@@ -309,7 +309,7 @@ def generate(run: flags.RunArg, prompt: flags.Prompt, max_new_tokens: flags.MaxN
         dialog.write_piece("\n")
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def chat(run: flags.RunArg, max_new_tokens: flags.MaxNewTokens = 512, temperature: flags.Temperature = 0.7,
          system: flags.System = None) -> None:
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
@@ -325,7 +325,7 @@ def chat(run: flags.RunArg, max_new_tokens: flags.MaxNewTokens = 512, temperatur
                                                          temperature, on_text=on_text), start, str(run), plan.model)
 
 
-@app.command()
+@app.command(cls=flags.Command)
 def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = False, dtype: flags.Dtype = "auto",
            overwrite: flags.ExportOverwrite = False) -> None:
     """Copy the adapter, or merge it into a standalone model."""
@@ -334,14 +334,14 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
         from llmcustoms.export import export_run
 
         written = export_run(_run_directory(run), output, merge, dtype, overwrite)
-    console.print(f"Exported {'a merged model' if merge else 'the adapter'} to {written}")
+    console.print(f"Exported {written.what} to {written.path}")
 
 
 def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        print_error("Interrupted.", None)
+        print_notice("Stopped (Ctrl-C).", None)
         raise SystemExit(130) from None
 
 

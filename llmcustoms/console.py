@@ -103,6 +103,11 @@ def print_error(message: str, hint: str | None) -> None:
     err_console.print(text)
 
 
+def print_notice(message: str, hint: str | None) -> None:
+    """Something the user asked for, such as a stop: said calmly, not as an error."""
+    err_console.print(f"[bold]{escape(message)}[/]" + (f"\n{escape(hint)}" if hint else ""))
+
+
 def escape(text: str) -> str:
     from rich.markup import escape as rich_escape
 
@@ -139,6 +144,8 @@ def _gib(n: int) -> str:
 
 DISTRIBUTED_LABELS = {"ddp": "data-parallel (each holds the whole model)",
                       "fsdp": "FSDP (weights, gradients and optimizer state sharded)"}
+# plan.json and --mixed-precision keep accelerate's "no"; what it means is fp32.
+PRECISION_LABELS = {"no": "fp32"}
 
 
 def plan_table(plan: Any) -> Table:
@@ -159,7 +166,7 @@ def plan_table(plan: Any) -> Table:
         ("max sequence length", str(plan.max_seq_len), "max_seq_len"),
         ("learning rate", f"{plan.lr:.2e} ({plan.lr_scheduler}, {plan.warmup_steps} warmup steps)", "lr"),
         ("steps", f"{plan.total_steps} ({plan.steps_per_epoch}/epoch)", "total_steps"),
-        ("precision", plan.mixed_precision, "mixed_precision"),
+        ("precision", PRECISION_LABELS.get(plan.mixed_precision, plan.mixed_precision), "mixed_precision"),
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off", "gradient_checkpointing"),
         ("evaluate every", f"{plan.eval_every} steps" if plan.eval_every else "never (no eval rows)", "eval_every"),
         ("checkpoint every", f"{plan.save_every} steps", "save_every"),
@@ -282,7 +289,7 @@ def machine_table(hardware: Any) -> Table:
         table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
     table.add_row("CPU cores", str(hardware.cpu_cores))
     table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
-    table.add_row("precision", hardware.mixed_precision)
+    table.add_row("precision", PRECISION_LABELS.get(hardware.mixed_precision, hardware.mixed_precision))
     return table
 
 
@@ -363,15 +370,15 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
 
     from rich import box
 
-    # No vertical rules, and names fold, so seven columns fit an 80-column terminal.
+    # No vertical rules, the method beside the model, names that fold and cells
+    # that wrap at their spaces: all six columns fit 80 columns, one line a run
+    # when wider. A ratio column would be squeezed out by the others (Rich).
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("run", overflow="fold", ratio=3)
-    table.add_column("model", overflow="fold", ratio=2)
-    for column in ("method", "status", "steps", "eval ppl", "time"):
-        table.add_column(column, no_wrap=True)
+    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time"):
+        table.add_column(column, overflow="fold", no_wrap=column == "status")
     for run in runs:
         change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
-        table.add_row(escape(run.name), escape(Path(run.model).name), run.method,
+        table.add_row(escape(run.name), f"{escape(Path(run.model).name)} ({run.method})",
                       f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
                       f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
                       + ("" if run.kept_step is None else f" (kept {run.kept_step})"),

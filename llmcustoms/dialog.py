@@ -8,6 +8,7 @@ questions to ask and what to write, and `generation.py` how to answer.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -20,16 +21,33 @@ from llmcustoms.hardware import GIB
 Messages = list[dict[str, str]]
 
 
+# Set once an answer found no input left; every later answer is its default.
+_input_ended = False
+
+
 def ask(question: str, default: str | None = None, choices: list[str] | None = None) -> str:
     """A prompt whose answer is the default on Enter, or when input has run out."""
+    global _input_ended
     try:
+        if sys.stdin is None:  # started with stdin closed: as if piped input had run out
+            console.print(f"{escape(question)}:", end=" ")
+            raise EOFError
         answer = Prompt.ask(question, default=default, choices=choices, console=console, show_choices=bool(choices))
     except EOFError:
+        _input_ended = True
         answer = default
     answer = (answer or "").strip()
-    if not sys.stdin.isatty():
+    if sys.stdin is None or not sys.stdin.isatty():
         console.print(answer)  # piped input is not echoed; keep the transcript readable
     return answer
+
+
+def can_ask_again() -> bool:
+    """Whether a refused answer can be asked for again: not once input has run
+    out (piped answers used up, stdin closed) nor under CI, where no one would
+    answer and asking again would only repeat the default."""
+    ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
+    return not _input_ended and not ci
 
 
 def say(text: str) -> None:
@@ -59,6 +77,24 @@ def show_data_checked(description: str, rows: int, median_tokens: int, p95_token
                   f"about {median_tokens} tokens per row (95% under {p95_tokens})")
 
 
+def show_bad_rows(count: int, reasons: list[str], skip_all: bool, share: float) -> None:
+    """Bad rows that `train` will skip, by reason with their first places (`BadRows.lines`)."""
+    rows = "1 bad row" if count == 1 else f"{count:,} bad rows"
+    why = "you chose to skip them" if skip_all else f"as `train` does with up to {share:.0%} of the rows"
+    console.print(f"  [yellow]{rows} will be skipped[/] ({escape(why)}):")
+    for reason in reasons:
+        console.print(f"    {escape(reason)}")
+
+
+def show_too_many_bad_rows(name: str, count: int, total: int, share: float, reasons: list[str],
+                           description: str) -> None:
+    console.print(f"[yellow]{escape(name)}: {count:,} of {total:,} rows ({count / total:.0%}) fail validation[/], "
+                  f"more than the {share:.0%} `train` skips without asking:")
+    for reason in reasons:
+        console.print(f"    {escape(reason)}")
+    console.print(f"If the format was misread (detected: {escape(description)}), fix the file instead.")
+
+
 def show_goals(goals: list[tuple[str, str]]) -> None:
     """(preset name, what it is for), one per line."""
     table = Table(show_header=False, box=None)
@@ -67,14 +103,45 @@ def show_goals(goals: list[tuple[str, str]]) -> None:
     console.print(table)
 
 
-def show_model_choices(choices: list[Any], seq_len: int) -> None:
-    """`fitting.FittingModel`s, numbered from 1 so a number answers the next question."""
-    console.print(f"Models that fit this machine ({seq_len}-token sequences):")
-    for index, choice in enumerate(choices, start=1):
-        need = f"{choice.params / 1e9:.1f}B params, {choice.method}, about {choice.total_bytes / GIB:.1f} GiB"
-        console.print(f"  {index:2}. {escape(choice.hub_id)} [dim]({escape(need)})[/]")
-    if not choices:
-        console.print("  [red]none of the preset models fits; llmcustoms will say why when you run `plan`[/]")
+MODEL_WHERE_STYLE = {"local": "green", "cached": "green", "download": "yellow", "offline: no": "red"}
+
+
+def show_model_choices(offers: list[Any], seq_len: int, suggested: str | None, reason: str, offline: str | None) -> None:
+    """`wizard.ModelOffer`s, numbered from 1 so a number answers the next question:
+    size, method, memory, the estimated training time here and where each loads from."""
+    console.print(f"Models that fit this machine ({seq_len}-token sequences), with the estimated training time "
+                  "for this data:")
+    # Memory is the column to leave out at 80 columns: the time and availability are what decide here.
+    wide = console.width >= 100
+    table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False)
+    columns = [("#", "right"), ("model", "left"), ("size", "right"), ("method", "left")]
+    columns += [("memory", "right")] if wide else []
+    columns += [("est. time", "right"), ("available", "left"), ("", "left")]
+    # The number and the name are what a user types: narrow terminals squeeze the other columns.
+    widths = {"model": max((len(offer.hub_id) for offer in offers), default=0), "#": len(f"{len(offers)}.")}
+    for header, justify in columns:
+        table.add_column(header, justify=justify, header_style="dim", no_wrap=True, min_width=widths.get(header))
+    for index, offer in enumerate(offers, start=1):
+        style = MODEL_WHERE_STYLE.get(offer.where, "")
+        memory = [f"{offer.total_bytes / GIB:.1f} GiB"] if wide else []
+        table.add_row(f"{index}.", escape(offer.hub_id), f"{offer.params / 1e9:.1f}B", offer.method, *memory,
+                      escape(offer.estimate.removeprefix("about ")),
+                      f"[{style}]{escape(offer.where)}[/]" if style else escape(offer.where),
+                      "[bold]<-[/]" if offer.hub_id == suggested else "")
+    if offers:
+        console.print(table)
+    else:
+        console.print("  [red]none of the catalog's models fits; llmcustoms will say why when you run `plan`[/]")
+    if offline:
+        console.print(f"[yellow]Offline[/]: {escape(offline)}: those marked cached, or a local model directory.")
+    console.print(f"Suggested (<-): {escape(reason)}." if suggested else f"[yellow]No suggestion[/]: {escape(reason)}.")
+
+
+def show_model_accepted(name: str, where: str, detail: str) -> None:
+    """The model answer, checked: where it loads from and what training it here means."""
+    how = {"local": "a local model directory", "cached": "in the local Hugging Face cache",
+           "download": "downloaded from the Hugging Face Hub when training starts"}.get(where, where)
+    console.print(f"  [green]ok[/]: {escape(name)}: {escape(how)}" + (f"; {escape(detail)}" if detail else ""))
 
 
 def write_piece(text: str) -> None:

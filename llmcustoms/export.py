@@ -1,15 +1,19 @@
 """Take a trained model elsewhere: `llmcustoms export RUN --output DIR [--merge]`.
 
 Without --merge: the PEFT adapter, tokenizer and chat template, and a model
-card. With --merge: the base is reloaded in 16-bit (its own saved dtype by
-default, never the 4-bit weights QLoRA trained on, since merging into those
-loses quality), the adapter is merged in, and a standalone model is written
-that `AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all.
+card. With --merge: the base is reloaded in its own saved dtype (or --dtype;
+never the 4-bit weights QLoRA trained on, since merging into those loses
+quality), the adapter is merged in, and a standalone model is written that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all; the
+message names the dtype it was written in.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +23,51 @@ from llmcustoms.generation import trained_output
 from llmcustoms.rundir import RunDirectory
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# "org/name", as the Hub writes a model id.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_run` wrote, for the line the command prints."""
+
+    path: Path
+    what: str  # "the adapter", "the model", or "a merged model (float32 weights)"
+
+
+def card_base_model(model: str) -> str:
+    """The base model as a card names it, never a path on this machine: a Hub
+    id as given; for a local directory the Hub id it was saved from (its
+    config.json's `_name_or_path`), else the directory's name."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        try:
+            origin = json.loads((path / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):  # no config, not JSON, not an object
+            origin = None
+        if isinstance(origin, str) and HUB_ID.fullmatch(origin) and ".." not in origin:
+            return origin
+    elif HUB_ID.fullmatch(model):
+        return model
+    return path.resolve().name
 
 
 def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
     status = run.read_status()
+    base = card_base_model(plan.model)
     lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
             f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
     how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
            "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
            if merged or plan.method == "full" else
            "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           f"base = AutoModelForCausalLM.from_pretrained(\"{plan.model}\")\n"
+           f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
            "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
     return "\n".join([
         "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
-        f"base_model: {plan.model}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
+        f"base_model: {base}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
         f"# {run.path.name}", "",
-        f"Fine-tuned from `{plan.model}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
+        f"Fine-tuned from `{base}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
         f"({plan.method}{', merged into the base' if merged else ''}).", "",
         "| | |", "|---|---|",
         f"| method | {lora} |", f"| preset | {plan.preset} |",
@@ -63,7 +95,7 @@ def _quality_rows(status: dict[str, Any]) -> list[str]:
     return rows
 
 
-def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False) -> Path:
+def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False) -> Exported:
     plan, trained = trained_output(run)
     if output.exists() and any(output.iterdir()):
         if not overwrite:
@@ -71,13 +103,15 @@ def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto"
         shutil.rmtree(output)
     if not merge or plan.method == "full":
         shutil.copytree(trained, output, dirs_exist_ok=True)
+        what = "the model" if plan.method == "full" else "the adapter"
     else:
-        _merge(plan, trained, output, dtype)
+        what = f"a merged model ({_merge(plan, trained, output, dtype)} weights)"
     (output / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
-    return output
+    return Exported(output, what)
 
 
-def _merge(plan: Any, adapter: Path, output: Path, dtype: str) -> None:
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str) -> str:
+    """Write the merged model; the dtype its weights were written in ("float32")."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,3 +128,5 @@ def _merge(plan: Any, adapter: Path, output: Path, dtype: str) -> None:
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used
+    # What was written, not what was asked for: "auto" is whatever the base was saved in.
+    return str(merged.dtype).removeprefix("torch.")

@@ -10,6 +10,7 @@ extends it, and the function receives the values as `**values`.
 from __future__ import annotations
 
 import inspect
+import textwrap
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -19,6 +20,40 @@ import typer
 from llmcustoms import options
 from llmcustoms.options import Option
 
+# Click's Context as this Typer has it: recent Typers carry their own copy of click.
+_Context: Any = typer.core.TyperCommand.context_class
+
+
+class _HelpFormatter(_Context.formatter_class):  # type: ignore[misc]
+    """Wraps option help between words only: click also breaks at hyphens,
+    which cuts the flag names a help text mentions ("--eval-" / "split")."""
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        first_col = min(max((len(first) for first, _ in rows), default=0), col_max) + col_spacing
+        width = max(self.width - first_col - 2, 10)  # click's own text width for the column
+        # A paragraph that starts with "\b" is one click leaves as it is.
+        super().write_dl([(first, "\b\n" + textwrap.fill(second, width, break_on_hyphens=False,
+                                                        break_long_words=False) if second else second)
+                          for first, second in rows], col_max, col_spacing)
+
+
+class _HelpContext(_Context):  # type: ignore[misc]
+    formatter_class = _HelpFormatter
+
+
+class Command(typer.core.TyperCommand):
+    """Every command's class (`@app.command(cls=flags.Command)`): its usage line
+    writes a required argument as RUN, as the README does (Typer 0.29 writes
+    {RUN}, which reads like a set of choices), and its help keeps flag names whole."""
+
+    context_class = _HelpContext
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [piece[1:-1] if piece.startswith("{") and piece.endswith("}") else piece
+                for piece in super().collect_usage_pieces(ctx)]
+
+
 def _choice_type(option: Option) -> type[Enum]:
     """Typer takes choices as an Enum; `given_values` turns members back into text."""
     title = "".join(part.title() for part in option.name.split("_"))
@@ -27,7 +62,8 @@ def _choice_type(option: Option) -> type[Enum]:
 
 def _typer_info(option: Option) -> Any:
     if option.argument:
-        return typer.Argument(help=_help(option), show_default=False)
+        # DATA, as the docstrings and README write it; Typer would write the parameter's name, data.
+        return typer.Argument(help=_help(option), show_default=False, metavar=option.name.upper())
     names = [option.flag]
     if option.kind is bool:  # on or off; not given means "the plan decides"
         names = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
@@ -89,31 +125,32 @@ def given_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 # Flags that steer a command, not settings: no environment variable on purpose.
+# metavar="<int>": Typer would write "<int range>", as if a range were asked for; [x>=1] says the range.
 RunName = Annotated[Optional[str], typer.Option("--run-name", help="Name of this run's directory. Default: model-preset-time.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory of the same name.")]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display; for scripts.")]
 EnvFile = Annotated[Optional[Path], typer.Option("--env-file", help="Read settings from this file instead of ./.env.")]
-NumProcesses = Annotated[Optional[int], typer.Option("--num-processes", min=1, help="Processes per machine (one per GPU), launched through accelerate.")]
-NumMachines = Annotated[Optional[int], typer.Option("--num-machines", min=1, help="Machines training together (run the same command on each).")]
-MachineRank = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's index, 0 on the main one.")]
+NumProcesses = Annotated[Optional[int], typer.Option("--num-processes", metavar="<int>", min=1, help="Processes per machine (one per GPU), launched through accelerate.")]
+NumMachines = Annotated[Optional[int], typer.Option("--num-machines", metavar="<int>", min=1, help="Machines training together (run the same command on each).")]
+MachineRank = Annotated[int, typer.Option("--machine-rank", metavar="<int>", min=0, help="This machine's index, 0 on the main one.")]
 MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
 MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Port on machine 0 for the processes to meet.")]
-Vram = Annotated[Optional[float], typer.Option("--vram", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")]
+Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
-ResumeRun = Annotated[Optional[Path], typer.Argument(help="The run to continue. Default: the newest unfinished run under --output-dir.")]
+ResumeRun = Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="The run to continue. Default: the newest unfinished run under --output-dir.")]
 
 # `tune`'s own.
-Trials = Annotated[int, typer.Option("--trials", "-n", min=1, help="Trials to run now (added to the study's earlier ones).")]
-TrialSteps = Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")]
-BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", min=1, help="Training tokens per trial (instead of --max-steps).")]
-Timeout = Annotated[Optional[float], typer.Option("--timeout", min=1, help="Stop starting new trials after this many seconds.")]
+Trials = Annotated[int, typer.Option("--trials", "-n", metavar="<int>", min=1, help="Trials to run now (added to the study's earlier ones).")]
+TrialSteps = Annotated[Optional[int], typer.Option("--max-steps", metavar="<int>", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")]
+BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", metavar="<int>", min=1, help="Training tokens per trial (instead of --max-steps).")]
+Timeout = Annotated[Optional[float], typer.Option("--timeout", metavar="<float>", min=1, help="Stop starting new trials after this many seconds.")]
 Storage = Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")]
 StudyName = Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")]
 LrFind = Annotated[bool, typer.Option("--lr-find/--no-lr-find", help="Centre the lr range on `llmcustoms lr-find`'s suggestion for this model and data (the range test runs first if none is saved).")]
 
 # `lr-find`'s own.
-LrSteps = Annotated[Optional[int], typer.Option("--steps", min=5, help="Optimizer steps of the range test. Default: 100, or fewer if a whole run is shorter.")]
+LrSteps = Annotated[Optional[int], typer.Option("--steps", metavar="<int>", min=5, help="Optimizer steps of the range test. Default: 100, or fewer if a whole run is shorter.")]
 StartLr = Annotated[float, typer.Option("--start-lr", help="Learning rate of the first step.")]
 EndLr = Annotated[float, typer.Option("--end-lr", help="Learning rate of the last step.")]
 
@@ -131,14 +168,14 @@ SetupData = Annotated[Optional[str], typer.Option("--data", help="Your training 
 SetupEnvFile = Annotated[Path, typer.Option("--env-file", help="The settings file to write.")]
 
 # After training.
-RunArg = Annotated[Path, typer.Argument(help="A run directory, e.g. runs/my-run.")]
+RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="A run directory, e.g. runs/my-run.")]
 Plot = Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")]
 Prompt = Annotated[str, typer.Option("--prompt", "-p", help="What to ask the model.")]
 System = Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")]
 ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")]
-Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone 16-bit model.")]
+Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone model, in --dtype.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]
 ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest reply in tokens.")]
-Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 for greedy; higher is more varied.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, help="Longest reply in tokens.")]
+Temperature = Annotated[float, typer.Option("--temperature", metavar="<float>", min=0.0, help="0 for greedy; higher is more varied.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help=options.BY_NAME["seed"].help)]

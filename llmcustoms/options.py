@@ -193,7 +193,8 @@ OPTIONS: tuple[Option, ...] = (
     # Memory and precision.
     Option("gradient_checkpointing", bool, "Recompute activations to save memory (slower). Default: only when needed.",
            flag="--gradient-checkpointing", env="GRADIENT_CHECKPOINTING", plan="gradient_checkpointing"),
-    Option("mixed_precision", str, "Autocast precision. Default: bf16 or fp16 on a GPU, none on CPU.",
+    Option("mixed_precision", str, "Autocast precision; no means fp32 throughout. Default: bf16 or fp16 on a GPU, "
+           "fp32 on CPU.",
            flag="--mixed-precision", env="MIXED_PRECISION", plan="mixed_precision", choices=("no", "bf16", "fp16")),
     # What the loss covers, and trust.
     Option("train_on_prompt", bool, "Also compute the loss on prompts, not only on responses.",

@@ -171,10 +171,10 @@ def _precision_and_length(r: _Resolver, hardware: Hardware, stats: DataStats, mo
     """(mixed precision, max_seq_len, training rows that keep a trained token)."""
     precision = r.get("mixed_precision", hardware.mixed_precision)
     if not r.given("mixed_precision"):
-        r.chose("mixed_precision", precision,
-                f"precision {precision}: " + {"bf16": "bf16 autocast, supported by this GPU",
-                                              "fp16": "fp16 autocast, this GPU has no bf16",
-                                              "no": "fp32, no GPU found"}[precision])
+        r.chose("mixed_precision", precision,  # "no" is fp32 to the reader; plan.json keeps "no"
+                {"bf16": "precision bf16: bf16 autocast, supported by this GPU",
+                 "fp16": "precision fp16: fp16 autocast, this GPU has no bf16",
+                 "no": "precision fp32: no GPU found"}[precision])
     max_seq_len = _choose_max_seq_len(r, stats, model)
     train_rows = stats.rows_kept(max_seq_len)
     if train_rows == 0:

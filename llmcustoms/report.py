@@ -5,10 +5,18 @@ samples.jsonl) and answers the questions a user has after training: how much
 better than the base model is it, and which weights were kept; is the loss
 still falling, is the model overfitting, was the learning rate right, how
 fast was it, what went wrong along the way, and what to change next time.
+
+metrics.jsonl holds a row per optimizer step ("loss") and a row per
+evaluation ("eval_loss"); the one at step 0 is the base model's, measured
+before training. A run that held out rows evaluates every `eval_every` steps
+and at its last step, so a run stopped early may have the base model's alone.
+A verdict read from fewer steps than it needs is withheld, and the report
+says so once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -23,6 +31,22 @@ from llmcustoms.samples import side_by_side
 STILL_FALLING = 0.03
 # Eval loss this much above its best, after the best, is overfitting.
 OVERFIT_RISE = 0.02
+# The fewest logged optimizer steps each verdict is drawn from. Per-step losses
+# are single batches, as noisy as any trend a short run shows; a short run also
+# spends a large share of its steps in warmup.
+# Convergence compares the mean train loss of the last quarter with the quarter
+# before it: at 5 steps a quarter the means begin to outweigh one batch's noise.
+MIN_STEPS_CONVERGENCE = 20
+# Learning rate reads spikes, the first steps against the first one and the
+# whole run's fall; on 5 to 8 steps it said "too high" of warmup and batch noise.
+MIN_STEPS_LEARNING_RATE = 20
+# Eval loss rising after its best is overfitting once the model has had time to
+# learn its training rows; over a handful of steps a rise is the step size
+# shaking the weights, which the learning-rate verdict is for.
+MIN_STEPS_OVERFITTING = 20
+# Overfitting also needs a best evaluation and at least one after it, and one
+# more so that a single evaluation that came out high is not a trend.
+MIN_EVALUATIONS_OVERFITTING = 3
 
 
 @dataclass
@@ -41,6 +65,34 @@ class RunReport:
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[str] = field(default_factory=list)
     samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
+    # What each recommendation changes ("lower lr"): two verdicts that ask for the
+    # same change (the loss rose at the end, the rate looks too high) say it once.
+    recommended: set[str] = field(default_factory=set, repr=False)
+
+    def recommend(self, change: str, text: str, first: bool = False) -> None:
+        if change in self.recommended or text in self.recommendations:
+            return
+        self.recommended.add(change)
+        self.recommendations.insert(0 if first else len(self.recommendations), text)
+
+
+@dataclass(frozen=True)
+class _Evaluations:
+    """The run's evaluation rows, as metrics.jsonl holds them."""
+
+    base: float | None  # the base model's eval loss (step 0), when it was measured
+    after: list[dict[str, Any]]  # every evaluation after training began, in step order
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]]) -> "_Evaluations":
+        evals = [r for r in rows if "eval_loss" in r]
+        base = next((r["eval_loss"] for r in evals if r["step"] == 0), None)
+        return cls(base, sorted((r for r in evals if r["step"] > 0), key=lambda r: r["step"]))
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        finite = [r for r in self.after if math.isfinite(r["eval_loss"])]  # NaN is never the best
+        return min(finite, key=lambda r: r["eval_loss"]) if finite else None
 
 
 def _mean(values: list[float]) -> float:
@@ -52,55 +104,76 @@ def analyse(run: RunDirectory) -> RunReport:
     status = run.read_status()
     rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_loss" in r and r["step"] > 0]  # step 0: the base model
+    evals = _Evaluations.of(rows)
     report = RunReport(name=run.path.name, status=status.get("status", "unknown"), steps=len(train),
                        total_steps=plan.total_steps, samples=side_by_side(run.read_samples()))
-    _quality(report, status)
-    if len(train) < 4:
-        report.findings.append(Finding("convergence", "too short", f"only {len(train)} steps were logged"))
-        report.recommendations.append("train for more steps before judging the run")
-        return report
+    _quality(report, plan, status, evals)
     losses = [r["loss"] for r in train]
     stopped_early = status.get("stop_cause") == "early stopping"
-    _convergence(report, plan, losses, stopped_early)
-    _overfitting(report, plan, losses, evals, stopped_early)
-    _learning_rate(report, plan, train, losses)
-    speed = median(r["tokens_per_s"] for r in train)
-    report.findings.append(Finding("throughput", f"{speed:,.0f} tokens/s",
-                                   f"median over {len(train)} steps, micro-batch {plan.micro_batch_size} x "
-                                   f"{plan.grad_accum}, {plan.max_seq_len} tokens, {plan.method}"))
-    recoveries = status.get("recoveries", [])
-    if recoveries:
-        listed = "; ".join(f"step {r['step']}: {r['kind']} -> {r['action']}" for r in recoveries)
-        report.findings.append(Finding("recoveries", f"{len(recoveries)}", listed))
-        if any(r["kind"] == "oom" for r in recoveries):
-            report.recommendations.append(f"memory ran out during training: start with --batch-size "
-                                          f"{plan.micro_batch_size} next time, so no step is lost to recovery")
-        if any(r["kind"] == "nan" for r in recoveries):
-            report.recommendations.append(f"the loss diverged: start with --lr {plan.lr:.1e} or lower")
-    else:
-        report.findings.append(Finding("recoveries", "none", "no out-of-memory or NaN event"))
+    evaluates = bool(evals.after) or bool(plan.eval_rows and plan.eval_every)
+    needs = {"convergence": MIN_STEPS_CONVERGENCE, "overfitting": MIN_STEPS_OVERFITTING,
+             "learning rate": MIN_STEPS_LEARNING_RATE}
+    # Without evaluations overfitting is unknown, however many steps; early
+    # stopping is the run's own verdict on it, from its evaluations.
+    withheld = {topic: n for topic, n in needs.items() if len(train) < n
+                and not (topic == "overfitting" and (not evaluates or stopped_early))}
+    if "convergence" not in withheld:
+        _convergence(report, plan, losses, stopped_early)
+    if "overfitting" not in withheld:
+        _overfitting(report, plan, losses, evals, stopped_early)
+    if "learning rate" not in withheld:
+        _learning_rate(report, plan, train, losses)
+    _withheld(report, len(train), withheld)
+    _throughput(report, plan, train)
+    _recoveries(report, plan, status)
     if status.get("status") in ("failed", "interrupted"):
-        report.recommendations.insert(0, f"the run is {status['status']}: continue it with `llmcustoms resume {run.path}`")
+        report.recommend("resume", f"the run is {status['status']}: continue it with `llmcustoms resume {run.path}`",
+                         first=True)
     if not report.recommendations:
-        report.recommendations.append("nothing to change: the run converged cleanly")
+        report.recommend("none", f"nothing to change that {len(train)} steps can show" if withheld
+                         else "nothing to change: the run converged cleanly")
     return report
 
 
-def _quality(report: RunReport, status: dict[str, Any]) -> None:
-    """How much better than the base model, and which weights the run kept."""
-    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
+def _quality(report: RunReport, plan: Any, status: dict[str, Any], evals: _Evaluations) -> None:
+    """How much better than the base model, and which weights the run kept.
+
+    status.json has the best evaluation once the run ends; a run stopped before
+    then has its evaluations in metrics.jsonl only."""
+    best, step = status.get("best_eval_loss"), status.get("best_eval_step")
+    if best is None and evals.best is not None:
+        best, step = evals.best["eval_loss"], evals.best["step"]
+    base = status.get("base_eval_loss")
+    base = evals.base if base is None else base
+    held_out = f"{plan.eval_rows} held-out rows" if plan.eval_rows else "the held-out rows"
     if best is None:
+        if base is not None:  # stopped before its first evaluation after training began
+            report.findings.append(Finding("quality", "not measured yet",
+                                           f"base model eval loss {base:.4f} on {held_out}; no evaluation after "
+                                           f"training began (every {plan.eval_every} steps and at the end)"))
         return
     change = measures.improvement(base, best)
     verdict = "unknown" if change is None else "better" if change > 0 else "not better"
     report.findings.append(Finding("quality", verdict, f"{measures.describe(base, best)}; best eval loss "
-                                                       f"{best:.4f} at step {status.get('best_eval_step')}"))
+                                                       f"{best:.4f} at step {step} on {held_out}"))
     if status.get("kept"):
         report.findings.append(Finding("weights kept", f"step {status.get('kept_step')}", status["kept"]))
     if change is not None and change <= 0:
-        report.recommendations.append("training did not lower perplexity below the base model's: check that the "
-                                      "data teaches something the model cannot already do, or try --lr lower")
+        report.recommend("quality", "training did not lower perplexity below the base model's: check that the "
+                                    "data teaches something the model cannot already do, or try --lr lower")
+
+
+def _withheld(report: RunReport, steps: int, withheld: dict[str, int]) -> None:
+    """The verdicts too few steps cannot support, said once."""
+    if not withheld:
+        return
+    topics = list(withheld)
+    named = topics[0] if len(topics) == 1 else ", ".join(topics[:-1]) + f" and {topics[-1]}"
+    if len(set(withheld.values())) == 1:
+        need = f"{'it needs' if len(topics) == 1 else 'each needs'} at least {withheld[topics[0]]} steps"
+    else:
+        need = "they need at least " + ", ".join(f"{n} steps ({topic})" for topic, n in withheld.items())
+    report.findings.append(Finding("verdicts", "withheld", f"too few steps ({steps}) to judge {named}; {need}"))
 
 
 def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_early: bool = False) -> None:
@@ -113,24 +186,35 @@ def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_earl
                                        f"train loss fell {change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
         if stopped_early:  # eval loss rose while train loss fell: more of the same would overfit
             return
-        report.recommendations.append(f"the loss was still falling at the end: try --epochs {plan.epochs * 2:g} "
-                                      f"(or --max-steps {plan.total_steps * 2})")
+        report.recommend("longer", f"the loss was still falling at the end: try --epochs {plan.epochs * 2:g} "
+                                   f"(or --max-steps {plan.total_steps * 2})")
     elif change < -STILL_FALLING:
         report.findings.append(Finding("convergence", "rising at the end",
                                        f"train loss rose {-change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
-        report.recommendations.append(f"the loss rose at the end: try a lower learning rate (--lr {plan.lr / 3:.1e})")
+        report.recommend("lower lr", f"the loss rose at the end: try a lower learning rate (--lr {plan.lr / 3:.1e})")
     else:
         report.findings.append(Finding("convergence", "converged",
                                        f"train loss flat over the last quarter ({late:.3f}); {overall:.0%} below the start"))
 
 
-def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: list[dict[str, Any]],
+def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: _Evaluations,
                  stopped_early: bool = False) -> None:
-    if not evals:
-        report.findings.append(Finding("overfitting", "unknown", "no evaluation rows (use --eval-split to measure it)"))
+    if not evals.after and not (plan.eval_rows and plan.eval_every):
+        why = ("no held-out evaluation rows (use --eval-split or --eval-data to measure it)" if not plan.eval_rows
+               else f"the run did not evaluate its {plan.eval_rows} held-out rows (--eval-every N to measure it)")
+        report.findings.append(Finding("overfitting", "unknown", why))
         return
-    best = min(evals, key=lambda r: r["eval_loss"])
-    last = evals[-1]
+    best = evals.best
+    if best is None or (len(evals.after) < MIN_EVALUATIONS_OVERFITTING and not stopped_early):
+        planned = math.ceil(plan.total_steps / plan.eval_every) if plan.eval_every else 0
+        # A run stopped early would have had enough: only a plan with too few needs another --eval-every.
+        hint = (f"the run evaluates every {plan.eval_every} steps" if planned >= MIN_EVALUATIONS_OVERFITTING
+                else f"--eval-every {max(1, plan.total_steps // MIN_EVALUATIONS_OVERFITTING)}")
+        report.findings.append(Finding("overfitting", "not judged",
+                                       f"too few evaluations ({len(evals.after)}) to judge overfitting; it needs "
+                                       f"{MIN_EVALUATIONS_OVERFITTING} after training began ({hint})"))
+        return
+    last = evals.after[-1]
     gap = last["eval_loss"] - losses[-1]
     if last["step"] > best["step"] and last["eval_loss"] > best["eval_loss"] * (1 + OVERFIT_RISE):
         report.findings.append(Finding("overfitting", "yes",
@@ -138,12 +222,12 @@ def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: list[
                                        f"{last['eval_loss']:.3f} at step {last['step']}; train/eval gap {gap:+.3f}"))
         epochs_at_best = plan.epochs * best["step"] / max(1, plan.total_steps)
         if stopped_early:
-            report.recommendations.append(f"eval loss rose after step {best['step']} and early stopping ended the "
-                                          f"run; the step-{best['step']} weights were kept. Next time --epochs "
-                                          f"{max(1, round(epochs_at_best)):g} gets there sooner")
+            report.recommend("fewer epochs", f"eval loss rose after step {best['step']} and early stopping ended "
+                                             f"the run; the step-{best['step']} weights were kept. Next time "
+                                             f"--epochs {max(1, round(epochs_at_best)):g} gets there sooner")
         else:
-            report.recommendations.append(f"eval loss rose after step {best['step']}: try --epochs "
-                                          f"{max(1, round(epochs_at_best)):g} or --early-stopping-patience 3")
+            report.recommend("fewer epochs", f"eval loss rose after step {best['step']}: try --epochs "
+                                             f"{max(1, round(epochs_at_best)):g} or --early-stopping-patience 3")
     else:
         report.findings.append(Finding("overfitting", "no",
                                        f"eval loss {last['eval_loss']:.3f} at step {last['step']} (best "
@@ -158,15 +242,38 @@ def _learning_rate(report: RunReport, plan: Any, train: list[dict[str, Any]], lo
     total_drop = (start - _mean(losses[-tenth:])) / max(abs(start), 1e-9)
     if spikes or early > start * 1.1:
         verdict, detail = "too high", f"{spikes} loss spikes; the loss rose in the first {tenth} steps"
-        report.recommendations.append(f"the learning rate looks too high: try --lr {plan.lr / 3:.1e}")
+        report.recommend("lower lr", f"the learning rate looks too high: try --lr {plan.lr / 3:.1e}")
     elif total_drop < 0.02:
         verdict, detail = "too low", f"the loss fell only {total_drop:.1%} over the whole run"
-        report.recommendations.append(f"the loss hardly moved: try --lr {plan.lr * 3:.1e} or more steps")
+        report.recommend("higher lr", f"the loss hardly moved: try --lr {plan.lr * 3:.1e} or more steps")
     else:
         verdict, detail = "effective", f"the loss fell {total_drop:.0%} with no spikes"
     if clipped > len(train) // 2:
         detail += f"; gradients were clipped on {clipped} of {len(train)} steps"
     report.findings.append(Finding("learning rate", verdict, f"peak {plan.lr:.1e} ({plan.lr_scheduler}); {detail}"))
+
+
+def _throughput(report: RunReport, plan: Any, train: list[dict[str, Any]]) -> None:
+    if not train:
+        return
+    speed = median(r["tokens_per_s"] for r in train)
+    report.findings.append(Finding("throughput", f"{speed:,.0f} tokens/s",
+                                   f"median over {len(train)} steps, micro-batch {plan.micro_batch_size} x "
+                                   f"{plan.grad_accum}, {plan.max_seq_len} tokens, {plan.method}"))
+
+
+def _recoveries(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
+    recoveries = status.get("recoveries", [])
+    if not recoveries:
+        report.findings.append(Finding("recoveries", "none", "no out-of-memory or NaN event"))
+        return
+    listed = "; ".join(f"step {r['step']}: {r['kind']} -> {r['action']}" for r in recoveries)
+    report.findings.append(Finding("recoveries", f"{len(recoveries)}", listed))
+    if any(r["kind"] == "oom" for r in recoveries):
+        report.recommend("batch size", f"memory ran out during training: start with --batch-size "
+                                       f"{plan.micro_batch_size} next time, so no step is lost to recovery")
+    if any(r["kind"] == "nan" for r in recoveries):
+        report.recommend("lower lr", f"the loss diverged: start with --lr {plan.lr:.1e} or lower")
 
 
 def plot(run: RunDirectory) -> Path:

@@ -1,12 +1,10 @@
-"""Settings: .env and LLMCUSTOMS_* variables, precedence flag > env > preset > default,
-and the setup wizard that writes them."""
+"""Settings: .env and LLMCUSTOMS_* variables, precedence flag > env > preset > default.
+The setup wizard that writes them is tested in test_wizard.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -104,56 +102,6 @@ def test_an_unset_value_is_ignored(tmp_path):
 def test_a_missing_env_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError):
         load_settings(tmp_path / "nope.env")
-
-
-def run_setup(tmp_path: Path, env_file: Path, stdin: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_")}
-    return subprocess.run([sys.executable, "-m", "llmcustoms", "setup", "--data", str(DATA_FILES["alpaca"]),
-                           "--env-file", str(env_file)], input=stdin, capture_output=True, text=True,
-                          cwd=tmp_path, env={**env, "COLUMNS": "120"}, timeout=120)
-
-
-def test_setup_with_enter_throughout_writes_a_sensible_env_file(tmp_path):
-    env_file = tmp_path / "F.env"
-    result = run_setup(tmp_path, env_file, "\n" * 20)  # what `yes ''` sends
-    assert result.returncode == 0, result.stdout + result.stderr
-    values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line and not line.startswith("#"))
-    assert values["LLMCUSTOMS_PRESET"] == "quality"
-    # No GPU here: one of the preset's CPU models, by how long it would take.
-    assert values["LLMCUSTOMS_MODEL"] in ("HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert values["LLMCUSTOMS_OUTPUT_DIR"] == "runs"
-    assert values["LLMCUSTOMS_DATA"] == str(DATA_FILES["alpaca"])
-    assert f"llmcustoms train --env-file {env_file}" in result.stdout  # the data is in the file
-    assert "ok: Alpaca" in result.stdout  # the data was validated on the spot
-    # What it wrote is what `plan` then uses.
-    result = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
-    plan = json.loads(result.output)
-    assert plan["preset"] == "quality" and plan["sources"]["preset"] == "env LLMCUSTOMS_PRESET"
-    assert plan["data"] == str(DATA_FILES["alpaca"].resolve())
-
-
-def test_setup_answers_are_used_and_other_variables_are_kept(tmp_path):
-    env_file = tmp_path / ".env"
-    env_file.write_text("HF_TOKEN=hf_keepme\nLLMCUSTOMS_PRESET=quality\n")
-    answers = "\n".join(["", "bestaccuracy", "2", "out", "40", "y"]) + "\n"
-    result = run_setup(tmp_path, env_file, answers)
-    assert result.returncode == 0, result.stdout + result.stderr
-    text = env_file.read_text()
-    assert "LLMCUSTOMS_PRESET=bestaccuracy" in text and "LLMCUSTOMS_OUTPUT_DIR=out" in text
-    assert "LLMCUSTOMS_SAVE_EVERY=40" in text and "HF_TOKEN=hf_keepme" in text
-    assert "hf_keepme" not in result.stdout
-
-
-def test_setup_with_bad_data_says_why_and_writes_nothing(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"foo": 1}\n')
-    env_file = tmp_path / "F.env"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_")}
-    result = subprocess.run([sys.executable, "-m", "llmcustoms", "setup", "--data", str(bad), "--env-file", str(env_file)],
-                            input="\n" * 10, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-    assert result.returncode == 2
-    assert "cannot tell the data format" in " ".join(result.stdout.split())
-    assert not env_file.exists()
 
 
 def test_the_data_file_is_a_setting_too(tmp_path, tiny_models):

@@ -1,0 +1,82 @@
+"""What the UI modules show: precision in the words people use, and the runs
+table whole on an 80-column terminal."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from rich.console import Console
+
+from llmcustoms.console import machine_table, plan_table, runs_table
+from llmcustoms.hardware import Hardware
+from llmcustoms.rundir import RunSummary
+from test_planning import plan_for
+
+
+def render(renderable: object, width: int = 120) -> str:
+    console = Console(width=width, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_fp32_is_shown_as_fp32_and_plan_json_keeps_no():
+    cpu = Hardware.cpu_only(ram_gib=16)
+    plan = plan_for(cpu, "Qwen/Qwen2.5-0.5B-Instruct")
+    assert plan.mixed_precision == "no" and json.loads(plan.dumps())["mixed_precision"] == "no"
+    assert re.search(r"precision\W+fp32\W", render(plan_table(plan)))
+    assert re.search(r"precision\W+fp32\W", render(machine_table(cpu)))
+    assert "precision fp32: no GPU found" in plan.reasons
+    assert not any("precision no" in line for line in (*plan.reasons, render(plan_table(plan))))
+
+
+def test_bf16_and_fp16_are_shown_as_they_are():
+    for hardware, precision in ((Hardware.with_gpu(24), "bf16"), (Hardware.with_gpu(6, compute_capability=(7, 5)), "fp16")):
+        plan = plan_for(hardware, "Qwen/Qwen2.5-0.5B-Instruct")
+        assert plan.mixed_precision == precision
+        assert re.search(rf"precision\W+{precision}\W", render(plan_table(plan)))
+        assert any(r.startswith(f"precision {precision}: ") for r in plan.reasons)
+
+
+RUNS = [
+    RunSummary("Qwen2.5-0.5B-Instruct-quality-20250101-120000", "Qwen/Qwen2.5-0.5B-Instruct", "qlora", "interrupted",
+               1234, 12000, 1.2345, 1.9, 1100, "2025-01-01T12:00:00", 3 * 3600 + 1234),
+    RunSummary("SmolLM2-135M-Instruct-highspeed-20250102-083000", "HuggingFaceTB/SmolLM2-135M-Instruct", "full",
+               "completed", 300, 300, 2.0, 2.5, None, None, 754),
+    RunSummary("mistral-7b-qlora", "mistralai/Mistral-7B-Instruct-v0.3", "qlora", "failed", 12, 5000, None, None,
+               None, None, 65),
+    RunSummary("done", "/models/tiny-llama", "lora", "running", 5, None, None, None, None, None, None),
+]
+
+
+def test_the_runs_table_is_whole_at_80_columns():
+    text = render(runs_table("runs", RUNS), width=80)
+    lines = text.splitlines()
+    assert "…" not in text and max(len(line) for line in lines) <= 80
+    rule = next(i for i, line in enumerate(lines) if "────" in line)
+    header = " ".join(lines[:rule])
+    for word in ("run", "model", "(method)", "status", "steps", "eval", "ppl", "time"):
+        assert re.search(rf"(?<!\S){re.escape(word)}(?!\S)", header), f"no {word} header"
+    # Names fold inside their columns: read each column back down, its pieces joined.
+    runs_column, models_column = _column(lines, rule, "run", "model"), _column(lines, rule, "model", "status")
+    for run in RUNS:
+        assert run.name in runs_column
+    for model in ("Qwen2.5-0.5B-Instruct(qlora)", "SmolLM2-135M-Instruct(full)", "tiny-llama(lora)"):
+        assert model in models_column
+    body = "\n".join(lines[rule + 1:])
+    for cell in ("interrupted", "completed", "failed", "1234/12000", "3.437", "(-49%)", "7.389", "300/300",
+                 "12/5000", "5/?", "1m 05s", "12m 34s"):
+        assert cell in body, cell
+
+
+def _column(lines: list[str], rule: int, header: str, next_header: str) -> str:
+    """The text of the column under `header`, down to the rows' end, without spaces."""
+    def where(word: str) -> int:
+        return min(line.find(word) for line in lines[:rule] if re.search(rf"(?<!\S){word}(?!\S)", line))
+    return re.sub(r"\s+", "", "".join(line[where(header):where(next_header)] for line in lines[rule + 1:]))
+
+
+def test_the_runs_table_keeps_a_run_on_one_line_when_wide():
+    text = render(runs_table("runs", RUNS[3:]), width=120)
+    row = next(line for line in text.splitlines() if "done" in line)
+    assert "tiny-llama (lora)" in row and "running" in row and "5/?" in row

@@ -1,0 +1,88 @@
+"""Export: the model card names the base as the Hub knows it, and a merged
+export says the dtype its weights were written in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from llmcustoms import export
+from llmcustoms.cli import app
+from llmcustoms.export import card_base_model, model_card
+from llmcustoms.rundir import RunDirectory
+from tiny_models import build_model
+
+
+def local_model(directory: Path, name_or_path: object = None) -> Path:
+    directory.mkdir(parents=True)
+    config = {"model_type": "llama"} if name_or_path is None else {"model_type": "llama", "_name_or_path": name_or_path}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_the_card_names_a_hub_id_as_given():
+    assert card_base_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_local_directory_is_named_by_the_hub_id_it_came_from(tmp_path):
+    saved = local_model(tmp_path / "models" / "my-qwen", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert card_base_model(str(saved)) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.mark.parametrize("name_or_path", [None, "/home/me/models/my-qwen", "../my-qwen", "", 3])
+def test_otherwise_a_local_directory_is_named_by_its_name(tmp_path, name_or_path):
+    saved = local_model(tmp_path / "models" / "my-qwen", name_or_path)
+    assert card_base_model(str(saved)) == "my-qwen"
+    assert card_base_model(str(saved) + "/") == "my-qwen"
+
+
+def test_a_local_path_that_is_gone_is_named_by_its_name(tmp_path):
+    assert card_base_model(str(tmp_path / "moved" / "tiny-llama")) == "tiny-llama"
+
+
+def card_plan(model: str) -> SimpleNamespace:
+    lora = SimpleNamespace(r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return SimpleNamespace(model=model, method="lora", lora=lora, preset="quality", data="/data/train.jsonl",
+                           data_format="alpaca", train_rows=90, eval_rows=10, effective_batch_size=8, lr=2e-4,
+                           lr_scheduler="cosine", max_seq_len=256, trust_remote_code=False)
+
+
+def test_the_card_never_shows_the_local_path(tmp_path):
+    saved = local_model(tmp_path / "models" / "my-qwen", "Qwen/Qwen2.5-0.5B-Instruct")
+    (tmp_path / "run").mkdir()
+    card = model_card(RunDirectory(tmp_path / "run"), card_plan(str(saved)), merged=False)
+    assert "base_model: Qwen/Qwen2.5-0.5B-Instruct\n" in card
+    assert str(tmp_path) not in card
+    assert 'from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")' in card
+
+
+@pytest.fixture
+def run_with_adapter(tmp_path, monkeypatch):
+    """A run directory holding a LoRA adapter on a tiny fp32 Llama (untrained: the dtype is the point)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = build_model("llama", tmp_path / "tiny-llama")
+    run = tmp_path / "run"
+    adapter = run / "adapter"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"]))
+    model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(base).save_pretrained(adapter)
+    (run / "plan.json").write_text("{}")  # what `export` checks; the plan itself comes from below
+    monkeypatch.setattr(export, "trained_output", lambda _run: (card_plan(str(base)), adapter))
+    return run
+
+
+@pytest.mark.parametrize("dtype,written", [("auto", "float32"), ("bfloat16", "bfloat16")])
+def test_a_merged_export_says_the_dtype_it_wrote(run_with_adapter, tmp_path, dtype, written):
+    out = tmp_path / f"merged-{dtype}"
+    result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), "--merge",
+                                      "--dtype", dtype], env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"a merged model ({written} weights)" in result.output and "16-bit" not in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == written

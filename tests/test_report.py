@@ -1,0 +1,117 @@
+"""`llmcustoms report` on short runs: it reads the evaluations a run has, withholds
+the verdicts too few steps cannot support (saying so once), and never asks for
+the same change twice. Run directories are written by hand from a pure plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from typer.testing import CliRunner
+
+from llmcustoms.cli import app
+from llmcustoms.hardware import Hardware
+from llmcustoms.modeling import choice_from_spec
+from llmcustoms.plan import DataStats, Plan
+from llmcustoms.planning import ParameterOptimizer
+from llmcustoms.presets import find_model_spec, load_families, load_preset
+from llmcustoms.report import MIN_EVALUATIONS_OVERFITTING, MIN_STEPS_LEARNING_RATE, analyse
+from llmcustoms.rundir import RunDirectory
+
+VERDICTS = ("convergence", "overfitting", "learning rate")
+# Falls, spikes, falls, spikes: from these the old report called the rate "too high" after 6 steps.
+SPIKY = [3.0, 2.6, 4.2, 2.5, 2.4, 3.9]
+
+
+def plan_of(max_steps: int, eval_rows: int = 50, **overrides) -> Plan:
+    families = load_families()
+    model = choice_from_spec(find_model_spec("HuggingFaceTB/SmolLM2-135M-Instruct", families), families, "flag")
+    stats = DataStats(lengths=tuple([100] * 500), first_loss_positions=tuple([20] * 500), eval_rows=eval_rows)
+    plan = ParameterOptimizer(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
+        model, stats, {k: (v, "flag") for k, v in {"max_steps": max_steps, **overrides}.items()})
+    return replace(plan, eval_split=0.1 if eval_rows else 0.0)
+
+
+def make_run(tmp_path, plan: Plan, losses: list[float], evals: dict[int, float], status: str = "completed",
+             **fields) -> RunDirectory:
+    """A run directory as `train` leaves it: eval rows after the step they follow, step 0 the base model's."""
+    run = RunDirectory(tmp_path / "run")
+    run.create()
+    run.write_plan(plan)
+    if 0 in evals:
+        run.append_metrics({"step": 0, "eval_loss": evals[0], "eval_ppl": 1.0})
+    for step, loss in enumerate(losses, start=1):
+        run.append_metrics({"step": step, "epoch": 0.01 * step, "loss": loss, "lr": plan.lr, "grad_norm": 0.5,
+                            "tokens_per_s": 1000.0})
+        if step in evals:
+            run.append_metrics({"step": step, "eval_loss": evals[step], "eval_ppl": 1.0})
+    run.write_status(status, step=len(losses), **fields)
+    return run
+
+
+def everything_said(report) -> str:
+    return " ".join([f"{f.topic} {f.verdict} {f.detail}" for f in report.findings] + report.recommendations)
+
+
+def test_a_short_run_reads_its_evaluations_and_withholds_its_verdicts_once(tmp_path):
+    plan = plan_of(6)
+    assert plan.eval_rows == 50 and plan.eval_every == 2  # evaluations at steps 2, 4 and 6
+    run = make_run(tmp_path, plan, SPIKY, {0: 3.2, 2: 3.0, 4: 2.9, 6: 2.8}, best_eval_loss=2.8, best_eval_step=6,
+                   base_eval_loss=3.2, kept_step=6, kept="the last step's, which had the best eval loss (2.8000)")
+    report = analyse(run)
+    said = everything_said(report)
+    assert "no evaluation rows" not in said and "--eval-split" not in said
+    quality = next(f for f in report.findings if f.topic == "quality")
+    assert quality.verdict == "better" and "50 held-out rows" in quality.detail and "step 6" in quality.detail
+    assert not [f for f in report.findings if f.topic in VERDICTS]  # no "too high" from 6 steps
+    assert "too high" not in said and "--lr" not in said
+    assert said.count("too few steps") == 1
+    assert "too few steps (6) to judge convergence, overfitting and learning rate" in said
+
+    shown = CliRunner().invoke(app, ["report", str(run.path)], env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.replace("│", " ").split())
+    assert text.count("too few steps (6)") == 1 and "--eval-split" not in text and "50 held-out rows" in text
+
+
+def test_a_run_stopped_before_its_first_evaluation_has_the_base_models_not_none(tmp_path):
+    """The run a new user was told had "no evaluation rows": 50 held out, evaluated at step 0, stopped at 6 of 40."""
+    plan = plan_of(40, eval_every=20)
+    run = make_run(tmp_path, plan, SPIKY, {0: 3.2}, status="interrupted", reason="stopped by SIGINT")
+    report = analyse(run)
+    said = everything_said(report)
+    assert "no evaluation rows" not in said and "--eval-split" not in said
+    quality = next(f for f in report.findings if f.topic == "quality")
+    assert quality.verdict == "not measured yet" and "3.2000 on 50 held-out rows" in quality.detail
+    assert "too few steps (6) to judge convergence, overfitting and learning rate" in said
+    assert report.recommendations[0].startswith("the run is interrupted: continue it")
+
+
+def test_a_run_with_no_held_out_rows_still_says_so(tmp_path):
+    plan = plan_of(30, eval_rows=0)
+    assert plan.eval_every == 0
+    run = make_run(tmp_path, plan, [3.0 - 0.05 * s for s in range(30)], {})
+    overfitting = next(f for f in analyse(run).findings if f.topic == "overfitting")
+    assert overfitting.verdict == "unknown" and "no held-out evaluation rows" in overfitting.detail
+
+
+def test_overfitting_is_not_judged_from_two_evaluations(tmp_path):
+    plan = plan_of(30, eval_every=15)
+    run = make_run(tmp_path, plan, [3.0 - 0.05 * s for s in range(30)], {0: 3.0, 15: 2.0, 30: 2.5})
+    overfitting = next(f for f in analyse(run).findings if f.topic == "overfitting")
+    assert overfitting.verdict == "not judged"
+    assert f"too few evaluations (2) to judge overfitting; it needs {MIN_EVALUATIONS_OVERFITTING}" in overfitting.detail
+
+
+def test_the_same_change_is_recommended_once(tmp_path):
+    # Falling, one spike, then rising over the last quarter: both the learning-rate
+    # and the convergence verdicts ask for a lower --lr.
+    losses = [3.0 - 0.05 * s for s in range(30)] + [3.0, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8]
+    assert len(losses) >= MIN_STEPS_LEARNING_RATE
+    plan = plan_of(len(losses))
+    run = make_run(tmp_path, plan, losses, {0: 3.2, 10: 3.0, 20: 2.8, 30: 2.7, 40: 2.6}, best_eval_loss=2.6,
+                   best_eval_step=40, base_eval_loss=3.2)
+    report = analyse(run)
+    verdicts = {f.topic: f.verdict for f in report.findings}
+    assert verdicts["learning rate"] == "too high" and verdicts["convergence"] == "rising at the end"
+    assert len([r for r in report.recommendations if "--lr" in r]) == 1
+    assert len(set(report.recommendations)) == len(report.recommendations)

@@ -1,0 +1,254 @@
+"""`llmcustoms setup`: every answer is checked as `train` would meet it, a
+refused one is asked again (or, with no one to answer, stops with exit 2), and
+the models are offered with where they load from and how long they would take.
+
+The wizard runs as a user runs it, in a subprocess with the answers piped in.
+Tests run offline (conftest), so a Hub model is usable only when it is in the
+Hugging Face cache: `fake_hub_cache` puts the catalog's ids there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DATA_FILES
+from llmcustoms import hubaccess
+from llmcustoms.cli import app
+from llmcustoms.data import read_dataset
+from llmcustoms.duration import CPU_TIME_LIMIT_S
+from llmcustoms.hardware import Hardware
+from llmcustoms.presets import load_preset
+from llmcustoms.settings import load_settings
+from llmcustoms.wizard import model_offers, planning_stats, suggested_model
+
+runner = CliRunner()
+SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct")
+# A SmolLM2-135M-shaped config.json: enough for the wizard, which reads nothing else of a model directory.
+MODEL_CONFIG = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+                "tie_word_embeddings": True, "max_position_embeddings": 8192}
+TIME = r"\d+(\.\d)? (s|min|h)"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
+    monkeypatch.chdir(tmp_path)
+
+
+def fake_hub_cache(home: Path, hub_ids: tuple[str, ...]) -> Path:
+    """A Hugging Face home whose cache holds `hub_ids` (config and a weights file,
+    which is all `hubaccess.is_cached` looks for)."""
+    for hub_id in hub_ids:
+        repo = home / "hub" / f"models--{hub_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+        (snapshot / "config.json").write_text("{}")
+        (snapshot / "model.safetensors").write_bytes(b"")
+    return home
+
+
+def model_directory(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return path
+
+
+def run_setup(tmp_path: Path, env_file: Path, stdin: str, data: Path | None = DATA_FILES["alpaca"],
+              cached: tuple[str, ...] = SMOLLM2, **env: str) -> subprocess.CompletedProcess:
+    """`llmcustoms setup` with `stdin` piped in, offline, with `cached` in the Hugging Face cache."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_") and k != "CI"}
+    home = fake_hub_cache(tmp_path / "hf-home", cached)
+    args = ["--data", str(data)] if data else []
+    return subprocess.run([sys.executable, "-m", "llmcustoms", "setup", *args, "--env-file", str(env_file)],
+                          input=stdin, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**base, "COLUMNS": "120", "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", **env})
+
+
+def answers(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+def env_values(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#"))
+
+
+def said(result: subprocess.CompletedProcess) -> str:
+    """Everything shown, on one line: Rich wraps long messages."""
+    return " ".join((result.stdout + result.stderr).split())
+
+
+def alpaca_with_empty_replies(path: Path, rows: int, empty: tuple[int, ...]) -> Path:
+    """`rows` Alpaca rows, the ones at `empty` (0-based) with an empty output and a prompt no report may show."""
+    lines = [json.dumps({"instruction": f"PRIVATE-PROMPT-{i}" if i in empty else f"Name the number {i}.",
+                         "input": "", "output": "" if i in empty else f"The number is {i}, written out."})
+             for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------- moved from test_settings.py
+
+
+def test_setup_with_enter_throughout_writes_a_sensible_env_file(tmp_path):
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, "\n" * 20)  # what `yes ''` sends
+    assert result.returncode == 0, result.stdout + result.stderr
+    values = env_values(env_file)
+    assert values["LLMCUSTOMS_PRESET"] == "quality"
+    # No GPU here: one of the preset's CPU models (both cached), by how long it would take.
+    assert values["LLMCUSTOMS_MODEL"] in SMOLLM2
+    assert values["LLMCUSTOMS_OUTPUT_DIR"] == "runs"
+    assert values["LLMCUSTOMS_DATA"] == str(DATA_FILES["alpaca"])
+    assert "LLMCUSTOMS_SKIP_BAD_ROWS" not in values  # the fixture has no bad row
+    assert f"llmcustoms train --env-file {env_file}" in result.stdout  # the data is in the file
+    assert "ok: Alpaca" in result.stdout  # the data was validated on the spot
+    # What it wrote is what `plan` then uses.
+    result = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
+    plan = json.loads(result.output)
+    assert plan["preset"] == "quality" and plan["sources"]["preset"] == "env LLMCUSTOMS_PRESET"
+    assert plan["data"] == str(DATA_FILES["alpaca"].resolve())
+
+
+def test_setup_answers_are_used_and_other_variables_are_kept(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("HF_TOKEN=hf_keepme\nLLMCUSTOMS_PRESET=quality\n")
+    result = run_setup(tmp_path, env_file, answers("", "bestaccuracy", "2", "out", "40", "y"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = env_file.read_text()
+    assert "LLMCUSTOMS_PRESET=bestaccuracy" in text and "LLMCUSTOMS_OUTPUT_DIR=out" in text
+    assert f"LLMCUSTOMS_MODEL={SMOLLM2[1]}" in text  # number 2 of the list, smallest first
+    assert "LLMCUSTOMS_SAVE_EVERY=40" in text and "HF_TOKEN=hf_keepme" in text
+    assert "hf_keepme" not in result.stdout
+
+
+def test_setup_with_bad_data_says_why_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n')
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, "\n" * 10, data=bad)
+    assert result.returncode == 2
+    assert "cannot tell the data format" in said(result)
+    assert not env_file.exists()
+
+
+# ------------------------------------------------------------------- the model answer
+
+
+def test_a_model_path_that_does_not_exist_is_refused_asked_again_and_never_written(tmp_path):
+    env_file = tmp_path / "F.env"
+    missing, no_config = tmp_path / "no-such-model", tmp_path / "not-a-model"
+    no_config.mkdir()
+    model = model_directory(tmp_path / "my-model")
+    result = run_setup(tmp_path, env_file, answers("", "", str(missing), str(no_config), str(model), "", ""))
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = said(result)
+    assert f"{missing} does not exist" in shown and f"{no_config} has no config.json" in shown
+    assert shown.count("Model (number, hub id or local directory)") == 3  # asked again after each refusal
+    assert re.search(f"ok: {re.escape(str(model))}: a local model directory; estimated training time here about {TIME}",
+                     shown)
+    assert env_values(env_file)["LLMCUSTOMS_MODEL"] == str(model)
+    assert "no-such-model" not in env_file.read_text() and "not-a-model" not in env_file.read_text()
+
+
+@pytest.mark.parametrize("how", ["input runs out", "CI"])
+def test_with_no_one_to_answer_again_a_refused_model_stops_with_one_message(tmp_path, how):
+    """Piped answers used up (or CI, where no one answers): the refusal is the
+    end, exit 2, not the default quietly put in place of the answer given."""
+    env_file = tmp_path / "F.env"
+    missing = tmp_path / "no-such-model"
+    if how == "CI":  # a good answer follows, but under CI a refusal is final
+        result = run_setup(tmp_path, env_file, answers("", "", str(missing), SMOLLM2[0]), CI="true")
+    else:
+        result = run_setup(tmp_path, env_file, answers("", "", str(missing)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("Error:") == 1 and f"{missing} does not exist" in " ".join(result.stderr.split())
+    assert "nothing was written" in said(result) and "Traceback" not in result.stderr
+    assert not env_file.exists()
+
+
+def test_offline_with_no_model_cached_suggests_none_and_refuses_the_hub_ids(tmp_path):
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "", "1", "Qwen/Qwen2.5-0.5B-Instruct"), cached=())
+    assert result.returncode == 2
+    shown = said(result)
+    assert "No suggestion: no listed model can be used here" in shown
+    assert f"{SMOLLM2[0]} is not a directory here nor in the local Hugging Face cache" in shown  # number 1
+    assert "Qwen/Qwen2.5-0.5B-Instruct is not a directory here" in shown
+    assert not env_file.exists()
+
+
+def test_the_model_choices_show_where_each_loads_from_and_how_long_it_would_take(tmp_path):
+    result = run_setup(tmp_path, tmp_path / "F.env", "\n" * 20, cached=SMOLLM2[:1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {line.split()[1]: line for line in result.stdout.splitlines() if re.match(r"\s*\d+\. ", line)}
+    assert len(rows) > 5 and all(re.search(TIME, line) for line in rows.values()), result.stdout
+    assert re.search(rf"{TIME}\s+cached\s+<-$", rows[SMOLLM2[0]].rstrip())  # the one usable offline: suggested
+    assert "offline: no" in rows[SMOLLM2[1]] and "offline: no" in rows["mistralai/Mistral-7B-Instruct-v0.3"]
+    assert "Offline:" in result.stdout and env_values(tmp_path / "F.env")["LLMCUSTOMS_MODEL"] == SMOLLM2[0]
+
+
+def test_on_two_cores_the_suggestion_is_usable_and_the_7b_models_are_marked_slow(tmp_path, monkeypatch):
+    data = alpaca_with_empty_replies(tmp_path / "d.jsonl", 2000, ())
+    preset = load_preset("quality")
+    hardware = Hardware.cpu_only(24, cores=2)  # the machine of the complaint
+    stats = planning_stats(read_dataset(data), preset)
+    monkeypatch.setattr(hubaccess, "is_cached", lambda hub_id: hub_id == SMOLLM2[0])
+    offers = {offer.hub_id: offer for offer in model_offers(hardware, preset, stats, 256)}
+    assert offers[SMOLLM2[0]].where == hubaccess.CACHED and offers[SMOLLM2[1]].where == hubaccess.UNAVAILABLE
+    big = offers["mistralai/Mistral-7B-Instruct-v0.3"]
+    assert big.method == "qlora" and big.seconds > 10 * CPU_TIME_LIMIT_S > offers[SMOLLM2[0]].seconds
+    assert suggested_model(hardware, preset, stats, list(offers.values()))[0] == SMOLLM2[0]
+    monkeypatch.setattr(hubaccess, "is_cached", lambda hub_id: False)
+    offline = model_offers(hardware, preset, stats, 256)
+    assert suggested_model(hardware, preset, stats, offline)[0] is None
+
+
+# ------------------------------------------------------------------- bad rows
+
+
+def test_a_few_bad_rows_are_skipped_as_train_skips_them_and_reported_by_line(tmp_path):
+    data = alpaca_with_empty_replies(tmp_path / "d.jsonl", 60, (3, 41))  # 2 of 60: under the share
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, "\n" * 20, data=data)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = said(result)
+    assert "ok: Alpaca (instruction, input, output), 58 rows" in shown
+    assert "2 bad rows will be skipped" in shown and "field 'output' is empty: 2 rows (line 4, line 42)" in shown
+    assert "PRIVATE-PROMPT" not in shown and "--skip-bad-rows" not in shown
+    assert "LLMCUSTOMS_SKIP_BAD_ROWS" not in env_file.read_text()  # the default policy is enough
+
+
+def test_more_bad_rows_than_the_share_are_offered_for_skipping_and_the_choice_is_saved(tmp_path):
+    data = alpaca_with_empty_replies(tmp_path / "d.jsonl", 10, (3, 7))  # 20%
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "y") + "\n" * 10, data=data)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = said(result)
+    assert "2 of 10 rows (20%) fail validation" in shown and "(line 4, line 8)" in shown
+    assert "ok: Alpaca (instruction, input, output), 8 rows" in shown
+    assert "PRIVATE-PROMPT" not in shown and "--skip-bad-rows" not in shown  # a flag setup does not take
+    assert env_values(env_file)["LLMCUSTOMS_SKIP_BAD_ROWS"] == "true"
+    assert load_settings(env_file).values["skip_bad_rows"][0] is True  # what train, plan and tune then read
+
+
+def test_declining_to_skip_with_no_one_to_answer_again_stops_and_writes_nothing(tmp_path):
+    data = alpaca_with_empty_replies(tmp_path / "d.jsonl", 10, (3, 7))
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "n"), data=data)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "d.jsonl: 2 of 10 rows fail validation" in " ".join(result.stderr.split())
+    assert "answer y to skip them" in said(result) and not env_file.exists()
