@@ -1,10 +1,11 @@
-"""Everything the user sees: progress, tables, panels and error messages.
+"""Everything the user sees: tables, panels and error messages.
 
 The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
-Rich directly; this module holds the Rich implementations. Rich appears here,
-in `tuneview.py` (what `tune` and `lr-find` show) and in `dialog.py` (what
-llmcustoms asks) only, and none computes: what they show comes worked out
-(`fitting.fit_table`, `rundir.list_runs`).
+Rich directly; `trainview.py` holds its Rich implementations (the live
+training display). Rich appears here, in `trainview.py`, in `dataview.py`
+(the data), in `tuneview.py` (what `tune` and `lr-find` show) and in
+`dialog.py` (what llmcustoms asks) only, and none computes: what they show
+comes worked out (`fitting.fit_table`, `rundir.list_runs`).
 """
 
 from __future__ import annotations
@@ -14,82 +15,15 @@ from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmcustoms import measures
 from llmcustoms.duration import CPU_TIME_LIMIT_S
 from llmcustoms.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
                                 TINY_MODEL_PARAMS)
-from llmcustoms.reporting import Reporter
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
-
-
-class QuietReporter:
-    """For scripts (--quiet): only warnings, on stderr."""
-
-    def message(self, text: str, warning: bool = False) -> None:
-        if warning:
-            err_console.print(f"[yellow]warning:[/] {text}")
-
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
-        pass  # nothing to draw
-
-    def step(self, row: dict[str, Any]) -> None:
-        pass  # scripts want the result, not the steps
-
-    def evaluated(self, row: dict[str, Any]) -> None:
-        pass  # scripts want the result, not the steps
-
-    def training_finished(self) -> None:
-        pass  # nothing to tear down
-
-
-class RichReporter:
-    """A live progress bar with loss, learning rate, tokens/s and ETA."""
-
-    def __init__(self) -> None:
-        self.progress: Progress | None = None
-        self.task: Any = None
-        self.last_eval = ""
-
-    def message(self, text: str, warning: bool = False) -> None:
-        target = self.progress.console if self.progress else console
-        target.print(f"[yellow]warning:[/] {text}" if warning else text)
-
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
-        self.progress = Progress(
-            BarColumn(bar_width=20), MofNCompleteColumn(),
-            TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
-            TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eval]}"),
-            TextColumn("eta"), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
-                                           loss="-", lr="-", tps="-", eval="")
-
-    def step(self, row: dict[str, Any]) -> None:
-        if self.progress is None:
-            return
-        self.progress.update(self.task, completed=row["step"], loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
-                             tps=f"{row['tokens_per_s']:,.0f}", eval=self.last_eval)
-
-    def evaluated(self, row: dict[str, Any]) -> None:
-        self.last_eval = f"eval [magenta]{row['eval_loss']:.4f}[/] ppl {row['eval_ppl']:.2f}"
-        if self.progress is not None:
-            self.progress.update(self.task, eval=self.last_eval)
-
-    def training_finished(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-
-def make_reporter(quiet: bool) -> Reporter:
-    return QuietReporter() if quiet else RichReporter()
 
 
 def print_warning(message: str) -> None:

@@ -20,7 +20,10 @@ BatchLoss = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
 class Evaluation:
-    def __init__(self, data: TrainingRows, processes: Any, loss: BatchLoss, free_memory: Callable[[], None]):
+    def __init__(self, data: TrainingRows, processes: Any, loss: BatchLoss, free_memory: Callable[[], None],
+                 activity: Callable[[str | None], None] = lambda text: None):
+        """`activity(text)` is told how far an evaluation is, and None when it is done."""
+        self.activity = activity
         self.data = data
         self.processes = processes
         self.batch_loss = loss
@@ -58,9 +61,13 @@ class Evaluation:
         normaliser = torch.tensor(max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.micro_batches)),
                                   device=device)
         model.eval()
+        share = self.processes.evaluation_share(self.micro_batches)
+        total = torch.zeros((), device=device)
         try:
-            return sum((self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser) * weight
-                        for mb, weight in self.processes.evaluation_share(self.micro_batches)),
-                       torch.zeros((), device=device))
+            for done, (mb, weight) in enumerate(share):
+                self.activity(f"evaluating {done}/{len(share)}")
+                total += self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser) * weight
+            return total
         finally:
             model.train()
+            self.activity(None)

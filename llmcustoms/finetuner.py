@@ -1,23 +1,23 @@
 """`FineTuner`: executes a `Plan` with a small, explicit training loop on accelerate.
 
 Read it top to bottom, as it runs: `run` sets up (processes once; then seed,
-model, optimizer, schedule, data) and evaluates the base model; then each
-optimizer step takes its rows in micro-batches, normalises the loss by the
-trained tokens of the whole step (any split gives the same update), checks it
-is finite, clips, steps, logs, evaluates now and then, and checkpoints every
+model, optimizer, schedule, data) and evaluates the base model; each optimizer
+step takes its rows in micro-batches, normalises the loss by the trained
+tokens of the whole step (any split gives the same update), checks it is
+finite, clips, steps, logs, evaluates now and then, and checkpoints every
 `save_every` steps. An evaluation that beats the best so far has its weights
-kept at once (`best_weights`); at the end they become `adapter/`. The loss,
-each step's rows and the lr schedule are arguments. Where the loop is
-(`Position`) is one record, saved in every checkpoint and restored from it.
+kept at once (`best_weights`); at the end they become `adapter/`. Loss, step
+rows and lr schedule are arguments. Where the loop is (`Position`) is one
+record, saved in every checkpoint and restored from it.
 
 A training step's failures (out of memory, non-finite loss) are caught in
 `_attempt` and go to the `TrainingRecoverySystem`, which returns a changed
 plan; the loop rolls back to the last checkpoint and carries on. Out of memory
-while evaluating is caught in `evaluation.Evaluation`: the micro-batch is
-lowered and it evaluates again. Anything else ends the run in `run`, with status.json saying
-why. SIGINT and SIGTERM stop at the next micro-batch (the unfinished step is
-dropped), checkpoint the last finished step, and stop.
-Whatever depends on the number of processes is in `processes.Processes`.
+while evaluating is caught in `evaluation.Evaluation`, which lowers the
+micro-batch and evaluates again. Anything else ends the run in `run`, with
+status.json saying why. SIGINT and SIGTERM stop at the next micro-batch (the
+unfinished step is dropped) with a checkpoint of the last finished step.
+What depends on the number of processes is in `processes.Processes`.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class FineTuner:
         self.processes = Processes.start(self.plan, self.run_dir, self.signals)
         self.accelerator = self.processes.accelerator
         self.device = self.processes.device
-        self.evaluation = Evaluation(self.data, self.processes, self._loss, self._free_memory)
+        self.evaluation = Evaluation(self.data, self.processes, self._loss, self._free_memory,
+                                     lambda text: self.reporter.activity(text))
         self.faults.rank = self.processes.rank
         if not self.processes.is_main:
             self.run_dir = RunDirectory(self.run_dir.path, writable=False)
@@ -133,11 +134,13 @@ class FineTuner:
         set_seed(self.plan.seed)  # the same LoRA init on every rank; dropout draws from these too
         self._setup_model()
         self._setup_optimizer()
-        self._setup_schedule()
-        self._setup_data()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer,
+                                                           lambda step: self.schedule(step, self.plan))
+        self.evaluation.use_micro_batch(self.plan.micro_batch_size)
 
     def _setup_model(self) -> None:
         device_index = self.accelerator.local_process_index if torch.cuda.is_available() else None
+        self.reporter.activity("loading the model")
         self.model = self.processes.place(load_model(self.plan, device_index), self.plan, self.reporter.message)
         model = self.accelerator.unwrap_model(self.model)
         select_logits(model)
@@ -149,13 +152,6 @@ class FineTuner:
     def _setup_optimizer(self) -> None:
         self.optimizer = self.accelerator.prepare_optimizer(make_optimizer(self.model, self.plan))
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-
-    def _setup_schedule(self) -> None:
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer,
-                                                           lambda step: self.schedule(step, self.plan))
-
-    def _setup_data(self) -> None:
-        self.evaluation.use_micro_batch(self.plan.micro_batch_size)
 
     def _resume(self) -> None:
         checkpoint = self.checkpoints.latest()
@@ -241,7 +237,7 @@ class FineTuner:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens,
-                "tokens_per_s": tokens / elapsed}, None
+                "tokens_per_s": tokens / elapsed, "seconds": elapsed}, None
 
     def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int]:
         """Local gradients of this rank's share of a step; (summed loss, input tokens of the whole step)."""
@@ -281,7 +277,7 @@ class FineTuner:
         position = self.position
         position.advance(metrics["tokens"], metrics["loss"])
         row = {"step": position.step, "epoch": round(position.epoch + position.index / steps_in_epoch, 4),
-               **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}}
+               **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "seconds")}}
         self.run_dir.append_metrics(row)
         self.reporter.step(row)
 
@@ -322,6 +318,7 @@ class FineTuner:
         if self.samples is None or self.processes.fsdp or not self.processes.main_decides(due):
             return
         if self.processes.is_main:
+            self.reporter.activity(f"sample replies ({label})")
             self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
         self.accelerator.wait_for_everyone()
 
@@ -339,6 +336,7 @@ class FineTuner:
     # ------------------------------------------------------------ checkpoints
 
     def _save_checkpoint(self) -> None:
+        self.reporter.activity(f"saving checkpoint {self.position.step}")
         self.saved_step = self.position.step
         state = {**asdict(self.position), "scheduler": self.scheduler.state_dict(),
                  "micro_batch_size": self.plan.micro_batch_size}
@@ -409,7 +407,7 @@ class FineTuner:
         if plan.lr != old.lr:
             self._apply_learning_rate()
         if plan.micro_batch_size != old.micro_batch_size or plan.max_seq_len != old.max_seq_len:
-            self._setup_data()
+            self.evaluation.use_micro_batch(self.plan.micro_batch_size)
         self.run_dir.write_plan(plan)
 
     def _apply_learning_rate(self) -> None:
@@ -433,8 +431,10 @@ class FineTuner:
         """Write the weights the run keeps, answer the samples with them, say so."""
         position, kept = self.position, {}
         if self.save_artifacts:
+            self.reporter.activity("saving the trained weights")
             kept = self.best.write(self.model, self.tokenizer, position, self.plan.method)
             self._sample("trained")
+        self.reporter.activity(None)
         self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
                                   final_loss=position.final_loss, best_eval_loss=position.best_eval,
                                   best_eval_step=position.best_step, base_eval_loss=position.base_eval,

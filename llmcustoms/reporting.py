@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 class Reporter(Protocol):
     def message(self, text: str, warning: bool = False) -> None: ...
+    def activity(self, text: str | None) -> None: ...  # what is happening now; None: training steps
     def training_started(self, total_steps: int, start_step: int = 0) -> None: ...
     def step(self, row: dict[str, Any]) -> None: ...
     def evaluated(self, row: dict[str, Any]) -> None: ...
@@ -26,9 +27,13 @@ class SilentReporter:
         self.messages: list[str] = []
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self.activities: list[str | None] = []
 
     def message(self, text: str, warning: bool = False) -> None:
         self.messages.append(text)
+
+    def activity(self, text: str | None) -> None:
+        self.activities.append(text)
 
     def training_started(self, total_steps: int, start_step: int = 0) -> None:
         pass  # nothing to draw

@@ -100,6 +100,9 @@ class TrackingReporter:
     def message(self, text: str, warning: bool = False) -> None:
         self.inner.message(text, warning)
 
+    def activity(self, text: str | None) -> None:
+        self.inner.activity(text)
+
     def training_started(self, total_steps: int, start_step: int = 0) -> None:
         self.inner.training_started(total_steps, start_step)
 

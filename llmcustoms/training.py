@@ -238,9 +238,11 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
     from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted
     from llmcustoms.samples import SampleReplies, held_out_prompts
     from llmcustoms.tracking import TrackingReporter
+    from llmcustoms.trainview import make_reporter
 
     main = launching.is_main_process()
-    reporter = TrackingReporter.wrap(ui.make_reporter(quiet), tracker if main else "none", run_dir, prepared.plan)
+    reporter = TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console), tracker if main else "none",
+                                     run_dir, prepared.plan)
     samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir,
                             warn=lambda text: reporter.message(text, warning=True))
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
