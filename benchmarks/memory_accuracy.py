@@ -135,7 +135,8 @@ def measure(config: Config, model_dir: Path, device: str) -> dict:
     before = _rss("VmRSS")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tuner._setup()
+    tuner._setup_processes()
+    tuner._setup_training()
     after_load = _rss("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark now starts here
     for step in range(3):

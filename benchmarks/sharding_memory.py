@@ -63,7 +63,8 @@ def measure(model_dir: Path, distributed: str) -> dict:
         torch.randint(3, ARCH.vocab_size, (rows_per_step * STEPS, SEQ_LEN), generator=generator).tolist())]
     tuner = FineTuner(plan, PadOnly(), rows, [], RunDirectory(Path(tempfile.mkdtemp())), SilentReporter())
     before = _rss("VmRSS")
-    tuner._setup()
+    tuner._setup_processes()
+    tuner._setup_training()
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark now starts here
     for step in range(STEPS):
         _, failure = tuner._attempt(list(range(step * rows_per_step, (step + 1) * rows_per_step)))

@@ -209,7 +209,7 @@ def run_llmcustoms(assets: dict) -> dict:
     tuner = FineTuner(plan, tokenizer, train, [], run, SilentReporter(), save_artifacts=False)
     before = _rss("VmRSS")
     return _timed(lambda: tuner.run(), lambda: tuner.accelerator.unwrap_model(tuner.model), train, evaluation,
-                  tokenizer, before, setup=tuner._setup)
+                  tokenizer, before, setup=lambda: (tuner._setup_processes(), tuner._setup_training()))
 
 
 def _timed(train_fn, model, train: list, evaluation: list, tokenizer, rss_before: int, setup=None) -> dict:

@@ -1,13 +1,18 @@
-"""How long a run will take: compute per token over the machine's rate.
+"""How long a run will take: its training and evaluation tokens over a rate.
 
-A rough figure for the plan (shown, never acted on), so the constants are
-measured once and rounded, not tuned per model.
+The rate is the one measured on this machine for the same model and method
+when a run has been trained here before (`speeds.py` keeps them), else compute
+per token over the machine's nominal rate: a rough figure for the plan (shown,
+never acted on), so the constants are measured once and rounded, not tuned
+per model. The plan says which it is, and the live display replaces it with
+the measured step time from the first step on.
 """
 
 from __future__ import annotations
 
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import parameter_counts
+from llmcustoms.plan import DataStats
 from llmcustoms.presets import ModelSpec
 
 # Share of the GPU's tensor-core peak a fine-tuning step reaches (model FLOPs utilisation).
@@ -33,18 +38,44 @@ def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) 
     return 2 * n + backward + (2 * n if gradient_checkpointing else 0)
 
 
-def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware) -> float:
+def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware,
+                     eval_tokens: float = 0.0) -> float:
+    """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs)."""
+    per_token = flops_per_token(arch, method, gradient_checkpointing)
+    work = tokens + eval_tokens * 2 * sum(parameter_counts(arch)) / per_token  # in training tokens
+    measured = hardware.measured_speed(arch.hub_id, method)
+    if measured is not None:
+        return work / measured
     if hardware.has_gpu:
         rate = hardware.peak_tflops * 1e12 * GPU_MFU
     else:
         rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores
-    seconds = tokens * flops_per_token(arch, method, gradient_checkpointing) / rate
+    seconds = work * per_token / rate
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
 
-def duration_reason(seconds: float, hardware: Hardware) -> str:
+def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
+                     gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
+                     evaluations: int) -> float:
+    """Notes the rows truncation cuts or drops; returns the estimated seconds of
+    training and evaluating (`evaluations` passes over the evaluation rows)."""
+    truncated = stats.rows_truncated(max_seq_len)
+    if truncated:
+        reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
+                       + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
+                          if train_rows < stats.train_rows else ""))
+    length = stats.mean_length(max_seq_len)
+    seconds = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
+                               evaluations * stats.eval_rows * length)
+    reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None))
+    return seconds
+
+
+def duration_reason(seconds: float, hardware: Hardware, measured: bool = False) -> str:
     hours = seconds / 3600
     text = f"estimated duration {_human_duration(seconds)}"
+    text += (" (from the speed measured on this machine with this model and method)" if measured
+             else " (rough: from this machine's nominal speed; the live display measures it from the first step)")
     if not hardware.has_gpu and hours >= 1:
         return (text + ": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
                 "minutes to an hour; on this machine try --preset highspeed, a smaller model or --max-steps")

@@ -46,6 +46,16 @@ class Hardware:
     ram_bytes: int
     ram_free_bytes: int
     driver_note: str = ""
+    # Training tokens/s measured on a machine like this one, per "model|method" (`speeds.py`).
+    speeds: tuple[tuple[str, float], ...] = ()
+
+    def measured_speed(self, model: str, method: str) -> float | None:
+        return dict(self.speeds).get(f"{model}|{method}")
+
+    @property
+    def machine_key(self) -> str:
+        """Which measured speeds apply here: the same GPUs, or a CPU with as many cores."""
+        return f"{self.gpus[0].name} x{len(self.gpus)}" if self.gpus else f"cpu x{self.cpu_cores}"
 
     @property
     def has_gpu(self) -> bool:

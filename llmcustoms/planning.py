@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcustoms import options
-from llmcustoms.duration import cpu_choice, duration_reason, estimate_seconds
+from llmcustoms.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
@@ -266,20 +266,6 @@ def _lora_settings(r: _Resolver, method: str, model: ModelChoice) -> LoraSetting
     return settings
 
 
-def _what_to_expect(r: _Resolver, hardware: Hardware, stats: DataStats, model: ModelChoice, batch: _Batch,
-                    max_seq_len: int, train_rows: int, rows_trained: int) -> float:
-    """Notes the rows truncation cuts or drops; returns the estimated seconds of training."""
-    truncated = stats.rows_truncated(max_seq_len)
-    if truncated:
-        r.reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
-                         + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
-                            if train_rows < stats.train_rows else ""))
-    seconds = estimate_seconds(model.arch, batch.method, batch.gradient_checkpointing,
-                               rows_trained * stats.mean_length(max_seq_len), hardware)
-    r.reasons.append(duration_reason(seconds, hardware))
-    return seconds
-
-
 class ParameterOptimizer:
     """Chooses model, method, batch shape, checkpointing and the rest for one machine.
 
@@ -426,8 +412,9 @@ class ParameterOptimizer:
         schedule = _schedule(r, train_rows, micro, accum * world_size)
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
-        seconds = _what_to_expect(r, hardware, stats, model, batch, max_seq_len, train_rows,
-                                  schedule.total_steps * effective)
+        evaluations = schedule.total_steps // eval_every + 1 if eval_every and stats.eval_rows else 0  # +1: the base model
+        seconds = expected_seconds(r.reasons, hardware, stats, model.arch, batch.method, batch.gradient_checkpointing,
+                                   max_seq_len, train_rows, schedule.total_steps * effective, evaluations)
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source

@@ -26,6 +26,7 @@ from llmcustoms.plan import DataStats, Plan
 from llmcustoms.planning import ParameterOptimizer
 from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
 from llmcustoms.settings import Settings
+from llmcustoms.speeds import with_measured_speeds
 from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store, tokenizing_workers
 
 DEFAULT_PRESET = "quality"
@@ -279,11 +280,11 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     facts and character-based length estimates instead of failing."""
     from llmcustoms import modeling
 
-    started = time.perf_counter()
     dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
     preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
     catalog = tuple(spec for family in families.values() for spec in family.models)
+    hardware = with_measured_speeds(hardware, cache_dir())  # so the duration is measured where it can be
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
     split = _split(options, dataset, preset, progress)

@@ -265,7 +265,19 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
 
             traceback.print_exception(failed.__cause__)
         raise
+    finally:
+        if main and launching.world_size() == 1:
+            _keep_speed(prepared.plan, run_dir)
     return result if main else None
+
+
+def _keep_speed(plan: Any, run_dir: Any) -> None:
+    """This run's measured speed, for the next plan's duration (`speeds.py`)."""
+    from llmcustoms.hardware import detect
+    from llmcustoms.preparation import cache_dir
+    from llmcustoms.speeds import record_speed
+
+    record_speed(cache_dir(), detect(), plan.model, plan.method, run_dir.read_metrics())
 
 
 def _exit_for_restart(restart: Any, run_dir: Any) -> None:
