@@ -93,8 +93,9 @@ class TrainingProgress:
         if text is None:
             text = "first step" if self.done == self.start_step else f"step {self.done + 1}"
             text = text if self.done < self.total else "finishing"
-        if text != self.activity:
-            self.activity, self.activity_since = text, now
+        if _kind(text) != _kind(self.activity):
+            self.activity_since = now
+        self.activity = text
 
     def eta(self, now: float | None = None) -> float | None:
         """Measured: the smoothed step time times the steps left, less what the
@@ -115,6 +116,13 @@ class TrainingProgress:
         eta = clock(self.eta(now)) if self.step_seconds is not None else "after step 1"
         doing = f"  {self.activity} {clock(now - self.activity_since)}"
         return first, f"{epoch}{speed}elapsed {clock(now - self.started)}  eta {eta}{doing}"
+
+
+def _kind(activity: str) -> str:
+    """An activity without its progress counter: "evaluating 3/7" is still the
+    evaluation that began at "evaluating 0/7", and its time runs on."""
+    words = activity.split(" ")
+    return " ".join(words[:-1]) if "/" in words[-1] else activity
 
 
 def _smooth(previous: float | None, value: float) -> float:

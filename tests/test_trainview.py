@@ -44,13 +44,15 @@ def test_the_display_fits_80_columns_and_shows_everything_from_step_1(monkeypatc
         assert "0/360" in before and "eta after step 1" in before and "first step" in before
         reporter.step(row(1, 41.0))
         reporter.evaluated({"step": 1, "eval_loss": 1.8765, "eval_ppl": 6.5})
+        reporter.activity("evaluating 2/7")
+        reporter.progress.activity_since -= 4  # the evaluation began 4 s ago
         reporter.activity("evaluating 3/7")
         lines = shown(reporter)
         text = " ".join(lines)
         assert len(lines) == 2 and all(len(line) <= 80 for line in lines)
         assert "1/360" in text and "loss 2.0000" in text and "eval 1.8765 @1" in text and "epoch 0.10" in text
         assert re.search(r"eta 4:05:\d\d", text)  # 359 steps of 41 s: 4:05:19
-        assert re.search(r"elapsed \d:\d\d:\d\d", text) and "evaluating 3/7 0:00:0" in text
+        assert re.search(r"elapsed \d:\d\d:\d\d", text) and "evaluating 3/7 0:00:04" in text
     finally:
         reporter.training_finished()
 
