@@ -21,8 +21,6 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from safetensors.torch import load_file, save_file
-
 from llmcustoms.checkpoints import CheckpointManager
 
 NAME = re.compile(r"^step-(\d{6,})\.safetensors$")
@@ -44,6 +42,8 @@ class BestWeightFiles:
 
     def keep(self, step: int, tensors: dict[str, Any], eval_loss: float) -> None:
         """Write the weights of `step` (whole, or not at all)."""
+        from safetensors.torch import save_file  # here: `generate` lists the kept steps without torch
+
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
@@ -60,6 +60,8 @@ class BestWeightFiles:
 
     def load(self, step: int) -> dict[str, Any] | None:
         """The weights kept for `step`, or None if there are none."""
+        from safetensors.torch import load_file
+
         path = self.path(step)
         return load_file(str(path)) if path.is_file() else None
 

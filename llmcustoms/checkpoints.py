@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from safetensors.torch import load_file, save_file
-
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
@@ -59,6 +57,8 @@ class Checkpoint:
         return json.loads((self.path / STATE_FILE).read_text())
 
     def tensors(self, name: str) -> dict[str, Any]:
+        from safetensors.torch import load_file  # here: `generate` lists checkpoints without torch
+
         return load_file(str(self.path / name))
 
 
@@ -71,6 +71,8 @@ class CheckpointManager:
     def save(self, step: int, tensors: dict[str, dict[str, Any]], state: dict[str, Any]) -> Checkpoint:
         """Write a checkpoint atomically. `tensors` maps each of TENSOR_FILES to a
         flat {name: tensor} dict; `state` must be JSON-serialisable."""
+        from safetensors.torch import save_file
+
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.at(step).path
         tmp = self.directory / f".tmp-{final.name}-{os.getpid()}"

@@ -290,39 +290,38 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
 
 
 @app.command(cls=flags.Command)
-def generate(run: flags.RunArg, prompt: flags.Prompt, max_new_tokens: flags.MaxNewTokens = 256,
+def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: flags.Prompt = None,
+             checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 256,
              temperature: flags.Temperature = 0.7, seed: flags.Seed = None) -> None:
-    """Generate a reply to one prompt with the run's model."""
+    """Generate a reply to one prompt with the run's model.
+
+    The reply goes to stdout, what is being loaded to stderr."""
     with ending():
-        quiet_libraries()
-        from llmcustoms import dialog
-        from llmcustoms.generation import generate as reply
-        from llmcustoms.generation import load_trained
+        from llmcustoms import console as ui, dialog
+        from llmcustoms.generation import open_trained
 
-        if seed is not None:
-            from transformers import set_seed
-
-            set_seed(seed)
-        model, tokenizer, plan = load_trained(_run_directory(run))
-        reply(model, tokenizer, plan, [{"role": "user", "content": prompt}], max_new_tokens, temperature,
-              on_text=dialog.write_piece)
+        if (prompt is None) == (prompt_option is None):
+            raise LlmcustomsError("Give one prompt.", f'For example: llmcustoms generate {run} "What do bees make?"')
+        trained = open_trained(_run_directory(run), checkpoint, ui.waiting, ui.print_warning, seed)
+        trained.reply([{"role": "user", "content": prompt or prompt_option or ""}], max_new_tokens, temperature,
+                      on_text=dialog.write_piece)
         dialog.write_piece("\n")
 
 
 @app.command(cls=flags.Command)
-def chat(run: flags.RunArg, max_new_tokens: flags.MaxNewTokens = 512, temperature: flags.Temperature = 0.7,
-         system: flags.System = None) -> None:
-    """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over."""
-    with ending():
-        quiet_libraries()
-        from llmcustoms import dialog
-        from llmcustoms.generation import generate as reply
-        from llmcustoms.generation import load_trained
+def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 512,
+         temperature: flags.Temperature = 0.7, system: flags.System = None) -> None:
+    """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over.
 
-        model, tokenizer, plan = load_trained(_run_directory(run))
+    Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""
+    with ending():
+        from llmcustoms import console as ui, dialog
+        from llmcustoms.generation import open_trained
+
+        trained = open_trained(_run_directory(run), checkpoint, ui.waiting, ui.print_warning)
         start = [{"role": "system", "content": system}] if system else []
-        dialog.chat_loop(lambda messages, on_text: reply(model, tokenizer, plan, messages, max_new_tokens,
-                                                         temperature, on_text=on_text), start, str(run), plan.model)
+        dialog.chat_loop(lambda messages, on_text: trained.reply(messages, max_new_tokens, temperature, on_text),
+                         start, str(run), trained.description)
 
 
 @app.command(cls=flags.Command)
@@ -330,10 +329,10 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
            overwrite: flags.ExportOverwrite = False) -> None:
     """Copy the adapter, or merge it into a standalone model."""
     with ending():
-        quiet_libraries()
+        from llmcustoms import console as ui
         from llmcustoms.export import export_run
 
-        written = export_run(_run_directory(run), output, merge, dtype, overwrite)
+        written = export_run(_run_directory(run), output, merge, dtype, overwrite, ui.waiting)
     console.print(f"Exported {written.what} to {written.path}")
 
 

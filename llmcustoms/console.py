@@ -11,7 +11,9 @@ comes worked out (`fitting.fit_table`, `rundir.list_runs`).
 from __future__ import annotations
 
 import sys
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.panel import Panel
@@ -334,3 +336,26 @@ def show_report(report: Any) -> None:
     show_samples(report.samples)
     console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
                         expand=False))
+
+
+@contextmanager
+def waiting(what: str) -> Iterator[Callable[[str], None]]:
+    """A wait the user can see, on stderr (stdout is for results, such as
+    `generate`'s reply): on a terminal a spinner with what is happening and the
+    time so far; elsewhere (a pipe, a log) a line as it starts. Either way a line
+    with the time it took at the end. Yields `say(text)`: the stage it is at,
+    shown by the spinner in place of `what`."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    started = time.monotonic()
+    if err_console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                      transient=True) as progress:
+            task = progress.add_task(escape(what))
+            yield lambda text: progress.update(task, description=escape(text))
+    else:
+        err_console.print(f"{escape(what)}...", soft_wrap=True)
+        yield lambda text: None  # a line per stage would only clutter a log
+    seconds = time.monotonic() - started
+    err_console.print(f"{escape(what)}: done in " + (f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)),
+                      soft_wrap=True)

@@ -150,12 +150,17 @@ def write_piece(text: str) -> None:
     sys.stdout.flush()
 
 
-def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Messages, run: str, model: str) -> None:
-    """Talk until /exit, /quit, Ctrl-D or Ctrl-C; /reset goes back to `start`
-    (the system message, if any). `reply(messages, on_text)` answers the
-    conversation so far, streaming its text to `on_text`, and returns it."""
-    console.print(f"Chatting with [bold]{escape(run)}[/] ({escape(model)} + adapter). "
-                  "/exit or Ctrl-D to quit, /reset to start over.")
+def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Messages, run: str, weights: str) -> None:
+    """Talk until /exit, /quit, Ctrl-D, or Ctrl-C at the prompt; /reset goes back
+    to `start` (the system message, if any). `reply(messages, on_text)` answers
+    the conversation so far, streaming its text to `on_text`, and returns it.
+
+    Ctrl-C during a reply stops that reply only. What was shown of it stays in
+    the conversation, so the model's memory matches the screen; if nothing was
+    shown yet, the unanswered message is dropped too (most chat templates
+    refuse two user turns in a row). `weights`: what is loaded (`Weights.describe`)."""
+    console.print(f"Chatting with [bold]{escape(run)}[/] ({escape(weights)}). "
+                  "/exit or Ctrl-D to quit, /reset to start over, Ctrl-C stops a reply.")
     messages = list(start)
     while True:
         try:
@@ -167,11 +172,33 @@ def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Me
             break
         if text.strip() == "/reset":
             messages = list(start)
+            console.print("[dim](conversation cleared" + ("; the system message stays" if start else "") + ")[/]")
             continue
         if not text.strip():
             continue
-        messages.append({"role": "user", "content": text})
-        console.print("[bold blue]model>[/] ", end="")
-        answer = reply(messages, write_piece)
+        asked = [*messages, {"role": "user", "content": text}]
+        answer = _answer(reply, asked)
+        if answer is not None:
+            messages = [*asked, {"role": "assistant", "content": answer}]
+
+
+def _answer(reply: Callable[[Messages, Callable[[str], None]], str], messages: Messages) -> str | None:
+    """The reply, streamed as it comes. After Ctrl-C, what was shown of it, or
+    None when nothing was."""
+    shown: list[str] = []
+
+    def show(piece: str) -> None:
+        write_piece(piece)
+        shown.append(piece)
+
+    console.print("[bold blue]model>[/] ", end="")
+    try:
+        answer = reply(messages, show)
+    except KeyboardInterrupt:
         write_piece("\n")
-        messages.append({"role": "assistant", "content": answer})
+        partial = "".join(shown).strip()
+        console.print("[dim](stopped; " + ("the reply so far stays in the conversation)[/]" if partial
+                                          else "your message is left out of the conversation)[/]"))
+        return partial or None
+    write_piece("\n")
+    return answer

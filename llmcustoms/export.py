@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmcustoms import measures
 from llmcustoms.errors import ConfigError
-from llmcustoms.generation import trained_output
+from llmcustoms.generation import Say, Waiting
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.runweights import model_name, trained_output
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # "org/name", as the Hub writes a model id.
@@ -95,8 +97,16 @@ def _quality_rows(status: dict[str, Any]) -> list[str]:
     return rows
 
 
-def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False) -> Exported:
+def _no_display(what: str) -> Any:
+    return nullcontext(lambda text: None)
+
+
+def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
+               waiting: Waiting = _no_display) -> Exported:
+    """Write the export; `waiting` shows the merge (a minute or more for real models) as it goes."""
     plan, trained = trained_output(run)
+    if merge and dtype not in DTYPES:  # before anything is deleted
+        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
     if output.exists() and any(output.iterdir()):
         if not overwrite:
             raise ConfigError(f"{output} already exists and is not empty.", "Choose another --output, or pass --overwrite.")
@@ -105,27 +115,31 @@ def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto"
         shutil.copytree(trained, output, dirs_exist_ok=True)
         what = "the model" if plan.method == "full" else "the adapter"
     else:
-        what = f"a merged model ({_merge(plan, trained, output, dtype)} weights)"
+        with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
+            what = f"a merged model ({_merge(plan, trained, output, dtype, say)} weights)"
     (output / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
     return Exported(output, what)
 
 
-def _merge(plan: Any, adapter: Path, output: Path, dtype: str) -> str:
-    """Write the merged model; the dtype its weights were written in ("float32")."""
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say) -> str:
+    """Write the merged model; the dtype its weights were written in ("float32").
+    `say` hears each stage."""
+    from llmcustoms import modeling
+
+    modeling.quiet_libraries()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcustoms import modeling
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
+    say(f"Loading {model_name(plan.model)}")
     # "auto": the dtype the base model was saved in (bf16 for the models in the
     # presets). Never 4-bit, even for a QLoRA run.
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype,
                                      trust_remote_code=plan.trust_remote_code)
+    say("Merging the adapter in")
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    say(f"Writing the merged model to {output}")
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used
     # What was written, not what was asked for: "auto" is whatever the base was saved in.

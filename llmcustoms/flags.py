@@ -170,7 +170,9 @@ SetupEnvFile = Annotated[Path, typer.Option("--env-file", help="The settings fil
 # After training.
 RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="A run directory, e.g. runs/my-run.")]
 Plot = Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")]
-Prompt = Annotated[str, typer.Option("--prompt", "-p", help="What to ask the model.")]
+PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", show_default=False, help="What to ask the model (or --prompt).")]
+Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="What to ask the model.")]
+Checkpoint = Annotated[Optional[str], typer.Option("--checkpoint", metavar="latest|best|step-N", help="Load a checkpoint instead of the finished run's adapter: latest (the newest), best (the best evaluation's weights) or step-N. For a run that has not finished, or to compare steps.")]
 System = Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")]
 ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")]
 Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone model, in --dtype.")]

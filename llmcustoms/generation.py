@@ -1,55 +1,129 @@
 """Try a trained model: `generate` (one prompt) and `chat` (a conversation).
 
 The run's base model is loaded the way it was trained (4-bit for QLoRA runs)
-with the run's adapter on top, and prompts are rendered with the chat template
-saved next to the adapter, so the model sees the format it learned.
+with the chosen weights on top (`runweights`: the adapter, or with
+--checkpoint a checkpoint's), and prompts are rendered with the chat template
+the run trained with, so the model sees the format it learned.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.chattemplates import prompts_use_template
-from llmcustoms.errors import ConfigError
+from llmcustoms.errors import ModelError
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.runweights import Weights, choose_weights
+
+Say = Callable[[str], None]
+# `console.waiting`: shows a wait (what is happening, the time so far) and yields a Say for its stages.
+Waiting = Callable[[str], AbstractContextManager[Say]]
 
 
-def trained_output(run: RunDirectory) -> Any:
-    plan = run.read_plan()
-    output = run.output_path(plan.method)
-    if not (output / ("adapter_config.json" if plan.method != "full" else "config.json")).is_file():
-        raise ConfigError(f"{run.path} has no trained {'model' if plan.method == 'full' else 'adapter'} yet.",
-                          "Finish the run first (`llmcustoms resume`), or pick a completed run (`llmcustoms runs`).")
-    return plan, output
+@dataclass(frozen=True)
+class Trained:
+    """A model ready to reply, and what it is (`Weights.describe`)."""
+
+    model: Any
+    tokenizer: Any
+    plan: Any
+    description: str
+
+    def reply(self, messages: list[dict[str, str]], max_new_tokens: int, temperature: float,
+              on_text: Say = lambda text: None) -> str:
+        return generate(self.model, self.tokenizer, self.plan, messages, max_new_tokens, temperature, on_text)
 
 
-def load_trained(run: RunDirectory) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, plan) ready to generate."""
+def open_trained(run: RunDirectory, checkpoint: str | None, waiting: Waiting, warn: Say,
+                 seed: int | None = None) -> Trained:
+    """The run's model, loaded while `waiting` shows it. A run without the
+    weights asked for is refused before torch is even imported."""
+    weights = choose_weights(run, checkpoint, warn)
+    from llmcustoms.modeling import quiet_libraries
+
+    with waiting(f"Loading {weights.describe()}") as say:
+        quiet_libraries()  # imports transformers: seconds already
+        trained = load_trained(weights, say)
+    if seed is not None:  # after loading: new LoRA layers draw their first values from the generator
+        from transformers import set_seed
+
+        set_seed(seed)
+    return trained
+
+
+def load_trained(weights: Weights, say: Say = lambda text: None) -> Trained:
+    """The model of `weights`, on the GPU if there is one, ready to generate."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from llmcustoms import modeling
 
-    plan, output = trained_output(run)
-    tokenizer = AutoTokenizer.from_pretrained(output)
+    plan = weights.plan
+    tokenizer = _tokenizer(weights)
     on_gpu = torch.cuda.is_available()
     dtype = (torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
-    if plan.method == "full":
-        model = AutoModelForCausalLM.from_pretrained(output, dtype=dtype, device_map="auto" if on_gpu else None)
-        return model.eval(), tokenizer, plan
-    from peft import PeftModel
-
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": plan.trust_remote_code}
+    if on_gpu:
+        kwargs["device_map"] = "auto"
     if plan.method == "qlora":
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
-    if on_gpu:
-        kwargs["device_map"] = "auto"
-    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
-    model = PeftModel.from_pretrained(base, output)
-    return model.eval(), tokenizer, plan
+    # A fully fine-tuned run's model/ is a whole model; anything else starts from the base.
+    source = str(weights.directory) if plan.method == "full" and weights.directory else plan.model
+    say(f"Loading {weights.base_name if source == plan.model else source}")
+    model = modeling.from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    if plan.method != "full" and weights.directory is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, weights.directory)
+    elif plan.method != "full":
+        model = modeling.attach_lora(model, plan)
+    if weights.tensors is not None:
+        say(f"Putting in the weights of {weights.label}")
+        put_in(model, weights.tensors)
+    return Trained(model.eval(), tokenizer, plan, weights.describe())
+
+
+def _tokenizer(weights: Weights) -> Any:
+    """The tokenizer saved with the weights, or (a checkpoint keeps none) the
+    base model's, with the chat template training gave it."""
+    from llmcustoms import modeling
+
+    if weights.directory is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(weights.directory)
+    from llmcustoms.chattemplates import ensure_chat_template
+
+    tokenizer = modeling.load_tokenizer(weights.plan.model, weights.plan.trust_remote_code)
+    ensure_chat_template(tokenizer)
+    return tokenizer
+
+
+def put_in(model: Any, path: Path) -> None:
+    """Trained tensors (a checkpoint's, or best/'s) into the model the plan
+    built, by the names training saved them under: every trainable parameter."""
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except OSError as exc:  # pruned by a run still training, between choosing and loading
+        raise ModelError(f"Cannot read {path} ({type(exc).__name__}).",
+                         "If the run is still training, its checkpoints change: try again.") from None
+    params = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    if set(params) != set(tensors):
+        missing, extra = len(set(params) - set(tensors)), len(set(tensors) - set(params))
+        raise ModelError(f"The weights in {path} do not fit the model the run's plan builds "
+                         f"({missing} missing, {extra} unexpected).", "Was plan.json edited after training?")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name].to(param.device, param.dtype))
 
 
 def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]]) -> Any:

@@ -192,6 +192,12 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
         model.enable_input_require_grads()
     if plan.method == "full":
         return model if model.dtype == torch.float32 else model.float()
+    return attach_lora(model, plan)
+
+
+def attach_lora(model: Any, plan: Plan) -> Any:
+    """The plan's LoRA layers on `model`, freshly initialised: for training, and
+    for `generate --checkpoint`, which then puts a checkpoint's weights in them."""
     from peft import LoraConfig, get_peft_model
 
     assert plan.lora is not None

@@ -58,13 +58,14 @@ def chat(monkeypatch, capsys, typed: str) -> tuple[list[list[dict]], str]:
         return "fine"
 
     monkeypatch.setattr("sys.stdin", io.StringIO(typed))
-    dialog.chat_loop(reply, [{"role": "system", "content": "be brief"}], "runs/r", "tiny")
+    dialog.chat_loop(reply, [{"role": "system", "content": "be brief"}], "runs/r", "tiny + the adapter")
     return seen, capsys.readouterr().out
 
 
 def test_the_chat_loop_streams_replies_and_resets(monkeypatch, capsys):
     seen, out = chat(monkeypatch, capsys, "hi\n\n/reset\nagain\n/quit\nnever read\n")
-    assert "Chatting with runs/r (tiny + adapter)" in out and out.count("model> fine\n") == 2
+    assert "Chatting with runs/r (tiny + the adapter)" in out and out.count("model> fine\n") == 2
+    assert "(conversation cleared; the system message stays)" in out
     assert seen[0] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert seen[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}]
 

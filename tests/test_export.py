@@ -83,6 +83,7 @@ def test_a_merged_export_says_the_dtype_it_wrote(run_with_adapter, tmp_path, dty
     result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), "--merge",
                                       "--dtype", dtype], env={"COLUMNS": "200"}, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert f"a merged model ({written} weights)" in result.output and "16-bit" not in result.output
+    assert f"a merged model ({written} weights)" in result.stdout and "16-bit" not in result.output
+    assert "Merging the adapter into" in result.stderr and "done in" in result.stderr  # a wait, shown on stderr
     config = json.loads((out / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == written
