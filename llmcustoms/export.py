@@ -10,8 +10,6 @@ message names the dtype it was written in.
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,11 +20,10 @@ from llmcustoms import measures
 from llmcustoms.errors import ConfigError
 from llmcustoms.generation import Say, Waiting
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.modeling import card_base_model
 from llmcustoms.runweights import model_name, trained_output
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-# "org/name", as the Hub writes a model id.
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass(frozen=True)
@@ -35,23 +32,6 @@ class Exported:
 
     path: Path
     what: str  # "the adapter", "the model", or "a merged model (float32 weights)"
-
-
-def card_base_model(model: str) -> str:
-    """The base model as a card names it, never a path on this machine: a Hub
-    id as given; for a local directory the Hub id it was saved from (its
-    config.json's `_name_or_path`), else the directory's name."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        try:
-            origin = json.loads((path / "config.json").read_text()).get("_name_or_path")
-        except (OSError, ValueError, AttributeError):  # no config, not JSON, not an object
-            origin = None
-        if isinstance(origin, str) and HUB_ID.fullmatch(origin) and ".." not in origin:
-            return origin
-    elif HUB_ID.fullmatch(model):
-        return model
-    return path.resolve().name
 
 
 def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from llmcustoms.errors import ModelError
 from llmcustoms.plan import ModelChoice, Plan
 from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_model_spec
 
+# "org/name", as the Hub writes a model id.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # Used for model types no preset family covers: peft finds every linear layer.
 ALL_LINEAR = ("all-linear",)
 
@@ -232,6 +235,35 @@ def save_trained(model: Any, tokenizer: Any, directory: Path, state_dict: dict[s
     extra = {} if state_dict is None else {"state_dict": state_dict}
     model.save_pretrained(str(directory), safe_serialization=True, **extra)
     tokenizer.save_pretrained(str(directory))
+    _name_the_base_model(directory / "README.md")
+
+
+def _name_the_base_model(card: Path) -> None:
+    """peft's model card names the base model by the path it was loaded from,
+    a path on this machine; a card names it as `card_base_model` does."""
+    if not card.is_file():
+        return
+    text = card.read_text()
+    named = re.sub(r"(?m)^base_model: (.+)$", lambda m: f"base_model: {card_base_model(m[1].strip())}", text, count=1)
+    if named != text:
+        card.write_text(named)
+
+
+def card_base_model(model: str) -> str:
+    """The base model as a card names it, never a path on this machine: a Hub
+    id as given; for a local directory the Hub id it was saved from (its
+    config.json's `_name_or_path`), else the directory's name."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        try:
+            origin = json.loads((path / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):  # no config, not JSON, not an object
+            origin = None
+        if isinstance(origin, str) and HUB_ID.fullmatch(origin) and ".." not in origin:
+            return origin
+    elif HUB_ID.fullmatch(model):
+        return model
+    return path.resolve().name
 
 
 def quiet_libraries() -> None:

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from llmcustoms import export
 from llmcustoms.cli import app
-from llmcustoms.export import card_base_model, model_card
+from llmcustoms.export import model_card
+from llmcustoms.modeling import card_base_model
 from llmcustoms.rundir import RunDirectory
 from tiny_models import build_model
 
