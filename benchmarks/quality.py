@@ -128,9 +128,11 @@ def load(model: str, run: Path | None):
 
     from llmcustoms.generation import load_trained
     from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runweights import choose_weights
 
     if run is not None:
-        return load_trained(RunDirectory(run))
+        trained = load_trained(choose_weights(RunDirectory(run), None))
+        return trained.model, trained.tokenizer, trained.plan
     tokenizer = AutoTokenizer.from_pretrained(model)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     return base, tokenizer, argparse.Namespace(data_format="sharegpt", raw_prompts=False, data_report={"base": True},
