@@ -32,17 +32,22 @@ CPU_TIME_LIMIT_S = 30 * 60
 def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
     """Forward 2N; backward 4N when every weight gets a gradient, about 2N when
     the base is frozen (only activation gradients); checkpointing adds a forward."""
-    linear, other = parameter_counts(arch)
-    n = linear + arch.vocab_size * arch.hidden_size  # the embedding lookup is free, the head is not
+    n = _computed_params(arch)
     backward = 4 * n if method == "full" else 2 * n
     return 2 * n + backward + (2 * n if gradient_checkpointing else 0)
+
+
+def _computed_params(arch: ModelSpec) -> int:
+    """The weights a token multiplies through: the embedding lookup is free, the head is not."""
+    linear, _ = parameter_counts(arch)
+    return linear + arch.vocab_size * arch.hidden_size
 
 
 def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware,
                      eval_tokens: float = 0.0) -> float:
     """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs)."""
     per_token = flops_per_token(arch, method, gradient_checkpointing)
-    work = tokens + eval_tokens * 2 * sum(parameter_counts(arch)) / per_token  # in training tokens
+    work = tokens + eval_tokens * 2 * _computed_params(arch) / per_token  # in training tokens
     measured = hardware.measured_speed(arch.hub_id, method)
     if measured is not None:
         return work / measured

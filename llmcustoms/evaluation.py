@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from llmcustoms.batching import TrainingRows, count_loss_tokens
+from llmcustoms.stopsignals import StopRequested
 
 # loss(batch, normaliser): the run's loss of one micro-batch (FineTuner's, under autocast).
 BatchLoss = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
@@ -38,13 +39,14 @@ class Evaluation:
         """Evaluation micro-batches, built once (and again when recovery changes their size)."""
         self.micro_batches = self.data.evaluation_batches(size)
 
-    def loss(self, model: Any, step: int, lower_micro_batch: Callable[[], None]) -> float:
+    def loss(self, model: Any, step: int, lower_micro_batch: Callable[[], None], stoppable: bool = False) -> float:
         """The eval loss after `step`; `lower_micro_batch()` is called (and
-        evaluation starts again) each time memory runs out."""
+        evaluation starts again) each time memory runs out. `stoppable`: a stop
+        asked for (Ctrl-C) ends it between micro-batches with StopRequested."""
         while True:
             failure = None
             try:
-                loss_sum = self._share(model)
+                loss_sum = self._share(model, stoppable)
             except torch.OutOfMemoryError:
                 failure = "oom"
             if failure is not None:
@@ -55,7 +57,7 @@ class Evaluation:
             lower_micro_batch()
 
     @torch.no_grad()
-    def _share(self, model: Any) -> torch.Tensor:
+    def _share(self, model: Any, stoppable: bool) -> torch.Tensor:
         """This rank's share of the loss, normalised by the trained tokens of the whole set."""
         device = self.processes.device
         normaliser = torch.tensor(max(1, sum(count_loss_tokens(mb["labels"]) for mb in self.micro_batches)),
@@ -65,6 +67,8 @@ class Evaluation:
         total = torch.zeros((), device=device)
         try:
             for done, (mb, weight) in enumerate(share):
+                if stoppable and self.processes.stop_now():
+                    raise StopRequested
                 self.activity(f"evaluating {done}/{len(share)}")
                 total += self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser) * weight
             return total

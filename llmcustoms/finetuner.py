@@ -43,8 +43,7 @@ from llmcustoms.optimization import Schedule, lr_multiplier, make_optimizer, set
 from llmcustoms.plan import Plan
 from llmcustoms.position import Position, StopCause, StopReason, TrainResult
 from llmcustoms.processes import Processes
-from llmcustoms.recovery import (RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem,
-                                 create_failure_report)
+from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import SampleReplies, side_by_side
@@ -76,7 +75,9 @@ class FineTuner:
         self.recovery = TrainingRecoverySystem()
         self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
                                              warn=lambda text: reporter.message(text, warning=True))
-        self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True))
+        # Without artifacts (tuning trials) nothing is saved on a stop, and a second
+        # Ctrl-C must reach the caller as KeyboardInterrupt, which sums the study up.
+        self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True), checkpoints=save_artifacts)
         self.position = Position()
         self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.trained_since = time.monotonic()  # when the training since the last evaluation began
@@ -105,7 +106,7 @@ class FineTuner:
             except TrainingInterrupted:
                 raise  # status.json already says so
             except Exception as error:
-                raise self._failure(error) from error
+                raise self.processes.failure(error, self.run_dir, self.plan, self.position.step) from error
             finally:
                 self.reporter.training_finished()
         return self._finish(stop, time.perf_counter() - started, self.position.tokens - tokens_at_start)
@@ -302,9 +303,13 @@ class FineTuner:
     def _evaluate_base(self) -> None:
         """The untrained model's eval loss and replies: what the run is measured against."""
         if self.evaluation and self.plan.eval_every:
-            self.position.base_eval = self.evaluate()
+            try:  # a stop here loses nothing: a resumed run evaluates the base model again
+                self.position.base_eval = self.evaluation.loss(self.model, 0, self._lower_evaluation_micro_batch, True)
+            except StopRequested:
+                self._stop_if_signalled(saved=True, last=False)
             self._record_eval(self.position.base_eval)
-        self._sample("base")
+        if not self.processes.stop_now():
+            self._sample("base")
         self.trained_since = time.monotonic()
 
     def _record_eval(self, eval_loss: float) -> None:
@@ -320,6 +325,7 @@ class FineTuner:
         if self.processes.is_main:
             self.reporter.activity(f"sample replies ({label})")
             self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
+            self.reporter.activity(None)
         self.accelerator.wait_for_everyone()
 
     def evaluate(self) -> float:
@@ -342,6 +348,7 @@ class FineTuner:
                  "micro_batch_size": self.plan.micro_batch_size}
         self.processes.save_checkpoint(self.checkpoints, self.position.step, self.model, self.optimizer, state,
                                        protect=self.position.best_step if self.plan.method == "full" else None)
+        self.reporter.activity(None)
 
     def _stop_if_signalled(self, saved: bool, last: bool) -> None:
         """After a step, or in one (`StopRequested`): stop for SIGINT / SIGTERM, with a
@@ -359,6 +366,7 @@ class FineTuner:
         """Put model, optimizer, schedule, RNG and loop position back as they were."""
         state = self.processes.restore_checkpoint(checkpoint, self.model, self.optimizer)
         self.position = Position.from_state(state)
+        self.saved_step = self.position.step  # a stop right after it need not write it again
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_learning_rate()  # needs the restored step
         self._forget_after(self.position.step)
@@ -414,18 +422,6 @@ class FineTuner:
         set_learning_rate(self.optimizer, self.scheduler, self.plan.lr, self.schedule(self.position.step, self.plan))
 
     # -------------------------------------------------------------------- end
-
-    def _failure(self, error: Exception) -> Exception:
-        """What an unexpected error ends the run with, once status.json says so: the
-        restart a process asked for, or a failure report (a bug)."""
-        step = self.position.step
-        restart = self.processes.restart_after(error, step + 1)
-        if restart is not None:
-            self.run_dir.write_status("failed", step=step, reason=restart.reason)
-            return restart
-        report = create_failure_report("error", self.plan, step + 1, f"{type(error).__name__}: {error}")
-        self.run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
-        return TrainingFailed(report)
 
     def _finish(self, stop: StopReason | None, seconds: float, tokens: int) -> TrainResult:
         """Write the weights the run keeps, answer the samples with them, say so."""

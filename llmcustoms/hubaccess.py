@@ -10,7 +10,9 @@ user is told once (`offline_note`).
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import urllib.error
 import urllib.request
 from functools import lru_cache
@@ -40,13 +42,26 @@ def hub_reachable() -> bool:
     from huggingface_hub import constants
 
     try:
-        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=CHECK_TIMEOUT_S)
-    except urllib.error.HTTPError:
+        with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"),
+                                    timeout=CHECK_TIMEOUT_S):
+            return True
+    except urllib.error.URLError as error:
+        reason = error.reason if not isinstance(error, urllib.error.HTTPError) else None
+        if not _no_network(reason):
+            return True  # it answered (an error status, a certificate urllib does not trust): huggingface_hub decides
+    except OSError as error:
+        if not _no_network(error):
+            return True
+    except Exception:  # a malformed answer or endpoint: not ours to judge; huggingface_hub decides
         return True
-    except (OSError, ValueError):
-        _go_offline()
-        return False
-    return True
+    _go_offline()
+    return False
+
+
+def _no_network(reason: object) -> bool:
+    """Nothing answered: no name resolution, no route, refused, or silence."""
+    return isinstance(reason, (socket.gaierror, ConnectionRefusedError, TimeoutError, socket.timeout)) or (
+        isinstance(reason, OSError) and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED))
 
 
 def _go_offline() -> None:
@@ -76,10 +91,23 @@ def offline_note() -> str | None:
     return None
 
 
+def is_hub_id(name: str) -> bool:
+    """Spelled as the Hub allows ("org/name", no "--" or "..", no trailing dot)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def is_cached(hub_id: str) -> bool:
     """The model's config and weights are in the local Hugging Face cache."""
     from huggingface_hub import try_to_load_from_cache
 
+    if not is_hub_id(hub_id):
+        return False
     config = try_to_load_from_cache(hub_id, "config.json")
     if not isinstance(config, str):
         return False
@@ -94,7 +122,7 @@ def availability(name: str) -> str:
         return LOCAL
     if is_cached(name):
         return CACHED
-    return DOWNLOADABLE if hub_reachable() else UNAVAILABLE
+    return DOWNLOADABLE if is_hub_id(name) and hub_reachable() else UNAVAILABLE
 
 
 def usable_candidates(candidates: list[ModelChoice]) -> tuple[list[ModelChoice], str]:

@@ -412,7 +412,8 @@ class ParameterOptimizer:
         schedule = _schedule(r, train_rows, micro, accum * world_size)
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
-        evaluations = schedule.total_steps // eval_every + 1 if eval_every and stats.eval_rows else 0  # +1: the base model
+        # Every eval_every steps and at the last one, and the base model's first.
+        evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0
         seconds = expected_seconds(r.reasons, hardware, stats, model.arch, batch.method, batch.gradient_checkpointing,
                                    max_seq_len, train_rows, schedule.total_steps * effective, evaluations)
 

@@ -284,7 +284,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
     catalog = tuple(spec for family in families.values() for spec in family.models)
-    hardware = with_measured_speeds(hardware, cache_dir())  # so the duration is measured where it can be
+    hardware = with_measured_speeds(hardware, cache_dir(options.cache_dir), world_size)  # a measured duration
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
     split = _split(options, dataset, preset, progress)

@@ -36,7 +36,7 @@ from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimize
                                     set_rng_state)
 from llmcustoms.modeling import save_trained
 from llmcustoms.plan import Plan
-from llmcustoms.recovery import RestartNeeded
+from llmcustoms.recovery import RestartNeeded, TrainingFailed, create_failure_report
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.stopsignals import StopSignals
 from llmcustoms.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
@@ -188,6 +188,18 @@ class Processes:
         if self.fsdp:
             self.run_dir.request_restart(failure, step, self.rank, launching.launch_token())
             raise RestartNeeded(failure, step, self.rank)
+
+    def failure(self, error: Exception, run_dir: RunDirectory, plan: Plan, step: int) -> Exception:
+        """What an unexpected error after `step` ends the run with, once status.json
+        (`run_dir`, writable on the main process only) says so: the restart a
+        process asked for, or a failure report (a bug)."""
+        restart = self.restart_after(error, step + 1)
+        if restart is not None:
+            run_dir.write_status("failed", step=step, reason=restart.reason)
+            return restart
+        report = create_failure_report("error", plan, step + 1, f"{type(error).__name__}: {error}")
+        run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
+        return TrainingFailed(report)
 
     def restart_after(self, error: Exception, step: int) -> RestartNeeded | None:
         """After an unexpected error: the restart this process or another asked for, if any."""

@@ -29,9 +29,12 @@ def _read(path: Path) -> dict[str, dict[str, float]]:
     return data if isinstance(data, dict) else {}
 
 
-def with_measured_speeds(hardware: Hardware, cache: Path) -> Hardware:
-    """`hardware` with the speeds measured on a machine like it."""
-    measured = _read(cache / FILE_NAME).get(hardware.machine_key, {})
+def with_measured_speeds(hardware: Hardware, cache: Path, world_size: int = 1) -> Hardware:
+    """`hardware` with the speeds measured on a machine like it: by one process,
+    so for a plan of one process only."""
+    measured = _read(cache / FILE_NAME).get(hardware.machine_key)
+    if not isinstance(measured, dict) or world_size != 1:
+        return hardware
     speeds = tuple((key, float(value)) for key, value in measured.items() if isinstance(value, (int, float)) and value > 0)
     return replace(hardware, speeds=speeds)
 
@@ -53,7 +56,9 @@ def record_speed(cache: Path, hardware: Hardware, model: str, method: str, rows:
         return
     path = cache / FILE_NAME
     data = _read(path)
-    data.setdefault(hardware.machine_key, {})[f"{model}|{method}"] = round(speed, 2)
+    if not isinstance(data.get(hardware.machine_key), dict):
+        data[hardware.machine_key] = {}
+    data[hardware.machine_key][f"{model}|{method}"] = round(speed, 2)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
 from typing import Any, Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ACKNOWLEDGEMENT = ("stopping: the last finished step is saved as a checkpoint; "
                    "press Ctrl-C again to quit at once, without it")
+ACKNOWLEDGEMENT_NO_CHECKPOINT = "stopping after this micro-batch; press Ctrl-C again to quit at once"
 
 
 class StopRequested(Exception):
@@ -36,8 +36,11 @@ class StopSignals:
     entry (from the main thread only; Python allows no other) and the previous
     handlers put back on exit. `received` is the first signal, if any."""
 
-    def __init__(self, warn: Callable[[str], None]):
+    def __init__(self, warn: Callable[[str], None], checkpoints: bool = True):
+        """`checkpoints`: a stop saves one, and a second signal quits the process at
+        once; else (tuning) the second raises KeyboardInterrupt for the caller."""
         self.warn = warn
+        self.checkpoints = checkpoints
         self.received: int | None = None
         self.count = 0
         self._previous: dict[int, Any] = {}
@@ -70,6 +73,8 @@ class StopSignals:
         # The watching thread has said so already; this runs once the main thread is back in Python.
         if self.received is None:
             self.received = signum
+        elif not self.checkpoints and signum == signal.SIGINT:
+            raise KeyboardInterrupt
 
     def _watch(self, reader: socket.socket) -> None:
         with reader:
@@ -82,10 +87,21 @@ class StopSignals:
         self.count += 1
         if self.count == 1:
             self.received = signum
-            self.warn(ACKNOWLEDGEMENT)
+            try:
+                self.warn(ACKNOWLEDGEMENT if self.checkpoints else ACKNOWLEDGEMENT_NO_CHECKPOINT)
+            except Exception:  # a closed terminal: the stop itself still happens
+                pass
             return
-        # The second: no checkpoint, no interpreter shutdown (it could wait on the step).
-        sys.stderr.write("\x1b[?25h" if sys.stderr.isatty() else "")  # the live display hid the cursor
-        sys.stderr.write("quitting at once; the run continues from its last checkpoint with `llmcustoms resume`\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        if self.checkpoints:
+            _quit_at_once(signum)
+
+
+def _quit_at_once(signum: int) -> None:
+    """The second signal: no checkpoint, no interpreter shutdown (it could wait
+    for the step). Written to the file descriptors themselves: the live display
+    has replaced sys.stdout and sys.stderr, and hid the cursor."""
+    for fd in (1, 2):
+        if os.isatty(fd):
+            os.write(fd, b"\x1b[?25h")
+    os.write(2, b"\nquitting at once, without saving; `llmcustoms resume` continues from the last checkpoint\n")
+    os._exit(128 + signum)

@@ -142,7 +142,7 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
         run_dir.write_plan(plan)
         run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: said from the start
     wait_for_all_processes(world)
-    return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker)
+    return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
 
 
 def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int:
@@ -198,7 +198,8 @@ def resume(run_dir: Path | None, session: Session) -> Any:
         ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
                          f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
     return run_training(prepared, directory, quiet, resume=True, tracker=session.tracker(),
-                        faults_spent_through=restart["step"] if restart else 0)
+                        faults_spent_through=restart["step"] if restart else 0,
+                        cache=session.settings.get("cache_dir"))
 
 
 def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
@@ -230,8 +231,9 @@ def wait_for_all_processes(world: int) -> None:
 
 
 def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none",
-                 faults_spent_through: int = 0) -> Any:
-    """Train (or resume); show how it ended if it did not finish, and re-raise."""
+                 faults_spent_through: int = 0, cache: str | None = None) -> Any:
+    """Train (or resume); show how it ended if it did not finish, and re-raise.
+    `cache`: the cache directory, where the measured speed is kept."""
     from llmcustoms import console as ui
     from llmcustoms.faults import FaultInjector
     from llmcustoms.finetuner import FineTuner
@@ -266,18 +268,22 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
             traceback.print_exception(failed.__cause__)
         raise
     finally:
+        reporter.activity(None)  # a spinner left by a failure outside the live display
         if main and launching.world_size() == 1:
-            _keep_speed(prepared.plan, run_dir)
+            _keep_speed(prepared.plan, run_dir, cache)
     return result if main else None
 
 
-def _keep_speed(plan: Any, run_dir: Any) -> None:
+def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     """This run's measured speed, for the next plan's duration (`speeds.py`)."""
     from llmcustoms.hardware import detect
     from llmcustoms.preparation import cache_dir
     from llmcustoms.speeds import record_speed
 
-    record_speed(cache_dir(), detect(), plan.model, plan.method, run_dir.read_metrics())
+    try:
+        record_speed(cache_dir(cache), detect(), plan.model, plan.method, run_dir.read_metrics())
+    except Exception:  # a nicety: never in the way of how the run ended (it runs in a finally)
+        return
 
 
 def _exit_for_restart(restart: Any, run_dir: Any) -> None:

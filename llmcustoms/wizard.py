@@ -125,6 +125,10 @@ def offer_skipping(path: str, error: DataError) -> tuple[Dataset | None, str | N
 
 def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str]:
     """Ask, then write `env_file`. Returns the train command to run next."""
+    from llmcustoms.preparation import cache_dir
+    from llmcustoms.speeds import with_measured_speeds
+
+    hardware = with_measured_speeds(hardware, cache_dir())  # the times beside the models, as `plan` gives them
     dialog.show_setup_start(hardware)
     data_path, dataset, skip_bad_rows = ask_data(data)
 
@@ -281,7 +285,7 @@ def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | Non
     if _looks_like_path(answer):
         path = Path(answer).expanduser()
         return str(path.resolve()), model_directory_problem(answer, path)
-    if not HUB_ID.match(answer):
+    if not HUB_ID.match(answer) or not hubaccess.is_hub_id(answer):
         return answer, f"{answer!r} is neither a directory here nor a Hub id (organisation/name)."
     if hubaccess.availability(answer) == hubaccess.UNAVAILABLE:
         return answer, (f"{answer} is not a directory here nor in the local Hugging Face cache, and the Hub cannot "

@@ -143,13 +143,20 @@ def test_full_fine_tuning_saves_a_loadable_model(tmp_path, tiny_models):
 
 
 def test_run_directory_follows_the_contract(tmp_path, tiny_models):
-    _, _, run_dir, _ = train(tmp_path, tiny_models["llama"], max_steps=6, micro_batch_size=4, grad_accum=2)
+    _, _, run_dir, reporter = train(tmp_path, tiny_models["llama"], max_steps=6, micro_batch_size=4, grad_accum=2,
+                                    save_every=5)
     rows = run_dir.read_metrics()
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 7))
     for r in steps:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
-        assert r["tokens_per_s"] > 0 and r["grad_norm"] >= 0
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["grad_norm"] >= 0 and r["seconds"] > 0
+    # Every wait is named for the display, and each ends (None: back to training steps).
+    said = reporter.activities
+    assert said[0] == "loading the model" and said[-1] is None
+    assert "evaluating 1/2" in said and "saving checkpoint 5" in said and "saving the trained weights" in said
+    for waiting in ("evaluating 1/2", "saving checkpoint 5"):
+        assert said[said.index(waiting) + 1] is None
     assert any("eval_loss" in r for r in rows)
     status = json.loads(run_dir.status_path.read_text())
     assert status["status"] == "completed" and status["step"] == 6

@@ -43,8 +43,10 @@ def test_a_measured_speed_replaces_the_nominal_one_and_the_plan_says_so(tmp_path
     assert measured_machine.measured_speed(SMOL, "lora") == pytest.approx(50.0)
     measured = plan(measured_machine)
     assert any("from the speed measured on this machine" in r for r in measured.reasons)
-    tokens = 8 * measured.effective_batch_size * 100  # 8 steps of 100-token rows
-    assert measured.estimated_seconds >= tokens / 50.0  # training alone at the measured speed, plus evaluation
+    no_evaluation = plan(measured_machine, eval_rows=0)
+    tokens = 8 * no_evaluation.effective_batch_size * 100  # 8 steps of 100-token rows
+    assert no_evaluation.estimated_seconds == pytest.approx(tokens / 50.0)
+    assert measured.estimated_seconds > 8 * measured.effective_batch_size * 100 / 50.0  # and evaluation on top
     # Another machine, or another method, keeps the nominal estimate.
     assert with_measured_speeds(Hardware.cpu_only(cores=8), tmp_path).speeds == ()
     assert plan(measured_machine, method="full").estimated_seconds == plan(replace(machine), method="full").estimated_seconds

@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from conftest import DATA_FILES
-from llmcustoms.trainview import RichReporter, TrainingProgress
+from llmcustoms.trainprogress import TrainingProgress
+from llmcustoms.trainview import RichReporter
 
 
 def shown(reporter: RichReporter) -> list[str]:
@@ -30,10 +31,13 @@ def row(step: int, seconds: float, loss: float = 2.0) -> dict:
 def test_the_eta_comes_from_the_first_measured_step_even_when_steps_are_slow():
     progress = TrainingProgress(total_steps=100, start_step=0, now=0.0)
     assert progress.eta() is None and progress.activity == "first step"
-    progress.step(row(1, 45.0), now=45.0)  # a 45 s step: Rich's own ETA column would stay blank
-    assert progress.eta() == pytest.approx(45.0 * 99)
-    progress.step(row(2, 90.0), now=135.0)  # one slow step moves the estimate, smoothed
-    assert 45.0 * 98 < progress.eta() < 90.0 * 98
+    progress.step(row(1, 45.0), now=60.0)  # a 45 s step (after 15 s of evaluating the base model)
+    assert progress.eta() == pytest.approx(45.0 * 99)  # Rich's own ETA column would stay blank
+    assert progress.eta(now=70.0) == pytest.approx(35.0 + 45.0 * 98)  # 10 s into step 2
+    progress.step(row(2, 40.0), now=150.0)  # 40 s of training and a 50 s evaluation: the wall time counts
+    assert 45.0 * 98 < progress.eta() < 90.0 * 98  # smoothed
+    progress.done = 100
+    assert progress.eta() == 0.0
 
 
 def test_the_display_fits_80_columns_and_shows_everything_from_step_1(monkeypatch):

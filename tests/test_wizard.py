@@ -182,9 +182,10 @@ def test_with_no_one_to_answer_again_a_refused_model_stops_with_one_message(tmp_
 
 def test_offline_with_no_model_cached_suggests_none_and_refuses_the_hub_ids(tmp_path):
     env_file = tmp_path / "F.env"
-    result = run_setup(tmp_path, env_file, answers("", "", "1", "Qwen/Qwen2.5-0.5B-Instruct"), cached=())
+    result = run_setup(tmp_path, env_file, answers("", "", "1", "org/a..b", "Qwen/Qwen2.5-0.5B-Instruct"), cached=())
     assert result.returncode == 2
     shown = said(result)
+    assert "'org/a..b' is neither a directory here nor a Hub id" in shown and "Traceback" not in shown
     assert "No suggestion: no listed model can be used here" in shown
     assert f"{SMOLLM2[0]} is not a directory here nor in the local Hugging Face cache" in shown  # number 1
     assert "Qwen/Qwen2.5-0.5B-Instruct is not a directory here" in shown
