@@ -175,7 +175,6 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
     Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
     with ending():
         quiet_libraries()
-        from llmcustoms import console as ui
         from llmcustoms import tuneview as view
         from llmcustoms.dataview import PreparationProgress, show_prepared
         from llmcustoms.lrfind import centre_study

@@ -15,7 +15,6 @@ training split, say), optionally cut to a length.
 
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing
 import os
