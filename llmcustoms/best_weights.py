@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.checkpoints import CheckpointManager
+from llmcustoms.filemodes import make_readable
 
 NAME = re.compile(r"^step-(\d{6,})\.safetensors$")
 
@@ -49,6 +50,7 @@ class BestWeightFiles:
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}, str(tmp),
                   metadata={"step": str(step), "eval_loss": repr(eval_loss)})
+        make_readable(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)

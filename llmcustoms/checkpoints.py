@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.filemodes import make_readable
+
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
@@ -84,6 +86,7 @@ class CheckpointManager:
             save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.get(name, {}).items()},
                       str(tmp / name))
         (tmp / STATE_FILE).write_text(json.dumps(state))
+        make_readable(tmp)
         files = {}
         for name in TENSOR_FILES + (STATE_FILE,):
             _fsync(tmp / name)

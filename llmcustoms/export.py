@@ -18,9 +18,10 @@ from typing import Any
 
 from llmcustoms import measures
 from llmcustoms.errors import ConfigError
+from llmcustoms.filemodes import make_readable
 from llmcustoms.generation import Say, Waiting
-from llmcustoms.rundir import RunDirectory
 from llmcustoms.modeling import card_base_model
+from llmcustoms.rundir import RunDirectory
 from llmcustoms.runweights import model_name, trained_output
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -93,6 +94,7 @@ def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto"
         shutil.rmtree(output)
     if not merge or plan.method == "full":
         shutil.copytree(trained, output, dirs_exist_ok=True)
+        make_readable(output)  # runs trained before the weights were written readable
         what = "the model" if plan.method == "full" else "the adapter"
     else:
         with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
@@ -122,5 +124,6 @@ def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say) -> str:
     say(f"Writing the merged model to {output}")
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used
+    make_readable(Path(output))
     # What was written, not what was asked for: "auto" is whatever the base was saved in.
     return str(merged.dtype).removeprefix("torch.")

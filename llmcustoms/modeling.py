@@ -16,6 +16,7 @@ from typing import Any
 
 from llmcustoms import hubaccess
 from llmcustoms.errors import ModelError
+from llmcustoms.filemodes import make_readable
 from llmcustoms.plan import ModelChoice, Plan
 from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_model_spec
 
@@ -235,6 +236,7 @@ def save_trained(model: Any, tokenizer: Any, directory: Path, state_dict: dict[s
     extra = {} if state_dict is None else {"state_dict": state_dict}
     model.save_pretrained(str(directory), safe_serialization=True, **extra)
     tokenizer.save_pretrained(str(directory))
+    make_readable(directory)
     _name_the_base_model(directory / "README.md")
 
 

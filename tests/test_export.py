@@ -88,3 +88,16 @@ def test_a_merged_export_says_the_dtype_it_wrote(run_with_adapter, tmp_path, dty
     assert "Merging the adapter into" in result.stderr and "done in" in result.stderr  # a wait, shown on stderr
     config = json.loads((out / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == written
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_exported_weights_are_readable_like_every_other_file(run_with_adapter, tmp_path, merge):
+    from llmcustoms.filemodes import usual_mode
+
+    out = tmp_path / f"out-{merge}"
+    result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), *(["--merge"] * merge)],
+                                env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)  # safetensors writes these 0600
+    assert set(modes.values()) == {usual_mode()}, modes

@@ -165,6 +165,11 @@ def test_run_directory_follows_the_contract(tmp_path, tiny_models):
     adapter = run_dir.path / "adapter"
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (adapter / name).is_file(), name
+    from llmcustoms.filemodes import usual_mode
+
+    written = [*adapter.iterdir(), *(run_dir.path / "checkpoints" / "step-000005").iterdir(),
+               *(run_dir.path / "best").iterdir()]
+    assert {path.stat().st_mode & 0o777 for path in written if path.is_file()} == {usual_mode()}
 
 
 def test_early_stopping_ends_the_run_when_eval_loss_stops_improving(tmp_path, tiny_models):
