@@ -41,6 +41,17 @@ def offline_hub(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture
+def clean_environment(monkeypatch, tmp_path):
+    """No LLMCUSTOMS_* setting or token from the environment, a cache of the
+    test's own, and the test's directory as the working one (where .env is read)."""
+    for name in list(os.environ):
+        if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """model_type -> directory of a two-layer random model with its tokenizer."""

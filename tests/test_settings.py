@@ -19,13 +19,7 @@ runner = CliRunner()
 ROOT = Path(__file__).parent.parent
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
-            monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 def plan_json(*args: str) -> dict:

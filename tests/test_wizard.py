@@ -38,13 +38,7 @@ MODEL_CONFIG = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 
 TIME = r"\d+(\.\d)? (s|min|h)"
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
-            monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 def fake_hub_cache(home: Path, hub_ids: tuple[str, ...]) -> Path:
