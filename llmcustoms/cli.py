@@ -191,7 +191,7 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
         with view.TrialsDisplay() as display:
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
-                                study.settings, on_update=display.update)
+                                study.settings, on_update=display.update, warn=display.warn)
     view.show_study_outcome(outcome, options.data, options.model)
     if outcome.interrupted:
         raise typer.Exit(130)

@@ -8,7 +8,7 @@ the UI module.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Reporter(Protocol):
@@ -21,9 +21,11 @@ class Reporter(Protocol):
 
 
 class SilentReporter:
-    """Shows nothing; keeps everything for tests to inspect."""
+    """Shows nothing but warnings, to `on_warning` if given (a tuning trial's, in
+    the study's display); keeps everything for tests to inspect."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_warning: Callable[[str], None] = lambda text: None) -> None:
+        self.on_warning = on_warning
         self.messages: list[str] = []
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
@@ -31,6 +33,8 @@ class SilentReporter:
 
     def message(self, text: str, warning: bool = False) -> None:
         self.messages.append(text)
+        if warning:
+            self.on_warning(text)
 
     def activity(self, text: str | None) -> None:
         self.activities.append(text)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ACKNOWLEDGEMENT = ("stopping: the last finished step is saved as a checkpoint; "
                    "press Ctrl-C again to quit at once, without it")
-ACKNOWLEDGEMENT_NO_CHECKPOINT = "stopping after this micro-batch; press Ctrl-C again to quit at once"
+ACKNOWLEDGEMENT_NO_CHECKPOINT = "stopping after this micro-batch; press Ctrl-C again to stop sooner"
 
 
 class StopRequested(Exception):

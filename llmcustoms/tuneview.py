@@ -64,6 +64,10 @@ class TrialsDisplay:
     def update(self, rows: list[dict[str, Any]]) -> None:
         self.live.update(trials_table(rows))
 
+    def warn(self, text: str) -> None:
+        """A trial's warning (Ctrl-C acknowledged, a recovery), above the table."""
+        self.live.console.print(f"[yellow]warning:[/] {escape(text)}")
+
     def __exit__(self, *exc: Any) -> None:
         self.live.__exit__(*exc)
         console.print()

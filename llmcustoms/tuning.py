@@ -229,7 +229,8 @@ class StudyOutcome:
 
 
 def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
-              on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None) -> StudyOutcome:
+              on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None,
+              warn: Callable[[str], None] = lambda text: None) -> StudyOutcome:
     """Run `settings.trials` more trials of the study (creating it if needed)."""
     import optuna
 
@@ -255,7 +256,7 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
         last: dict[str, float] = {}
-        tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, SilentReporter(),
+        tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, SilentReporter(warn),
                           faults=faults, on_evaluate=_pruning_report(trial, study, on_update, last), save_artifacts=False,
                           baseline=False)  # every trial starts from the same base model
         started = time.perf_counter()

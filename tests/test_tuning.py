@@ -125,3 +125,12 @@ def test_a_study_refuses_other_data(tmp_path, tiny_models):
                                 "--max-steps", "4", "--eval-split", "0.2", "--output-dir", str(tmp_path),
                                 "--study-name", "s", "--trials", "1"])
     assert other.exit_code == 2 and "started on other data" in " ".join(other.output.split())
+
+
+def test_ctrl_c_in_a_trial_is_acknowledged_and_the_study_is_summed_up(tmp_path, tiny_models):
+    result = tune(tmp_path, tiny_models["llama"], "--trials", "3", env={"LLMCUSTOMS_FAULT_INJECT": "sigint@2"})
+    assert result.exit_code == 130, result.output
+    shown = " ".join(result.output.split())
+    assert "warning: stopping after this micro-batch" in shown  # said in the study's display, not swallowed
+    assert "Interrupted. The study is saved" in shown
+    assert (tmp_path / "tune-s" / "trials.csv").is_file()
