@@ -78,7 +78,7 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
 
 def duration_reason(seconds: float, hardware: Hardware, measured: bool = False) -> str:
     hours = seconds / 3600
-    text = f"estimated duration {_human_duration(seconds)}"
+    text = f"estimated duration {human_duration(seconds)}"
     text += (" (from the speed measured on this machine with this model and method)" if measured
              else " (rough: from this machine's nominal speed; the live display measures it from the first step)")
     if not hardware.has_gpu and hours >= 1:
@@ -87,7 +87,7 @@ def duration_reason(seconds: float, hardware: Hardware, measured: bool = False) 
     return text
 
 
-def _human_duration(seconds: float) -> str:
+def human_duration(seconds: float) -> str:
     if seconds < 90:
         return f"about {max(1, round(seconds))} s"
     if seconds < 5400:
@@ -104,12 +104,12 @@ def cpu_choice(estimates: list[tuple[str, float]], smallest: str) -> tuple[str, 
     limit = f"{CPU_TIME_LIMIT_S // 60} min"
     chosen = next((name for name in names if seconds[name] <= CPU_TIME_LIMIT_S), None)
     if chosen is None:
-        others = "; ".join(f"{name.split('/')[-1]} {_human_duration(seconds[name])}" for name in names if name != smallest)
-        return smallest, (f"the smallest CPU model, estimated {_human_duration(seconds[smallest])}; none is expected "
+        others = "; ".join(f"{name.split('/')[-1]} {human_duration(seconds[name])}" for name in names if name != smallest)
+        return smallest, (f"the smallest CPU model, estimated {human_duration(seconds[smallest])}; none is expected "
                           f"to finish within {limit}" + (f" ({others})" if others else ""))
-    estimate = f"estimated {_human_duration(seconds[chosen])}"
+    estimate = f"estimated {human_duration(seconds[chosen])}"
     skipped = names[:names.index(chosen)]  # the better models, all over the limit
     if not skipped:
         return chosen, f"the preset's first CPU model, {estimate}, within {limit}"
-    slower = "; ".join(f"{name.split('/')[-1]} would take {_human_duration(seconds[name])}" for name in skipped)
+    slower = "; ".join(f"{name.split('/')[-1]} would take {human_duration(seconds[name])}" for name in skipped)
     return chosen, f"{estimate} ({slower}, over {limit})"

@@ -26,9 +26,9 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 ALL_LINEAR = ("all-linear",)
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     # Hub ids are "org/name": one slash, no leading dot, slash or tilde.
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
 
 
 def model_location(name: str) -> str:
@@ -36,7 +36,7 @@ def model_location(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path.resolve())
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise ModelError(f"Model directory not found: {name}",
                          "Pass --model with a directory that holds config.json, or a Hugging Face Hub id.")
     return name

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 from llmcustoms import dialog, hubaccess
 from llmcustoms.data import BAD_ROW_SHARE, Dataset, read_dataset
-from llmcustoms.duration import CPU_TIME_LIMIT_S, _human_duration
+from llmcustoms.duration import CPU_TIME_LIMIT_S, human_duration
 from llmcustoms.errors import ConfigError, DataError
 from llmcustoms.fitting import fitting_models
 from llmcustoms.hardware import Hardware
+from llmcustoms.modeling import looks_like_path
 from llmcustoms.plan import DataStats
 from llmcustoms.planning import DEFAULT_SEED, ParameterOptimizer
 from llmcustoms.preparation import estimated_stats, eval_fraction, split_eval
@@ -44,8 +44,6 @@ GOALS = {
 MAX_ATTEMPTS = 3
 DATA_QUESTION = "Training data file (.jsonl, .json, .csv, .parquet)"
 MODEL_QUESTION = "Model (number, hub id or local directory)"
-# "org/name" or "name": what the Hub accepts as a repository id.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 NO_ONE_TO_ASK = ("No one is there to answer again (input has run out, or CI is set), so nothing was written: "
                  "run `llmcustoms setup` in a terminal, or pipe one answer per line.")
 
@@ -188,7 +186,7 @@ class ModelOffer:
 
     @property
     def estimate(self) -> str:
-        return _human_duration(self.seconds) if self.seconds is not None else "cannot plan"
+        return human_duration(self.seconds) if self.seconds is not None else "cannot plan"
 
 
 def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int) -> list[ModelOffer]:
@@ -269,11 +267,6 @@ def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_
     raise ConfigError("No usable model was given.", "Run `llmcustoms setup` again, or set LLMCUSTOMS_MODEL.")
 
 
-def _looks_like_path(name: str) -> bool:
-    # As `modeling` reads --model: a Hub id is "org/name", one slash, no leading dot, slash or tilde.
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
-
-
 def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | None]:
     """(what to write, why the answer cannot be used or None)."""
     if not answer:
@@ -282,10 +275,10 @@ def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | Non
         if not 1 <= int(answer) <= len(offers):
             return answer, f"There is no model {answer} in the list (1 to {len(offers)})."
         answer = offers[int(answer) - 1].hub_id
-    if _looks_like_path(answer):
+    if looks_like_path(answer):  # as `train` reads --model
         path = Path(answer).expanduser()
         return str(path.resolve()), model_directory_problem(answer, path)
-    if not HUB_ID.match(answer) or not hubaccess.is_hub_id(answer):
+    if not hubaccess.is_hub_id(answer):
         return answer, f"{answer!r} is neither a directory here nor a Hub id (organisation/name)."
     if hubaccess.availability(answer) == hubaccess.UNAVAILABLE:
         return answer, (f"{answer} is not a directory here nor in the local Hugging Face cache, and the Hub cannot "
@@ -330,7 +323,7 @@ def local_estimate(hardware: Hardware, preset: TrainingPreset, stats: DataStats,
         plan = ParameterOptimizer(hardware, preset).plan(choice, stats, {})
     except ConfigError as error:
         return f"but `train` would refuse it here: {error.message}"
-    return f"estimated training time here {_human_duration(plan.estimated_seconds)}"
+    return f"estimated training time here {human_duration(plan.estimated_seconds)}"
 
 
 def ask_save_every() -> str:
