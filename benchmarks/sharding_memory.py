@@ -79,13 +79,16 @@ def predict(distributed: str) -> dict:
         "full", MICRO_BATCH, SEQ_LEN, "no", False, shards=WORLD if distributed == "fsdp" else 1).to_json()
 
 
-def run_mode(model_dir: Path, distributed: str) -> list[dict]:
+def run_mode(model_dir: Path, distributed: str, results_dir: Path) -> list[dict]:
+    # Each process writes its own file: two processes printing to one pipe can
+    # interleave their lines.
+    results_dir.mkdir()
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               __file__, "--child", distributed, "--model-dir", str(model_dir)]
+               __file__, "--child", distributed, "--model-dir", str(model_dir), "--results", str(results_dir)]
     out = subprocess.run(command, capture_output=True, text=True, env=env)
-    results = [json.loads(l[len("RESULT "):]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    results = [json.loads(path.read_text()) for path in results_dir.glob("rank-*.json")]
     if len(results) != WORLD:
         raise SystemExit(f"{distributed}: failed\n{out.stderr[-3000:]}")
     return sorted(results, key=lambda r: r["rank"])
@@ -96,16 +99,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(measure(Path(args.model_dir), args.child)), flush=True)
+        result = measure(Path(args.model_dir), args.child)
+        (Path(args.results) / f"rank-{result['rank']}.json").write_text(json.dumps(result))
         return
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(ARCH, model_dir)
         for mode in ("ddp", "fsdp"):
-            ranks = run_mode(model_dir, mode)
+            ranks = run_mode(model_dir, mode, Path(tmp) / f"results-{mode}")
             predicted = predict(mode)
             peak = max(r["measured_bytes"] for r in ranks)
             summary[mode] = {"measured_bytes": [r["measured_bytes"] for r in ranks],
