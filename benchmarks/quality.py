@@ -157,7 +157,7 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
     total = torch.tensor(sum(count_loss_tokens(b["labels"]) for b in batches))
     select_logits(model)
     with torch.no_grad():
-        return float(sum(token_cross_entropy(model, b, total) for b in batches))
+        return float(sum(token_cross_entropy(model, b, total)[0] for b in batches))
 
 
 def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[str, str]]:

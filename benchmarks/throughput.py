@@ -53,7 +53,7 @@ def build_assets(data: Path, workdir: Path, rows: int, device: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from llmcustoms.data import usable_examples
-    from llmcustoms.preparation import split_eval
+    from llmcustoms.splits import split_eval
 
     examples = list(usable_examples(data))  # bad rows skipped
     train_idx, eval_idx = split_eval(len(examples), SETTINGS["eval_rows"] / len(examples), SETTINGS["seed"])

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from llmcustoms.pairrows import PairRows
+from llmcustoms.reference import ReferenceLogps
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 from llmcustoms.tokenstore import TokenRows
 
@@ -21,12 +23,13 @@ from llmcustoms.tokenstore import TokenRows
 MEGABATCH_FACTOR = 32
 
 
-# A run's rows: memory-mapped (`TokenRows`), or a list (tests, small tools).
-Rows = TokenRows | Sequence[TokenizedExample]
+# A run's rows: memory-mapped (`TokenRows`; `PairRows` for preference pairs),
+# or a list (tests, small tools).
+Rows = TokenRows | PairRows | Sequence[TokenizedExample]
 
 
-def as_token_rows(rows: Rows) -> TokenRows:
-    return rows if isinstance(rows, TokenRows) else TokenRows.from_examples(list(rows))
+def as_token_rows(rows: Rows) -> TokenRows | PairRows:
+    return rows if isinstance(rows, (TokenRows, PairRows)) else TokenRows.from_examples(list(rows))
 
 
 # Which rows make up each optimizer step of an epoch: `epoch_steps` below, or
@@ -94,11 +97,16 @@ class TrainingRows:
 
     Step composition depends on the training rows' lengths as they came; those
     stay fixed when recovery shortens the rows (`cut`), so no row is skipped or
-    seen twice in an epoch."""
+    seen twice in an epoch. With preference pairs a row is a pair: a batch
+    holds its chosen and rejected sequences in turn, and the loss is
+    normalised by pairs rather than tokens."""
 
     def __init__(self, train: Rows, evaluation: Rows, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.train = as_token_rows(train)
         self.evaluation = as_token_rows(evaluation)
+        self.pairs = isinstance(self.train, PairRows)
+        # DPO's (training, evaluation) reference log-probabilities, when computed up front (`reference.py`).
+        self.reference: tuple[ReferenceLogps, ReferenceLogps] | None = None
         self.lengths = self.train.lengths.tolist()
         self.current_lengths = self.train.lengths  # after any cut: what a step computes
         self.pad_token_id = pad_token_id
@@ -109,12 +117,29 @@ class TrainingRows:
         self.current_lengths = self.train.lengths
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
-        return collate([self.train[i] for i in rows], self.pad_token_id, self.pad_to_multiple_of)
+        return self._batch(self.train, rows, 0)
+
+    def collate_examples(self, examples: list[TokenizedExample]) -> dict[str, torch.Tensor]:
+        return collate(examples, self.pad_token_id, self.pad_to_multiple_of)
+
+    def _batch(self, rows: Rows, positions: list[int], which: int) -> dict[str, torch.Tensor]:
+        """These rows collated; with DPO's reference log-probabilities when they were computed up front."""
+        examples = rows.examples(positions)
+        batch = self.collate_examples(examples)
+        if self.reference is not None:
+            halves = [2 * p + half for p in positions for half in (0, 1)]
+            batch["reference_logps"] = self.reference[which].sums(halves, [len(e.input_ids) for e in examples])
+        return batch
 
     def token_counts(self, rows: list[int]) -> tuple[int, int]:
-        """(trained tokens, input tokens) of these training rows."""
-        return self.train.trained_tokens(rows), int(self.current_lengths[rows].sum())
+        """(what the loss is normalised by: trained tokens, or pairs; input tokens) of these training rows."""
+        units = len(rows) if self.pairs else self.train.trained_tokens(rows)
+        return units, self.train.input_tokens(rows)
+
+    def batch_units(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the loss of a collated batch is normalised by: trained tokens, or pairs."""
+        return batch["labels"].shape[0] // 2 if self.pairs else count_loss_tokens(batch["labels"])
 
     def evaluation_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-        return [collate([self.evaluation[i] for i in batch], self.pad_token_id, self.pad_to_multiple_of)
+        return [self._batch(self.evaluation, batch, 1)
                 for batch in eval_batches(self.evaluation.lengths.tolist(), micro_batch_size)]

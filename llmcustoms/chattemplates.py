@@ -89,9 +89,11 @@ def _render(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None, 
                                          add_generation_prompt=generation_prompt, **extra)
 
 
-def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None = None) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_assistant_reply) pieces.
-    An assistant turn's piece holds its reply and its tool calls."""
+def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None = None,
+                  learned_from: int = 0) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_learned_reply) pieces.
+    An assistant turn's piece holds its reply and its tool calls; assistant
+    turns before `learned_from` (a preference pair's prompt) are not learned."""
     segments: list[tuple[str, bool]] = []
     done = ""
     for k, message in enumerate(messages):
@@ -102,7 +104,7 @@ def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | 
         if not (prefix.startswith(done) and full.startswith(prefix)):
             return _last_turn_segments(tokenizer, messages, tools)
         segments.append((prefix[len(done):], False))
-        segments.append((full[len(prefix):], True))
+        segments.append((full[len(prefix):], k >= learned_from))
         done = full
     return segments
 

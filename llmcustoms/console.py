@@ -21,6 +21,7 @@ from rich.table import Table
 
 from llmcustoms import measures
 from llmcustoms.duration import CPU_TIME_LIMIT_S
+from llmcustoms.preferencereport import held_out_line
 from llmcustoms.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
                                 TINY_MODEL_PARAMS)
 
@@ -142,10 +143,14 @@ def show_summary(result: Any) -> None:
     table.add_row("steps", f"{result.steps}")
     if result.final_loss is not None:
         table.add_row("final train loss", f"{result.final_loss:.4f}")
-    if result.base_eval_loss is not None:
+    if result.held_out:  # DPO: perplexity means nothing; how often the chosen reply wins does
+        table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (DPO loss; 0.6931 before training; step "
+                                        f"{result.best_eval_step})")
+        table.add_row("preference", held_out_line(result.held_out))
+    elif result.base_eval_loss is not None:
         table.add_row("base model eval loss", f"{result.base_eval_loss:.4f} (perplexity "
                                               f"{measures.perplexity(result.base_eval_loss):.2f})")
-    if result.best_eval_loss is not None:
+    if result.best_eval_loss is not None and not result.held_out:
         table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step})")
         table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
     table.add_row("time", _duration(result.seconds))

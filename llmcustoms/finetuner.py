@@ -36,13 +36,16 @@ from llmcustoms.best_weights import BestWeights
 from llmcustoms.checkpoints import Checkpoint, CheckpointManager, rng_state, set_rng_state
 from llmcustoms.evaluation import Evaluation
 from llmcustoms.faults import FaultInjector
-from llmcustoms.losses import Loss, select_logits, token_cross_entropy
-from llmcustoms.measures import perplexity
+from llmcustoms.losses import Loss, select_logits
+from llmcustoms.preferenceloss import SUMS, loss_for, preference_metrics
+from llmcustoms.preferencereport import evaluation_at
 from llmcustoms.modeling import load_model
 from llmcustoms.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.plan import Plan
 from llmcustoms.position import Position, StopCause, StopReason, TrainResult
 from llmcustoms.processes import Processes
+from llmcustoms.objectives import needs_cached_reference
+from llmcustoms.reference import cached_reference
 from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.rundir import RunDirectory
@@ -57,18 +60,17 @@ class FineTuner:
     def __init__(self, plan: Plan, tokenizer: Any, train: Rows, evaluation: Rows,
                  run_dir: RunDirectory, reporter: Reporter, faults: FaultInjector | None = None,
                  on_evaluate: Callable[[int, float], bool] | None = None, save_artifacts: bool = True,
-                 loss: Loss = token_cross_entropy, steps: StepRows = epoch_steps,
+                 loss: Loss | None = None, steps: StepRows = epoch_steps,
                  schedule: Schedule = lr_multiplier, samples: SampleReplies | None = None, baseline: bool = True):
         """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes
         this way); `save_artifacts=False` writes no checkpoints and no adapter;
         `samples` answers sample prompts; `baseline=False` skips evaluating the
-        base model. `loss(model, batch, normaliser)`, `steps(lengths, step_rows,
-        seed, epoch)` (an epoch's steps, as row indices) and `schedule(step,
-        plan)` (the lr factor) replace the defaults."""
+        base model. `loss(model, batch, normaliser)` (default: the plan's objective's), `steps(lengths,
+        step_rows, seed, epoch)` (an epoch's steps, as row indices) and `schedule(step, plan)` replace the defaults."""
         self.plan, self.tokenizer, self.run_dir, self.reporter = plan, tokenizer, run_dir, reporter
         self.faults = faults or FaultInjector.from_env()
         self.on_evaluate, self.save_artifacts, self.samples, self.baseline = on_evaluate, save_artifacts, samples, baseline
-        self.loss, self.steps, self.schedule = loss, steps, schedule
+        self.loss, self.steps, self.schedule = loss or loss_for(plan), steps, schedule
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
@@ -145,6 +147,9 @@ class FineTuner:
         self.model = self.processes.place(load_model(self.plan, device_index), self.plan, self.reporter.message)
         model = self.accelerator.unwrap_model(self.model)
         select_logits(model)
+        if needs_cached_reference(self.plan) and self.data.reference is None:  # DPO without an adapter to switch off
+            self.data.reference = cached_reference(model, self.data, self.run_dir, 2 * self.plan.micro_batch_size,
+                                                   self.device, self.accelerator.autocast, self.reporter.activity)
         # Out-of-memory injection happens inside a forward pass, after the
         # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         model.get_input_embeddings().register_forward_hook(
@@ -209,7 +214,7 @@ class FineTuner:
         started, generators = time.perf_counter(), rng_state()
         failure = None
         try:
-            loss_sum, tokens = self._forward_backward(rows)
+            totals, tokens = self._forward_backward(rows)
         except torch.OutOfMemoryError:
             failure = "oom"
         except StopRequested:  # the step is dropped, as if never begun: a resumed run repeats it exactly
@@ -223,12 +228,12 @@ class FineTuner:
         if failure == "oom":
             self._free_memory()  # also on the ranks that did not run out themselves
             return None, failure
-        loss_sum = self.processes.sum_gradients(self.trainable, loss_sum)
+        totals = self.processes.sum_gradients(self.trainable, totals)
         max_norm = self.plan.max_grad_norm if self.plan.max_grad_norm > 0 else float("inf")
         grad_norm = self.processes.whole(self.accelerator.clip_grad_norm_(self.trainable, max_norm))
-        # The one host sync per step: loss and gradient norm come back together.
-        # Both are the same on every rank, so every rank takes the same decision.
-        loss_value, norm_value = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+        # The one host sync per step: loss, the loss's sums and gradient norm come back
+        # together. All are the same on every rank, so every rank takes the same decision.
+        loss_value, *sums, norm_value = torch.cat([totals.float(), grad_norm.float().reshape(1).to(totals.device)]).tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)  # skip the update
             return None, "nan"
@@ -238,17 +243,18 @@ class FineTuner:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens,
-                "tokens_per_s": tokens / elapsed, "seconds": elapsed}, None
+                "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                **(preference_metrics(sums, len(rows)) if sums else {})}, None
 
     def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int]:
-        """Local gradients of this rank's share of a step; (summed loss, input tokens of the whole step)."""
+        """Local gradients of this rank's share of a step; ([summed loss, its sums...], the step's input tokens)."""
         batches = [(self.data.collate(b), weight)
                    for b, weight in self.processes.micro_batches(rows, self.data.lengths, self.plan.micro_batch_size)]
-        # The whole step's trained tokens, over every rank: each rank knows all rows.
-        loss_tokens, input_tokens = self.data.token_counts(rows)
-        normaliser = torch.tensor(max(1, loss_tokens), device=self.device)
+        # The whole step's trained tokens (pairs, for DPO), over every rank: each rank knows all rows.
+        loss_units, input_tokens = self.data.token_counts(rows)
+        normaliser = torch.tensor(max(1, loss_units), device=self.device)
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
+        totals = torch.zeros(1 + (len(SUMS) if self.data.pairs else 0), device=self.device)  # DPO: its rewards too
         for mb, weight in batches:
             if self.processes.stop_now():
                 raise StopRequested
@@ -256,14 +262,15 @@ class FineTuner:
             # Summed over tokens and divided by the step's token count, not
             # averaged per micro-batch: any split, over micro-batches or ranks,
             # gives the same update.
-            loss = self._loss(mb, normaliser) * weight
+            loss, sums = self._loss(mb, normaliser)
+            loss = loss * weight
             if self.faults.due("nan", self.position.step + 1):
                 loss = loss * float("nan")
             self.accelerator.backward(loss * self.processes.backward_scale)
-            loss_sum += loss.detach()
-        return loss_sum, input_tokens
+            totals = totals + torch.cat([loss.detach().reshape(1)] + ([sums * weight] if sums is not None else []))
+        return totals, input_tokens
 
-    def _loss(self, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.accelerator.autocast():
             return self.loss(self.model, batch, normaliser)
 
@@ -278,7 +285,7 @@ class FineTuner:
         position = self.position
         position.advance(metrics["tokens"], metrics["loss"])
         row = {"step": position.step, "epoch": round(position.epoch + position.index / steps_in_epoch, 4),
-               **{k: metrics[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "seconds")}}
+               **{k: v for k, v in metrics.items() if k != "tokens"}}
         self.run_dir.append_metrics(row)
         self.reporter.step(row)
 
@@ -290,7 +297,7 @@ class FineTuner:
         due = plan.eval_every and (position.step % plan.eval_every == 0 or position.step == plan.total_steps)
         if not (self.evaluation and due):
             return None
-        eval_loss = self.evaluate()
+        eval_loss = self.evaluation.loss(self.model, position.step, self._lower_evaluation_micro_batch)
         position.last_eval = eval_loss
         self._record_eval(eval_loss)
         self._sample("eval", self.samples is not None and self.samples.cheap(time.monotonic() - self.trained_since))
@@ -304,7 +311,8 @@ class FineTuner:
         """The untrained model's eval loss and replies: what the run is measured against."""
         if self.evaluation and self.plan.eval_every:
             try:  # a stop here loses nothing: a resumed run evaluates the base model again
-                self.position.base_eval = self.evaluation.loss(self.model, 0, self._lower_evaluation_micro_batch, True)
+                self.position.base_eval = (self.evaluation.untrained() or
+                                           self.evaluation.loss(self.model, 0, self._lower_evaluation_micro_batch, True))
             except StopRequested:
                 self._stop_if_signalled(saved=True, last=False)
             self._record_eval(self.position.base_eval)
@@ -313,7 +321,7 @@ class FineTuner:
         self.trained_since = time.monotonic()
 
     def _record_eval(self, eval_loss: float) -> None:
-        row = {"step": self.position.step, "eval_loss": eval_loss, "eval_ppl": perplexity(eval_loss)}
+        row = {"step": self.position.step, **self.evaluation.row(eval_loss)}
         self.run_dir.append_metrics(row)
         self.reporter.evaluated(row)
 
@@ -327,10 +335,6 @@ class FineTuner:
             self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
             self.reporter.activity(None)
         self.accelerator.wait_for_everyone()
-
-    def evaluate(self) -> float:
-        """Mean loss per trained token over the whole evaluation set."""
-        return self.evaluation.loss(self.model, self.position.step, self._lower_evaluation_micro_batch)
 
     def _lower_evaluation_micro_batch(self) -> None:
         plan, recovery = self.recovery.after_oom(self.plan, self.position.step)
@@ -442,4 +446,5 @@ class FineTuner:
                            best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
                            tokens_per_s=tokens / max(seconds, 1e-9), output_path=self.run_dir.output_path(self.plan.method),
                            stop=stop, base_eval_loss=position.base_eval, kept=kept.get("kept"),
-                           last_output=kept.get("last_output"), samples=samples)
+                           last_output=kept.get("last_output"), samples=samples,
+                           held_out=evaluation_at(self.run_dir.read_metrics(), position.best_step))

@@ -1,10 +1,12 @@
-"""The training loss: a function `loss(model, batch, normaliser) -> Tensor`.
+"""The training loss: a function `loss(model, batch, normaliser) -> (Tensor, sums)`.
 
 `FineTuner` takes the loss as an argument; this module holds the default,
-`token_cross_entropy`. A loss returns the summed loss of `batch` divided by
-`normaliser`, the count of whatever it sums over in the whole optimizer step
-(or evaluation), so that any split of a step into micro-batches, or over
-processes, gives the same update. It runs under the accelerator's autocast.
+`token_cross_entropy` (DPO's is in `preferenceloss.py`). A loss returns the
+summed loss of `batch` divided by `normaliser`, the count of whatever it sums
+over in the whole optimizer step (or evaluation), so that any split of a step
+into micro-batches, or over processes, gives the same update; and beside it a
+1-D tensor of sums to report (DPO's rewards), or None. It runs under the
+accelerator's autocast.
 
 The default computes the LM head's logits only at positions the loss uses
 (`select_logits`): for a big vocabulary the head is a large share of the
@@ -19,7 +21,7 @@ import torch
 
 from llmcustoms.tokenization import IGNORE_INDEX
 
-Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def select_logits(model: Any) -> None:
@@ -41,12 +43,10 @@ def select_logits(model: Any) -> None:
     head.forward = selective_forward
 
 
-def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the trained tokens of `batch`, divided by
-    `normaliser` (the trained-token count of the whole step or evaluation).
-
-    The loss uses the logits of positions whose next token is trained (the
-    replies, not prompts or padding): only those are computed."""
+def learned_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, targets, selection): the logits of the positions whose next
+    token is learned (the replies, not prompts or padding), flattened in
+    order, the tokens they predict, and the boolean mask they were taken at."""
     labels = batch["labels"]
     selection = torch.zeros_like(labels, dtype=torch.bool)
     selection[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position i predicts token i + 1
@@ -56,5 +56,14 @@ def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor], normaliser: 
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     finally:
         head.logit_selection = None
-    targets = labels[:, 1:][selection[:, :-1]]
-    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser
+    return logits, labels[:, 1:][selection[:, :-1]], selection
+
+
+def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor],
+                        normaliser: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """Summed cross-entropy over the trained tokens of `batch`, divided by
+    `normaliser` (the trained-token count of the whole step or evaluation).
+
+    Only the logits of positions whose next token is trained are computed."""
+    logits, targets, _ = learned_logits(model, batch)
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser, None

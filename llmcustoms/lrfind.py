@@ -371,7 +371,7 @@ def _step(model: Any, optimizer: Any, accelerator: Any, data: Any, rows: list[in
     for batch in micro_batches(rows, data.lengths, plan.micro_batch_size):
         inputs = {k: v.to(device) for k, v in data.collate(batch).items()}
         with accelerator.autocast():
-            loss = token_cross_entropy(model, inputs, normaliser)
+            loss, _ = token_cross_entropy(model, inputs, normaliser)
         accelerator.backward(loss)
         total += loss.detach()
     trainable = [p for p in model.parameters() if p.requires_grad]

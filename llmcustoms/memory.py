@@ -182,13 +182,17 @@ class MemoryOptimizer:
 
     def estimate(self, method: str, micro_batch: int, seq_len: int, mixed_precision: str,
                  gradient_checkpointing: bool, lora_rank: int = 16, lora_targets: tuple[str, ...] = ("all-linear",),
-                 optimizer: str = "adamw", trained_fraction: float = 1.0, shards: int = 1) -> MemoryEstimate:
+                 optimizer: str = "adamw", trained_fraction: float = 1.0, shards: int = 1,
+                 sequences_per_row: int = 1) -> MemoryEstimate:
         """`trained_fraction`: share of positions whose next token is trained; the
         LM head computes logits only there (prompts and padding get none).
-        `shards`: processes an FSDP run shards the model over (1: no sharding)."""
+        `shards`: processes an FSDP run shards the model over (1: no sharding).
+        `sequences_per_row`: 2 for preference pairs (chosen and rejected in one
+        forward). DPO's reference forward runs first, without gradients: its
+        activations are freed before the policy's forward, so it adds no peak."""
         linear, other = parameter_counts(self.arch)
         trained = linear + other if method == "full" else lora_parameters(self.arch, lora_rank, lora_targets)
-        tokens = micro_batch * seq_len
+        tokens = micro_batch * sequences_per_row * seq_len
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
         logits = int(tokens * trained_fraction * self.arch.vocab_size * 4 * LOGIT_COPIES)
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)

@@ -196,7 +196,17 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
         model.enable_input_require_grads()
     if plan.method == "full":
         return model if model.dtype == torch.float32 else model.float()
-    return attach_lora(model, plan)
+    return continue_adapter(model, plan.from_run) if plan.from_run else attach_lora(model, plan)
+
+
+def continue_adapter(model: Any, adapter: str) -> Any:
+    """A finished run's adapter on `model`, trainable: `--from-run` goes on training it."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise ModelError(f"The adapter this run starts from ({adapter}) is gone.",
+                         "Put that run's adapter back where it was, or start a new run.")
+    return PeftModel.from_pretrained(model, adapter, is_trainable=True)
 
 
 def attach_lora(model: Any, plan: Plan) -> Any:

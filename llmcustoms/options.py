@@ -196,6 +196,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("mixed_precision", str, "Autocast precision; no means fp32 throughout. Default: bf16 or fp16 on a GPU, "
            "fp32 on CPU.",
            flag="--mixed-precision", env="MIXED_PRECISION", plan="mixed_precision", choices=("no", "bf16", "fp16")),
+    # What the run learns: replies (sft), or to prefer the chosen reply of a pair (dpo).
+    Option("objective", str, "sft (learn the replies) or dpo (learn to prefer the chosen reply of preference "
+           "pairs). Default: dpo for preference data, else sft.", flag="--objective", env="OBJECTIVE",
+           plan="objective", choices=("sft", "dpo"), commands=frozenset({TRAIN, PLAN, TUNE})),
+    Option("beta", float, "DPO's beta: how far the model may move from the reference (higher: less).",
+           flag="--beta", env="BETA", plan="beta", minimum=0, min_open=True, commands=frozenset({TRAIN, PLAN, TUNE})),
+    Option("from_run", str, "Start from a finished run's weights (its adapter goes on training; with DPO its "
+           "model is the reference): the SFT-then-DPO recipe.", flag="--from-run", env="FROM_RUN", commands=_BOTH),
     # What the loss covers, and trust.
     Option("train_on_prompt", bool, "Also compute the loss on prompts, not only on responses.",
            flag="--train-on-prompt", env="TRAIN_ON_PROMPT", plan="train_on_prompt"),

@@ -130,6 +130,11 @@ class Plan:
     # "default" (skip up to 5% of rows), "strict" or "skip"; and what reading found.
     bad_row_policy: str = "default"
     raw_prompts: bool = False
+    # "sft" (learn the replies) or "dpo" (preference pairs); DPO's beta.
+    objective: str = "sft"
+    beta: float = 0.1
+    # A finished run whose adapter this one starts from (`--from-run`), "" for none.
+    from_run: str = ""
     data_report: dict[str, Any] = field(default_factory=dict)
     # What the training rows' token ids depend on (`preparation.tokenization_cache_key`):
     # resume refuses to go on with ids made another way.

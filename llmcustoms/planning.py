@@ -22,6 +22,7 @@ from llmcustoms.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
+from llmcustoms.objectives import DEFAULT_BETA
 from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan
 from llmcustoms.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.sizing import best_fit, does_not_fit
@@ -345,6 +346,8 @@ class ParameterOptimizer:
         trained_share = 1.0 if r.get("train_on_prompt", False) else stats.trained_fraction(max_seq_len)
         distributed = self._distributed(r, world_size)
         shape = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share}
+        if r.given_value("objective") == "dpo":  # a row is a pair: chosen and rejected in one forward
+            shape["sequences_per_row"] = 2
         if distributed == "fsdp" and world_size > 1:
             shape["shards"] = world_size
         preferred = r.get("method")
@@ -398,7 +401,8 @@ class ParameterOptimizer:
         hardware, preset = self.hardware, self.preset
         # CPU processes share the machine's RAM; each GPU process has its own card.
         self.budget = self.machine_budget // world_size if not hardware.has_gpu else self.machine_budget
-        preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params)
+        objective = overrides.get("objective", ("sft", ""))[0]
+        preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params, objective)
         r = _Resolver(overrides, preset_values)
         _raise_problems(_given_value_problems(r, hardware, model, stats, world_size))
         r.reasons += preset_values.model_size_reasons(set(overrides), model.arch.params)
@@ -431,6 +435,7 @@ class ParameterOptimizer:
             early_stopping_patience=patience, save_every=save_every,
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
+            objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,

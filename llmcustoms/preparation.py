@@ -22,21 +22,22 @@ from llmcustoms.datafiles import fingerprint
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import GIB, Hardware
 from llmcustoms.memory import SAFETY_MARGIN
+from llmcustoms.fromrun import with_starting_point
+from llmcustoms.objectives import check_eval_data, preference_reason, with_objective
+from llmcustoms.pairrows import PairRows
 from llmcustoms.plan import DataStats, Plan
 from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.presets import TrainingPreset, find_model_spec, load_families, load_preset
+from llmcustoms.rowformats import is_preference
+from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.settings import Settings
 from llmcustoms.speeds import with_measured_speeds
+from llmcustoms.splits import MAX_EVAL_ROWS, split_rows
 from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store, tokenizing_workers
 
 DEFAULT_PRESET = "quality"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
 CHARS_PER_TOKEN = 3.6
 TEMPLATE_TOKENS_PER_MESSAGE = 6
-# Held-out rows beyond this make each evaluation slower without making it
-# more telling: a 2% split of a million rows is capped here.
-MAX_EVAL_ROWS = 2000
-
 # Told how far preparation is: (stage "read" or "tokenize", rows done, rows in all or None).
 Progress = Callable[[str, int, "int | None"], None]
 
@@ -60,6 +61,7 @@ class TrainOptions:
     model_source: str = "flag"
     preset_source: str = "default"
     cache_dir: str | None = None  # where tokenized data is cached; None: the default place
+    from_run: str | None = None  # a finished run to start from (`fromrun.py`)
 
     def override(self, name: str, default: Any) -> Any:
         return self.overrides.get(name, (default, ""))[0]
@@ -89,7 +91,7 @@ def train_options(settings: Settings) -> TrainOptions:
                         eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
                         strict=bool(value("strict", False)), overrides=overrides,
                         model_source=source("model", "flag"), preset_source=source("preset", "default"),
-                        cache_dir=value("cache_dir"))
+                        cache_dir=value("cache_dir"), from_run=value("from_run"))
 
 
 @dataclass
@@ -109,18 +111,6 @@ class PreparedRun:
     templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
 
 
-def split_eval(n_rows: int, fraction: float, seed: int, most: int | None = MAX_EVAL_ROWS) -> tuple[list[int], list[int]]:
-    """Seeded train/eval split of row indices; the same seed gives the same split."""
-    if fraction <= 0 or n_rows < 2:
-        return list(range(n_rows)), []
-    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)), most or n_rows)
-    order = np.random.default_rng(seed).permutation(n_rows)
-    eval_idx = np.sort(order[:n_eval])
-    keep = np.ones(n_rows, bool)
-    keep[eval_idx] = False
-    return np.flatnonzero(keep).tolist(), eval_idx.tolist()
-
-
 def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:
     """Token lengths guessed from characters, for planning without a tokenizer."""
     idx = np.arange(dataset.rows) if indices is None else np.asarray(indices, np.int64)
@@ -132,47 +122,6 @@ def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: 
     return DataStats(lengths=tuple(lengths.tolist()), first_loss_positions=tuple(firsts.tolist()), eval_rows=eval_rows,
                      format=dataset.format,
                      length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
-
-
-def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
-    """The share of rows held out for evaluation, and where it came from.
-    Needed before planning proper, since the split decides the training rows;
-    so before the model is known, which is why a preset cannot set it by model
-    size (`NOT_BY_MODEL_SIZE`) and the dataset-size bucket alone decides it."""
-    if "eval_split" in overrides:
-        return overrides["eval_split"]
-    values, bucket = preset.for_dataset_size(total_rows)
-    return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
-
-
-@dataclass
-class Split:
-    """Which rows train and which evaluate: positions in the data file's usable
-    rows, or (with --eval-data) every usable row of a second file."""
-
-    train: list[int]
-    evaluation: list[int]
-    eval_dataset: Dataset | None
-    source: str
-    fraction: float
-
-
-def _split(options: TrainOptions, dataset: Dataset, preset: Any, progress: Progress,
-           most: int | None = MAX_EVAL_ROWS) -> Split:
-    if options.eval_data:
-        eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))
-        kept = min(eval_set.rows, most or eval_set.rows)
-        first = f", its first {kept:,} rows" if kept < eval_set.rows else ""
-        return Split(list(range(dataset.rows)), list(range(kept)), eval_set,
-                     f"from {Path(options.eval_data).name}{first}", 0.0)
-    seed = options.override("seed", 42)
-    fraction, fraction_source = eval_fraction(preset, dataset.rows, options.overrides)
-    train_idx, eval_idx = split_eval(dataset.rows, fraction, seed, most)
-    if not train_idx:
-        raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
-                        "Lower --eval-split or add more rows.")
-    capped = f", at most {MAX_EVAL_ROWS:,} rows" if len(eval_idx) == MAX_EVAL_ROWS else ""
-    return Split(train_idx, eval_idx, None, f"{fraction:.0%} split{capped}, seed {seed}, {fraction_source}", fraction)
 
 
 def cache_dir(explicit: str | None = None) -> Path:
@@ -221,7 +170,8 @@ def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progre
 
     directory = cache_dir(cache) / "tokenized" / key
     rows = open_store(directory)
-    if rows is not None and len(rows) == dataset.rows:
+    halves = 2 if is_preference(dataset.format) else 1  # a pair is stored as two rows
+    if rows is not None and len(rows) == dataset.rows * halves:
         return rows, True
     # Damaged, unreadable, or not of these rows (the checking rules changed):
     # it goes, or the new store could not take its place.
@@ -261,7 +211,7 @@ def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset
             continue
         keys.append(tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, fingerprint(data.path), raw_prompts))
         rows, cached = _store(keys[-1], options.cache_dir, data, tokenizer, progress)
-        stores.append(rows)
+        stores.append(PairRows(rows) if is_preference(data.format) else rows)
         all_cached = all_cached and cached
     return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
                      base_format(dataset.format) == "prompt_completion"
@@ -280,17 +230,21 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     facts and character-based length estimates instead of failing."""
     from llmcustoms import modeling
 
+    options, start = with_starting_point(options)
     dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
+    options = replace(options, overrides=with_objective(options.overrides, is_preference(dataset.format),
+                                                        dataset.path.name, dataset.format_description))
     preset = load_preset(options.preset or DEFAULT_PRESET)
     families = load_families()
     catalog = tuple(spec for family in families.values() for spec in family.models)
     hardware = with_measured_speeds(hardware, cache_dir(options.cache_dir), world_size)  # a measured duration
     optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
-    split = _split(options, dataset, preset, progress)
+    split = split_rows(options, dataset, preset, progress)
+    if split.eval_dataset:
+        check_eval_data(options.override("objective", "sft"), is_preference(split.eval_dataset.format),
+                        split.eval_dataset.path.name, split.eval_dataset.format_description)
     read_seconds = dataset.seconds + (split.eval_dataset.seconds if split.eval_dataset else 0.0)
-    data_sha = fingerprint(options.data)
-    eval_sha = fingerprint(options.eval_data) if options.eval_data else ""
 
     candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
                   for m in preset.model_candidates(hardware.has_gpu)]
@@ -327,14 +281,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         stats = measured_stats(train_full, len(evaluation_full), dataset.format)
 
     plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source, world_size=world_size)
-    if choice_reason:
-        plan = replace(plan, reasons=(choice_reason,) + plan.reasons)
-    plan = replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
-                   data_sha256=data_sha, row_max_len=plan.max_seq_len, eval_data_sha256=eval_sha,
-                   skip_bad_rows=options.skip_bad_rows, bad_row_policy=options.policy,
-                   data_report=dataset.to_json(),
-                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None,
-                   eval_split=split.fraction)
+    plan = _with_run_facts(plan, options, dataset, split, choice_reason, start)
     prepared = PreparedRun(plan=plan, tokenizer=None, train=None, evaluation=None, dataset=dataset,
                            eval_source=split.source, truncated=0, dropped=0, used_fallback_template=False,
                            read_seconds=read_seconds)
@@ -343,6 +290,21 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         return replace(prepared, plan=replace(plan, data_report=_facts(dataset, stats.lengths, stats.length_source,
                                                                           plan, cut, stats.train_rows - kept)))
     return _cut_to_plan(prepared, tokenized, train_full, evaluation_full)
+
+
+def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: Any, choice_reason: str | None,
+                    start: Any) -> Plan:
+    """The plan with where its rows and model came from (for `resume`), and the reasons planning could not know."""
+    reasons = ((start.reason,) if start else ()) + ((choice_reason,) if choice_reason else ()) + plan.reasons
+    if plan.objective == "dpo":
+        reasons += (preference_reason(replace(plan, from_run=start.adapter if start else ""),
+                                      options.overrides["objective"][1]),)
+    return replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
+                   data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
+                   eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",
+                   skip_bad_rows=options.skip_bad_rows, bad_row_policy=options.policy, data_report=dataset.to_json(),
+                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None,
+                   eval_split=split.fraction, from_run=start.adapter if start else "", reasons=reasons)
 
 
 def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
@@ -421,9 +383,10 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data,
                            skip_bad_rows=policy == "skip", strict=policy == "strict",
                            overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan"),
-                                      "raw_prompts": (plan.raw_prompts or older, "plan")})
+                                      "raw_prompts": (plan.raw_prompts or older, "plan"),
+                                      "objective": (plan.objective, "plan")})
     dataset = read_dataset(plan.data, options.policy)
-    split = _split(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
+    split = split_rows(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
     from llmcustoms.modeling import load_tokenizer
 
     tokenized = _tokenize(plan.model, load_tokenizer(plan.model, plan.trust_remote_code), options, dataset,

@@ -105,6 +105,8 @@ class TrainingPreset:
     early_stopping_patience: int
     by_dataset_size: dict[str, dict[str, Any]]
     by_model_size: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Overrides for an objective other than sft, applied last: DPO's lower lr and fewer epochs.
+    by_objective: dict[str, dict[str, Any]] = field(default_factory=dict)
     cpu_models: tuple[str, ...] = ()  # hub ids, best first, for a machine without a GPU
     source: str = ""
 
@@ -115,18 +117,23 @@ class TrainingPreset:
         values.update(self.by_dataset_size.get(bucket, {}))
         return values, bucket
 
-    def resolve(self, rows: int, params: int) -> PresetValues:
+    def resolve(self, rows: int, params: int, objective: str = "sft") -> PresetValues:
         """The preset's values for `rows` rows of data and a model of `params`
         parameters: the base values, then the dataset-size bucket's, then the
-        model-size class's (so a tiny model's lr wins over a bucket's)."""
+        model-size class's (so a tiny model's lr wins over a bucket's), then
+        the objective's (DPO's lr wins over both)."""
         values, bucket = self.for_dataset_size(rows)
         size_class = model_size_class(params)
         by_class = self.by_model_size.get(size_class, {})
         values.update(by_class)
+        by_objective = self.by_objective.get(objective, {})
+        values.update(by_objective)
         label = f"preset {self.name} ({bucket} dataset)"
         class_label = f"preset {self.name} ({size_class} model)"
         sources = {name: class_label if name in by_class else label for name in values}
-        return PresetValues(self.name, values, sources, bucket, size_class, tuple(by_class))
+        sources.update({name: f"preset {self.name} ({objective})" for name in by_objective})
+        return PresetValues(self.name, values, sources, bucket, size_class,
+                            tuple(name for name in by_class if name not in by_objective))
 
     def model_candidates(self, has_gpu: bool) -> tuple[str, ...]:
         """The models to choose from, best first: the CPU tier on a machine
@@ -280,7 +287,7 @@ def _overrides_by_size(data: dict[str, Any], key: str, names: tuple[str, ...], s
     """A `by_dataset_size` or `by_model_size` section: a mapping of size name to
     overrides of tunable fields. Problems go to `problems`; returns the valid part."""
     section = data.get(key) or {}
-    what = "dataset size" if key == "by_dataset_size" else "model size"
+    what = {"by_dataset_size": "dataset size", "by_model_size": "model size", "by_objective": "objective"}[key]
     if not isinstance(section, dict):
         problems.append(f"{source}: '{key}' must be a mapping of {'/'.join(names)}")
         return {}
@@ -293,7 +300,7 @@ def _overrides_by_size(data: dict[str, Any], key: str, names: tuple[str, ...], s
             problems.append(f"{where}: must be a mapping")
         else:
             allowed = {k: v for k, v in overrides.items()
-                       if k in TUNABLE_FIELDS and not (key == "by_model_size" and k in NOT_BY_MODEL_SIZE)}
+                       if k in TUNABLE_FIELDS and not (key != "by_dataset_size" and k in NOT_BY_MODEL_SIZE)}
             problems += [f"{where}: '{k}' cannot be adjusted per {what}" for k in overrides if k not in allowed]
             wrong_type: list[str] = []
             _check_fields(allowed, {k: _PRESET_FIELDS[k] for k in allowed}, wrong_type, where)
@@ -319,7 +326,7 @@ def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> T
     _check_fields(data, _PRESET_FIELDS, problems, source)
     if "cpu_models" in data and not isinstance(data["cpu_models"], list):
         problems.append(f"{source}: field 'cpu_models' has the wrong type ({type(data['cpu_models']).__name__})")
-    unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size", "by_model_size", "cpu_models"}
+    unknown = set(data) - set(_PRESET_FIELDS) - {"by_dataset_size", "by_model_size", "by_objective", "cpu_models"}
     problems += [f"{source}: unknown field '{name}'" for name in sorted(unknown)]
     # Range-check every field whose type is right, so one pass reports everything.
     typed = {k: data[k] for k in TUNABLE_FIELDS if k in data and not any(f"'{k}'" in p for p in problems)}
@@ -328,12 +335,13 @@ def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> T
     problems += _model_list_problems(data, "cpu_models", source, known_models)
     by_dataset = _overrides_by_size(data, "by_dataset_size", ("small", "medium", "large"), source, problems)
     by_model = _overrides_by_size(data, "by_model_size", MODEL_SIZE_CLASSES, source, problems)
+    by_objective = _overrides_by_size(data, "by_objective", ("dpo",), source, problems)
     if problems:
         raise ConfigError("Invalid preset:\n  " + "\n  ".join(problems),
                           "Compare it with the files in presets/ (`llmcustoms presets` lists them).")
     return TrainingPreset(
         **{k: data[k] for k in _PRESET_FIELDS if k != "models"},
-        models=tuple(data["models"]), by_dataset_size=by_dataset, by_model_size=by_model,
+        models=tuple(data["models"]), by_dataset_size=by_dataset, by_model_size=by_model, by_objective=by_objective,
         cpu_models=tuple(data.get("cpu_models") or ()), source=source,
     )
 

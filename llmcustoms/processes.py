@@ -240,14 +240,14 @@ class Processes:
             if param.grad is None:  # a parameter this rank's rows did not reach
                 param.grad = torch.zeros_like(param)
         grouped = buckets([p.grad for p in params], ALL_REDUCE_BUCKET_BYTES)
-        loss = loss_sum.reshape(1).to(grouped[0][0].dtype)
+        loss = loss_sum.reshape(-1).to(grouped[0][0].dtype)  # the loss, and any sums it reports
         grouped[0].append(loss)  # one collective fewer
         for bucket in grouped:
             flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat)
             for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 tensor.copy_(synced)
-        return loss.reshape(()).to(loss_sum.dtype)
+        return loss.reshape(loss_sum.shape).to(loss_sum.dtype)
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """A plain tensor: under FSDP a gradient norm is a DTensor, the same on every rank."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from llmcustoms import measures
 from llmcustoms.errors import ConfigError
+from llmcustoms.preferencereport import preference_findings
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import side_by_side
 
@@ -107,7 +108,13 @@ def analyse(run: RunDirectory) -> RunReport:
     evals = _Evaluations.of(rows)
     report = RunReport(name=run.path.name, status=status.get("status", "unknown"), steps=len(train),
                        total_steps=plan.total_steps, samples=side_by_side(run.read_samples()))
-    _quality(report, plan, status, evals)
+    if plan.objective == "dpo":  # perplexity means nothing for DPO's loss: its rewards tell
+        findings, advice = preference_findings(plan, rows, status.get("best_eval_step"))
+        report.findings += [Finding(*finding) for finding in findings]
+        for change, text in advice:
+            report.recommend(change, text)
+    else:
+        _quality(report, plan, status, evals)
     losses = [r["loss"] for r in train]
     stopped_early = status.get("stop_cause") == "early stopping"
     evaluates = bool(evals.after) or bool(plan.eval_rows and plan.eval_every)

@@ -16,8 +16,10 @@ in this order (the first whose fields a row has wins):
 
 Any of them may carry a KTO-style `label` (true/false, or that text from a
 CSV): a row labelled false is read but never learned. Preference pairs
-(`chosen` and `rejected`) are recognised before anything else and refused:
-training on them as plain replies would teach the rejected ones too.
+(`chosen` and `rejected`, `preferences.py`) are recognised before anything
+else: a pair file often has `messages` or `conversations` too, and read as
+chat it would teach the rejected reply. A pair becomes one `Example` holding
+both replies; `halves()` gives the two conversations that are tokenized.
 
 A problem with a row raises `RowProblem` with a message that names the field,
 never the content: the data may be private. No torch here.
@@ -33,6 +35,7 @@ from llmcustoms.chatturns import (OPENAI_ROLES, SHAREGPT_ROLES, Message, RowProb
                                   tools_field, with_call_ids)
 from llmcustoms.datafiles import RawRow
 from llmcustoms.errors import DataError
+from llmcustoms.preferences import PREFERENCE_FORMATS, preference_format, to_pair
 
 __all__ = ["Example", "Message", "RowProblem", "ToolCall", "FORMAT_DESCRIPTIONS", "FORMAT_REQUIRED_FIELDS",
            "base_format", "detect_format", "to_example"]
@@ -46,6 +49,7 @@ FORMAT_DESCRIPTIONS = {
     "prompt_completion": "prompt/completion (prompt, completion)",
     "input_output": "prompt/completion (input, output)",
     "text": "plain text (text)",
+    **PREFERENCE_FORMATS,
 }
 # Checked in this order: the first whose required fields a row has wins.
 # Chat lists first (a chat row may have other fields too), then Alpaca before
@@ -68,7 +72,6 @@ ALPACA_FIELDS = {"alpaca": ("instruction", "output"), "alpaca_response": ("instr
                  "question_answer": ("question", "answer")}
 ALPACA_INPUT_FIELDS = ("input", "context")
 PROMPT_FIELDS = {"prompt_completion": ("prompt", "completion"), "input_output": ("input", "output")}
-PREFERENCE_FIELDS = {"chosen", "rejected"}
 # How many leading rows to look at when detecting the format.
 DETECTION_ROWS = 50
 
@@ -76,6 +79,11 @@ DETECTION_ROWS = 50
 def base_format(fmt: str) -> str:
     """The format a variant reads like: 'alpaca', 'prompt_completion', ... ('' stays '')."""
     return BASE_FORMATS.get(fmt, fmt)
+
+
+def is_preference(fmt: str) -> bool:
+    """Whether rows of this format are preference pairs (trained with DPO)."""
+    return fmt in PREFERENCE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,11 @@ class Example:
     # False for rows a KTO-style file marks undesirable (label: false): never learned.
     desirable: bool = True
     tools: str = ""
+    # A preference pair: `messages` end with the chosen reply, `rejected`
+    # holds the other; turns from `learned_from` on are the reply (earlier
+    # assistant turns are prompt).
+    rejected: tuple[Message, ...] = ()
+    learned_from: int = 0
 
     def __post_init__(self) -> None:
         # Plain (role, content) pairs are accepted, so code and tests that
@@ -104,6 +117,18 @@ class Example:
     @property
     def is_chat(self) -> bool:
         return bool(self.messages)
+
+    @property
+    def is_pair(self) -> bool:
+        return bool(self.rejected)
+
+    def halves(self) -> tuple["Example", ...]:
+        """What is tokenized: a pair's chosen and rejected conversations (in
+        that order), or the row itself."""
+        if not self.is_pair:
+            return (self,)
+        prompt = self.messages[:self.learned_from]
+        return replace(self, rejected=()), replace(self, messages=prompt + self.rejected, rejected=())
 
     @property
     def uses_tools(self) -> bool:
@@ -121,10 +146,13 @@ class Example:
                        prompt="", completion="")
 
     def char_count(self) -> int:
-        return sum(m.chars() for m in self.messages) + len(self.tools) + len(self.prompt) + len(self.completion)
+        return (sum(m.chars() for m in self.messages + self.rejected) + len(self.tools) + len(self.prompt)
+                + len(self.completion))
 
     def prompt_chars(self) -> int:
         """Characters before the last reply: where learning starts, roughly."""
+        if self.is_pair:
+            return sum(m.chars() for m in self.messages[:self.learned_from])
         if self.is_chat:
             return sum(m.chars() for m in self.messages[:-1]) + len(self.tools)
         return len(self.prompt)
@@ -137,7 +165,7 @@ class Example:
     def identity_text(self) -> str:
         """Everything that makes the row what it is (roles, text, calls, tools),
         for finding duplicates."""
-        parts = [f"{m.role}\x00{m.tool_call_id}\x00{m.text()}" for m in self.messages]
+        parts = [f"{m.role}\x00{m.tool_call_id}\x00{m.text()}" for m in self.messages + self.rejected]
         return "\x01".join(parts + [self.tools, self.prompt, self.completion])
 
     def clipped(self, max_chars: int) -> "Example":
@@ -161,7 +189,9 @@ class Example:
 def detect_format(rows: list[RawRow], path: Path) -> str:
     seen_fields: list[str] = []
     objects = [raw for raw in rows if isinstance(raw.value, dict)]
-    _refuse_preference_pairs(objects[:DETECTION_ROWS], path)
+    pairs = next((fmt for fmt in (preference_format(raw.value) for raw in objects[:DETECTION_ROWS]) if fmt), None)
+    if pairs:
+        return pairs
     for raw in objects[:DETECTION_ROWS]:
         keys = set(raw.value)
         for name, required in FORMAT_REQUIRED_FIELDS.items():
@@ -184,21 +214,6 @@ def detect_format(rows: list[RawRow], path: Path) -> str:
         f"{path.name}: cannot tell the data format from the fields found "
         f"({', '.join(str(f)[:30] for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
         f"Accepted formats: {accepted}. Rename your columns to one of these.",
-    )
-
-
-def _refuse_preference_pairs(objects: list[RawRow], path: Path) -> None:
-    # Checked before every other format: a pair file often has `messages` or
-    # `conversations` too, and read as chat it would teach the rejected reply.
-    if not any(PREFERENCE_FIELDS <= set(raw.value) for raw in objects):
-        return
-    raise DataError(
-        f"{path.name} holds preference pairs (chosen/rejected): a preferred and a rejected reply per row. "
-        "llmcustoms does not train on preference data yet (DPO), and will not train on it as plain replies, "
-        "which would teach the rejected ones too.",
-        "To fine-tune on the preferred replies, write each row as the prompt plus its chosen reply "
-        "(e.g. {\"prompt\": ..., \"completion\": <chosen>}, or messages ending in the chosen reply) and train on that file. "
-        "Rows judged one at a time can stay in: add \"label\": true or false to each (KTO style) and the false ones are never learned.",
     )
 
 
@@ -265,6 +280,10 @@ def to_example(raw: RawRow, fmt: str) -> Example:
         example = Example(raw.row, prompt=_text_field(value, prompt_field), completion=_text_field(value, completion_field))
     elif fmt == "text":
         example = Example(raw.row, completion=_text_field(value, "text"))
+    elif fmt in PREFERENCE_FORMATS:
+        pair = to_pair(raw.row, value, fmt)
+        return Example(raw.row, messages=pair.chosen_conversation(), rejected=pair.rejected,
+                       learned_from=len(pair.prompt))
     else:
         raise AssertionError(f"unknown format {fmt}")
     desirable = _desirable(value)

@@ -75,7 +75,7 @@ class Tokenizer:
                 raise tool_support_error(example)
         try:
             if example.is_chat:
-                return chat_segments(self.hf, example.messages, example.tool_schemas())
+                return chat_segments(self.hf, example.messages, example.tool_schemas(), example.learned_from)
             if example.prompt and self.templated_prompts:
                 return chat_segments(self.hf, example.as_conversation().messages)
         except TemplateError as error:

@@ -140,6 +140,13 @@ class TokenRows:
         truncated = int((self.lengths > max_len).sum())
         return TokenRows(self.arrays, self.index[keep], max_len), truncated, int((~keep).sum())
 
+    def examples(self, positions: Sequence[int]) -> list[TokenizedExample]:
+        """The sequences these rows put through the model, in order."""
+        return [self[i] for i in positions]
+
+    def input_tokens(self, positions: Sequence[int]) -> int:
+        return int(self.lengths[np.asarray(positions, np.int64)].sum())
+
     def trained_tokens(self, positions: Sequence[int]) -> int:
         """Labels that count towards the loss in these rows (after the cut)."""
         total = 0
@@ -248,8 +255,9 @@ def _start_worker(tokenizer: Any) -> None:
 
 
 def _encode_chunk(chunk: list, tokenizer: Any = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Clip, tokenize and cut one chunk of examples (in a worker, or here)."""
-    chunk = [e.clipped(MAX_ROW_CHARS) for e in chunk]
+    """Clip, tokenize and cut one chunk of examples (in a worker, or here).
+    A preference pair gives two store rows, chosen then rejected."""
+    chunk = [half.clipped(MAX_ROW_CHARS) for e in chunk for half in e.halves()]
     encoded = (tokenizer or _worker_tokenizer).encode_many(chunk)
     return [(e.row, ids[:MAX_ROW_TOKENS], learned[:MAX_ROW_TOKENS]) for e, (ids, learned) in zip(chunk, encoded)]
 
@@ -313,7 +321,7 @@ def build_store(directory: Path, examples: Iterator, tokenizer, meta: dict,
         for encoded in _encoded_chunks(examples, tokenizer, chunk_rows, workers):
             for row, ids, learned in encoded:
                 writer.add(row, ids, learned)
-            done += len(encoded)
+            done += len({row for row, _, _ in encoded})  # a pair's two halves are one row
             if progress is not None:
                 progress(done)
         writer.finish(meta)

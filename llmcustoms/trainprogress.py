@@ -36,6 +36,9 @@ class TrainingProgress:
         self.loss = self.lr = self.epoch = None
         self.eval_loss: float | None = None
         self.eval_step: int | None = None
+        # DPO: the share of pairs ranked right, smoothed over steps, and at the last evaluation.
+        self.accuracy: float | None = None
+        self.eval_accuracy: float | None = None
         self.activity = "first step" if start_step == 0 else f"step {start_step + 1}"
         self.activity_since = now
 
@@ -49,10 +52,13 @@ class TrainingProgress:
         self.last_step_at = now
         self.tokens_per_s = _smooth(self.tokens_per_s, row["tokens_per_s"])
         self.done, self.loss, self.lr, self.epoch = row["step"], row["loss"], row["lr"], row.get("epoch")
+        if "reward_accuracy" in row:
+            self.accuracy = _smooth(self.accuracy, row["reward_accuracy"])
         self.set_activity(None, now)
 
     def evaluated(self, row: dict[str, Any], now: float) -> None:
         self.eval_loss, self.eval_step = row["eval_loss"], row["step"]
+        self.eval_accuracy = row.get("eval_reward_accuracy")
         self.set_activity(None, now)
 
     def set_activity(self, text: str | None, now: float) -> None:
@@ -77,8 +83,10 @@ class TrainingProgress:
 
     def lines(self, now: float) -> tuple[str, str]:
         """Two lines of at most about 78 characters: progress, then timing."""
-        eval_part = "" if self.eval_loss is None else f"  eval {self.eval_loss:.4f} @{self.eval_step}"
+        eval_accuracy = "" if self.eval_accuracy is None else f" acc {self.eval_accuracy:.2f}"
+        eval_part = "" if self.eval_loss is None else f"  eval {self.eval_loss:.4f}{eval_accuracy} @{self.eval_step}"
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        loss += "" if self.accuracy is None else f" acc {self.accuracy:.2f}"
         lr = "" if self.lr is None else f"  lr {self.lr:.1e}"
         first = f"{self.done}/{self.total}  loss {loss}{eval_part}{lr}"
         epoch = "" if self.epoch is None else f"epoch {self.epoch:.2f}  "

@@ -31,7 +31,8 @@ from llmcustoms.hardware import Hardware
 from llmcustoms.modeling import looks_like_path
 from llmcustoms.plan import DataStats
 from llmcustoms.planning import DEFAULT_SEED, ParameterOptimizer
-from llmcustoms.preparation import estimated_stats, eval_fraction, split_eval
+from llmcustoms.preparation import estimated_stats
+from llmcustoms.splits import eval_fraction, split_eval
 from llmcustoms.presets import (TrainingPreset, builtin_preset_names, family_for_model_type, find_model_spec,
                                 load_families, load_preset)
 from llmcustoms.settings import PREFIX, read_env_file

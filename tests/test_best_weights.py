@@ -64,7 +64,7 @@ def eval_loss_of(model, prepared) -> float:
     if not hasattr(model.get_output_embeddings(), "logit_selection"):
         select_logits(model)
     with torch.no_grad():
-        return float(sum(token_cross_entropy(model, b, total) for b in batches))
+        return float(sum(token_cross_entropy(model, b, total)[0] for b in batches))
 
 
 def reloaded(model_dir: Path, adapter: Path):

@@ -315,13 +315,21 @@ def test_generation_prompts_the_way_training_rendered(chatml, no_template):
 
 # --------------------------------------------------------- preference and KTO
 
-@pytest.mark.parametrize("name", ["preference_prompt.jsonl", "preference_conversations.json", "preference_messages.jsonl"])
-def test_preference_pairs_are_refused_never_trained_as_replies(name):
+@pytest.mark.parametrize("name,fmt", [("preference_prompt.jsonl", "preference"),
+                                      ("preference_conversations.json", "preference_sharegpt")])
+def test_preference_pairs_are_their_own_format_never_read_as_replies(name, fmt):
+    detected, [example] = examples_of(SHAPES / name)
+    assert detected == fmt and example.is_pair
+    chosen, rejected = example.halves()
+    assert [m.content for m in chosen.messages] == ["What do bees make?", "Honey."]
+    assert [m.content for m in rejected.messages] == ["What do bees make?", "Milk."]
+
+
+def test_a_file_mixing_plain_chat_rows_with_pairs_is_read_as_pairs_and_names_the_odd_row():
+    # Read as chat, the pairs' rejected replies would be learned: the pairs decide the format.
     with pytest.raises(DataError) as info:
-        read_dataset(SHAPES / name)
-    assert info.value.message.startswith(f"{name} holds preference pairs (chosen/rejected)")
-    assert "does not train on preference data yet" in info.value.message
-    assert "chosen reply" in info.value.hint and info.value.exit_code == 2
+        read_dataset(SHAPES / "preference_messages.jsonl")
+    assert "line 1: field 'chosen' must be a list of turns" in info.value.message
     assert "Honey" not in str(info.value) and "Milk" not in str(info.value)
 
 
