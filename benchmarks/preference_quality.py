@@ -29,9 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "code_alpaca_2k.json"
 
 
+# Rows longer than these (characters) are left out: a CPU run stays short.
+MAX_PROMPT_CHARS, MAX_REPLY_CHARS = 300, 500
+
+
 def preference_rows(source: Path, seed: int) -> list[dict]:
     """One pair per usable row: chosen = its output, rejected = another row's."""
-    rows = [r for r in json.loads(source.read_text()) if r["output"].strip()]
+    rows = [r for r in json.loads(source.read_text()) if r["output"].strip() and len(r["output"]) <= MAX_REPLY_CHARS
+            and len(r["instruction"]) + len(r["input"]) <= MAX_PROMPT_CHARS]
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     pairs = []
@@ -53,9 +58,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(Path.home() / ".cache/llmcustoms-dev/smollm2-135m-instruct"))
     parser.add_argument("--data", default=str(DATA))
-    parser.add_argument("--train-pairs", type=int, default=256)
+    parser.add_argument("--train-pairs", type=int, default=240)
     parser.add_argument("--eval-pairs", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `llmcustoms train` flags")
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")

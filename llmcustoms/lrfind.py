@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.objectives import needs_cached_reference
 
 DEFAULT_STEPS = 100
 START_LR, END_LR = 1e-7, 1.0
@@ -284,6 +285,10 @@ def run_range_test(prepared: Any, test: RangeTest,
     import torch
 
     plan = prepared.plan
+    if needs_cached_reference(plan):
+        raise ConfigError("The learning-rate range test cannot run DPO with --method full or --from-run: their "
+                          "reference is computed before training, which the test does not do.",
+                          "Run it with --method lora (the reference is the adapter switched off), or pick --lr by hand.")
     lrs = lr_sequence(test.start_lr, test.end_lr, test.steps_for(plan.total_steps))
     curve, stopped = _train(plan, prepared.tokenizer, prepared.train, lrs, on_step)
     gc.collect()  # the model and optimizer are gone; `tune --lr-find` trains next
@@ -359,19 +364,22 @@ def _step(model: Any, optimizer: Any, accelerator: Any, data: Any, rows: list[in
     """One optimizer step at `lr`; its loss (the update is skipped if that is not finite)."""
     import torch
 
+    from llmcustoms import losses
     from llmcustoms.batching import micro_batches
-    from llmcustoms.losses import token_cross_entropy
+    from llmcustoms.preferenceloss import PreferenceLoss
 
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = accelerator.device
-    # Summed over the step's trained tokens, as in `FineTuner`: any split gives the same update.
+    # The run's own loss; summed over the step's trained tokens (pairs, for DPO), as in
+    # `FineTuner`: any split gives the same update.
+    loss_of = PreferenceLoss(plan.beta) if plan.objective == "dpo" else losses.token_cross_entropy
     normaliser = torch.tensor(max(1, data.token_counts(rows)[0]), device=device)
     total = torch.zeros((), device=device)
     for batch in micro_batches(rows, data.lengths, plan.micro_batch_size):
         inputs = {k: v.to(device) for k, v in data.collate(batch).items()}
         with accelerator.autocast():
-            loss, _ = token_cross_entropy(model, inputs, normaliser)
+            loss, _ = loss_of(model, inputs, normaliser)
         accelerator.backward(loss)
         total += loss.detach()
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -400,7 +400,7 @@ def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: 
 
     best = _best_trial(study)
     model = describe_model(base.model, load_families(), "plan", base.trust_remote_code)
-    values = preset.resolve(prepared.dataset.rows, model.arch.params).values
+    values = preset.resolve(prepared.dataset.rows, model.arch.params, base.objective).values
     params = best.params
     values.update(lr=float(params["lr"]), warmup_ratio=float(params["warmup_ratio"]))
     if "lora_r" in params:
@@ -408,8 +408,9 @@ def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: 
         values.update(lora_r=rank, lora_alpha=max(1, round(rank * params["alpha_ratio"])),
                       lora_dropout=float(params["lora_dropout"]))
     data = {"name": f"tuned-{settings.study_name}",
-            "description": (f"Tuned by llmcustoms tune on {Path(base.data).name}: best of {len(study.trials)} trials, "
-                            f"eval loss {best.value:.4f} (trial {best.number})."),
+            "description": (f"Tuned by llmcustoms tune on {Path(base.data).name}"
+                            f"{' for preference tuning (DPO)' if base.objective == 'dpo' else ''}: best of "
+                            f"{len(study.trials)} trials, eval loss {best.value:.4f} (trial {best.number})."),
             "models": list(preset.models),
             **({"cpu_models": list(preset.cpu_models)} if preset.cpu_models else {}),
             **{k: values[k] for k in TUNABLE_FIELDS},

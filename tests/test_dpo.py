@@ -387,3 +387,34 @@ def test_dpo_from_an_sft_run_goes_on_training_its_adapter_against_it(tmp_path, t
     assert bad_method.returncode == 2 and "cannot go on with --from-run" in bad_method.stderr
     unfinished = cli(*dpo_args(tiny_models["llama"], tmp_path, "y"), "--from-run", str(tmp_path / "nothing"))
     assert unfinished.returncode == 2 and "not a run directory" in unfinished.stderr
+
+
+def test_tune_searches_a_dpo_run_by_its_held_out_dpo_loss(tmp_path, tiny_models):
+    import csv
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from llmcustoms.cli import app
+
+    result = CliRunner().invoke(app, ["tune", str(PAIRS), "--model", str(tiny_models["llama"]), "--max-steps", "2",
+                                      "--trials", "2", "--eval-split", "0.2", "--output-dir", str(tmp_path),
+                                      "--study-name", "s"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(open(tmp_path / "tune-s" / "trials.csv")))
+    assert len(rows) == 2
+    losses = [float(r["eval_loss"]) for r in rows if r["eval_loss"]]
+    assert losses and all(0 < loss < 5 for loss in losses)  # DPO losses, near log 2 after 2 steps
+    preset = yaml.safe_load((tmp_path / "tune-s" / "best_preset.yaml").read_text())
+    assert "for preference tuning (DPO)" in preset["description"] and preset["lr"] < 1e-3
+
+
+def test_lr_find_runs_the_dpo_loss_and_refuses_full_fine_tuning(tiny_models):
+    from llmcustoms import lrfind
+    from llmcustoms.errors import ConfigError
+
+    result = lrfind.run_range_test(prepare(PAIRS, tiny_models["llama"]), lrfind.RangeTest(steps=6))
+    losses = [row["loss"] for row in result.curve]
+    assert len(losses) == 6 and losses[0] == pytest.approx(0.693147, abs=1e-5)  # the first step: policy = reference
+    with pytest.raises(ConfigError, match="cannot run DPO with --method full"):
+        lrfind.run_range_test(prepare(PAIRS, tiny_models["llama"], method="full"), lrfind.RangeTest(steps=6))

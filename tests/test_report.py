@@ -115,3 +115,50 @@ def test_the_same_change_is_recommended_once(tmp_path):
     assert verdicts["learning rate"] == "too high" and verdicts["convergence"] == "rising at the end"
     assert len([r for r in report.recommendations if "--lr" in r]) == 1
     assert len(set(report.recommendations)) == len(report.recommendations)
+
+
+# ------------------------------------------------------------------- DPO runs
+
+def dpo_run(tmp_path, evals: dict[int, tuple[float, float, float]], steps: int = 30):
+    """A DPO run: evals maps step -> (held-out accuracy, margin, chosen reward)."""
+    plan = replace(plan_of(steps), objective="dpo", beta=0.1)
+    run = RunDirectory(tmp_path / "run")
+    run.create()
+    run.write_plan(plan)
+
+    def evaluation(step: int) -> dict:
+        accuracy, margin, chosen = evals[step]
+        return {"step": step, "eval_loss": 0.6931 - margin / 4, "eval_reward_accuracy": accuracy,
+                "eval_reward_margin": margin, "eval_chosen_reward": chosen, "eval_rejected_reward": chosen - margin}
+
+    run.append_metrics(evaluation(0))
+    for step in range(1, steps + 1):
+        run.append_metrics({"step": step, "loss": 0.69 - 0.005 * step, "lr": plan.lr, "grad_norm": 0.5,
+                            "tokens_per_s": 1000.0, "reward_accuracy": 0.6, "reward_margin": 0.1,
+                            "chosen_reward": 0.0, "rejected_reward": -0.1})
+        if step in evals:
+            run.append_metrics(evaluation(step))
+    best = min((s for s in evals if s), key=lambda s: evaluation(s)["eval_loss"])
+    run.write_status("completed", step=steps, best_eval_loss=evaluation(best)["eval_loss"], best_eval_step=best,
+                     base_eval_loss=0.6931)
+    return run
+
+
+def test_a_dpo_report_speaks_of_reward_accuracy_not_perplexity(tmp_path):
+    run = dpo_run(tmp_path, {0: (0.5, 0.0, 0.0), 10: (0.8, 0.9, 0.2), 20: (0.9, 1.4, 0.3), 30: (0.92, 1.5, 0.3)})
+    report = analyse(run)
+    [finding] = [f for f in report.findings if f.topic == "preference"]
+    assert finding.verdict == "better"
+    assert "0.92 of held-out pairs ranked right (chance: 0.50), margin +1.500 at step 30" in finding.detail
+    assert "perplexity" not in everything_said(report)
+
+
+def test_a_dpo_report_says_when_accuracy_stays_at_chance_margin_collapses_or_chosen_falls(tmp_path):
+    stuck = analyse(dpo_run(tmp_path / "a", {0: (0.5, 0.0, 0.0), 15: (0.52, 0.01, 0.0), 30: (0.51, 0.02, 0.0)}))
+    assert any("about chance" in r and "--lr" in r for r in stuck.recommendations)
+    collapsing = analyse(dpo_run(tmp_path / "b", {0: (0.5, 0.0, 0.0), 10: (0.9, 2.0, 0.5), 30: (0.8, 0.6, 0.1)}))
+    assert any("margin fell from +2.000 at step 10 to +0.600" in r for r in collapsing.recommendations)
+    falling = analyse(dpo_run(tmp_path / "c", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, -0.5), 30: (0.9, 2.0, -1.2)}))
+    assert any("Raise --beta (now 0.1)" in r and "-1.200" in r for r in falling.recommendations)
+    healthy = analyse(dpo_run(tmp_path / "d", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, 0.2), 30: (0.9, 1.5, 0.3)}))
+    assert not any("beta" in r or "chance" in r or "margin fell" in r for r in healthy.recommendations)

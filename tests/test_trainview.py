@@ -76,3 +76,15 @@ def test_a_captured_terminal_shows_the_eta_while_the_second_step_runs(tmp_path, 
     assert during_step_2, frames[-3000:]
     assert all(re.search(r"eta 0:00:\d\d", line) for line in during_step_2)
     assert "loading the model" in frames
+
+
+def test_a_dpo_run_shows_its_reward_accuracy_beside_the_losses():
+    from llmcustoms.trainprogress import TrainingProgress
+
+    progress = TrainingProgress(total_steps=30, start_step=0, now=0.0)
+    progress.evaluated({"step": 0, "eval_loss": 0.6931, "eval_reward_accuracy": 0.5}, now=1.0)
+    progress.step({"step": 1, "loss": 0.6931, "lr": 5e-5, "tokens_per_s": 100.0, "seconds": 50.0,
+                   "reward_accuracy": 0.625}, now=51.0)
+    first, _ = progress.lines(now=52.0)
+    assert first == "1/30  loss 0.6931 acc 0.62  eval 0.6931 acc 0.50 @0  lr 5.0e-05"
+    assert len(first) <= 78
