@@ -19,6 +19,8 @@ STUCK_ACCURACY = 0.55
 MARGIN_COLLAPSE = 0.5
 # Steps before the accuracy and the margin's course say anything.
 MIN_STEPS = 10
+# The chosen replies "lost probability" when their reward fell by more than this share of the margin.
+CHOSEN_FALL = 0.25
 
 
 def evaluations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,7 +67,8 @@ def preference_findings(plan: Any, rows: list[dict[str, Any]],
         advice.append(("fewer epochs", f"the held-out reward margin fell from {peak['eval_reward_margin']:+.3f} at "
                                          f"step {peak['step']} to {last['eval_reward_margin']:+.3f}: the model "
                                          "over-fits the training pairs; use fewer epochs or a lower --lr"))
-    if last["eval_chosen_reward"] < 0 and last["eval_reward_accuracy"] > STUCK_ACCURACY:
+    falling = last["eval_chosen_reward"] < -CHOSEN_FALL * abs(last["eval_reward_margin"])
+    if falling and last["eval_reward_accuracy"] > STUCK_ACCURACY:
         advice.append(("beta", f"the chosen replies lost probability too (held-out chosen reward "
                                  f"{last['eval_chosen_reward']:+.3f}): the model favours them only by pushing the "
                                  f"rejected ones down faster. Raise --beta (now {plan.beta:g}) to keep it closer to "

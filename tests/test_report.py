@@ -160,5 +160,5 @@ def test_a_dpo_report_says_when_accuracy_stays_at_chance_margin_collapses_or_cho
     assert any("margin fell from +2.000 at step 10 to +0.600" in r for r in collapsing.recommendations)
     falling = analyse(dpo_run(tmp_path / "c", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, -0.5), 30: (0.9, 2.0, -1.2)}))
     assert any("Raise --beta (now 0.1)" in r and "-1.200" in r for r in falling.recommendations)
-    healthy = analyse(dpo_run(tmp_path / "d", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, 0.2), 30: (0.9, 1.5, 0.3)}))
+    healthy = analyse(dpo_run(tmp_path / "d", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, 0.2), 30: (0.9, 1.5, -0.01)}))
     assert not any("beta" in r or "chance" in r or "margin fell" in r for r in healthy.recommendations)
