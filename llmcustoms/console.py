@@ -323,8 +323,8 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
                       f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
                       f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
                       + ("" if run.kept_step is None else f" (kept {run.kept_step})"),
-                      "" if run.best_eval_loss is None else f"{measures.perplexity(run.best_eval_loss):.4g}"
-                      + ("" if change is None else f" ({-change:+.0%})"),
+                      "" if run.best_eval_loss is None else f"dpo loss {run.best_eval_loss:.3f}" if run.objective == "dpo"
+                      else f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})"),
                       "" if run.seconds is None else _duration(run.seconds))
     return table
 

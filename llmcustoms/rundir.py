@@ -281,6 +281,7 @@ class RunSummary:
     kept_step: int | None  # whose weights adapter/ holds, when the run kept another than its last
     started_at: str | None
     seconds: float | None  # from start to the last status update
+    objective: str = "sft"  # "dpo": its eval loss is DPO's, not a perplexity
 
 
 def list_runs(output_dir: Path) -> list[RunSummary]:
@@ -300,7 +301,8 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
                                status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
                                status.get("best_eval_loss"), status.get("base_eval_loss"),
-                               status.get("kept_step") if status.get("last_output") else None, started, seconds))
+                               status.get("kept_step") if status.get("last_output") else None, started, seconds,
+                               plan.get("objective", "sft")))
     return runs
 
 

@@ -53,7 +53,8 @@ def prompt_of(example: Example) -> SamplePrompt | None:
         return None
     if example.is_chat:
         for index, message in enumerate(example.messages):
-            if message.role == "assistant" and index > 0:
+            # A preference pair's earlier assistant turns are its prompt: its reply comes at `learned_from`.
+            if message.role == "assistant" and index > 0 and index >= example.learned_from:
                 before = tuple({"role": m.role, "content": m.content} for m in example.messages[:index])
                 return SamplePrompt(example.row, before, message.content) if before[-1]["role"] == "user" else None
         return None

@@ -87,7 +87,8 @@ class TrainingProgress:
         eval_part = "" if self.eval_loss is None else f"  eval {self.eval_loss:.4f}{eval_accuracy} @{self.eval_step}"
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
         loss += "" if self.accuracy is None else f" acc {self.accuracy:.2f}"
-        lr = "" if self.lr is None else f"  lr {self.lr:.1e}"
+        # A DPO run shows its accuracies instead of the lr: the line stays within 80 columns with the bar.
+        lr = "" if self.lr is None or self.accuracy is not None else f"  lr {self.lr:.1e}"
         first = f"{self.done}/{self.total}  loss {loss}{eval_part}{lr}"
         epoch = "" if self.epoch is None else f"epoch {self.epoch:.2f}  "
         speed = "" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} tok/s  "

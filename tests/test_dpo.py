@@ -418,3 +418,16 @@ def test_lr_find_runs_the_dpo_loss_and_refuses_full_fine_tuning(tiny_models):
     assert len(losses) == 6 and losses[0] == pytest.approx(0.693147, abs=1e-5)  # the first step: policy = reference
     with pytest.raises(ConfigError, match="cannot run DPO with --method full"):
         lrfind.run_range_test(prepare(PAIRS, tiny_models["llama"], method="full"), lrfind.RangeTest(steps=6))
+
+
+def test_runs_and_report_speak_of_a_dpo_run_in_its_own_terms(tiny_models, uninterrupted):
+    env = {**os.environ, "COLUMNS": "80"}
+    listed = subprocess.run([sys.executable, "-m", "llmcustoms", "runs", "--output-dir", str(uninterrupted.parent)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "dpo loss" in " ".join(listed.stdout.split())
+    report = subprocess.run([sys.executable, "-m", "llmcustoms", "report", str(uninterrupted)], capture_output=True,
+                            text=True, env={**env, "COLUMNS": "200"}, timeout=120)
+    assert report.returncode == 0, report.stderr
+    said = " ".join(report.stdout.split())
+    assert "of held-out pairs ranked right (chance: 0.50)" in said and "perplexity" not in said
