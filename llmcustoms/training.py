@@ -280,6 +280,8 @@ def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     from llmcustoms.preparation import cache_dir
     from llmcustoms.speeds import record_speed
 
+    if plan.objective == "dpo":  # its tokens/s include the reference's forward: not the speed SFT plans from
+        return
     try:
         record_speed(cache_dir(cache), detect(), plan.model, plan.method, run_dir.read_metrics())
     except Exception:  # a nicety: never in the way of how the run ended (it runs in a finally)
