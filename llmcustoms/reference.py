@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from llmcustoms.losses import learned_logits
+from llmcustoms.pairrows import PairRows
 
 DIRECTORY = "reference"
 
@@ -70,18 +71,23 @@ class ReferenceLogps:
 
 @torch.no_grad()
 def compute(model: Any, rows: Any, collate: Callable[[list], dict[str, torch.Tensor]], micro_batch: int,
-            device: torch.device, autocast: Callable[[], AbstractContextManager]) -> ReferenceLogps:
-    """The reference log-probabilities of every sequence of `rows` (a `PairRows`),
-    with `model` as it is now, in eval mode."""
-    halves = rows.examples(list(range(len(rows))))
-    lengths = np.array([len(e.input_ids) for e in halves], np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
+            device: torch.device, autocast: Callable[[], AbstractContextManager],
+            progress: Callable[[int, int], None] = lambda done, total: None) -> ReferenceLogps:
+    """The reference log-probabilities of every sequence of `rows` (a `PairRows`,
+    or no rows), with `model` as it is now, in eval mode; `micro_batch`
+    sequences (half as many pairs) at a time, read from the store as they go."""
+    lengths = rows.rows.lengths if isinstance(rows, PairRows) else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.zeros(int(starts[-1]), np.float32)
+    pairs_at_once = max(1, micro_batch // 2)
     was_training = model.training
     model.eval()
     try:
-        for first in range(0, len(halves), micro_batch):
-            batch = {k: v.to(device) for k, v in collate(halves[first:first + micro_batch]).items()}
+        for pair in range(0, len(lengths) // 2, pairs_at_once):
+            progress(pair, len(lengths) // 2)
+            first = 2 * pair
+            halves = rows.examples(list(range(pair, min(pair + pairs_at_once, len(lengths) // 2))))
+            batch = {k: v.to(device) for k, v in collate(halves).items()}
             with autocast():
                 logits, targets, selection = learned_logits(model, batch)
             token_logps = -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
@@ -104,8 +110,8 @@ def cached_reference(model: Any, data: Any, run_dir: Any, micro_batch: int, devi
     for name, rows in (("train", data.train), ("eval", data.evaluation)):
         kept = ReferenceLogps.load(directory, name, 2 * len(rows))
         if kept is None:
-            say(f"reference log-probabilities ({name})")
-            kept = compute(model, rows, data.collate_examples, micro_batch, device, autocast)
+            kept = compute(model, rows, data.collate_examples, micro_batch, device, autocast,
+                           lambda done, total: say(f"reference log-probabilities ({name} pairs) {done}/{total}"))
             if run_dir.writable:
                 kept.save(directory, name)
         out.append(kept)
