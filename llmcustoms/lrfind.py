@@ -364,16 +364,15 @@ def _step(model: Any, optimizer: Any, accelerator: Any, data: Any, rows: list[in
     """One optimizer step at `lr`; its loss (the update is skipped if that is not finite)."""
     import torch
 
-    from llmcustoms import losses
     from llmcustoms.batching import micro_batches
-    from llmcustoms.preferenceloss import PreferenceLoss
+    from llmcustoms.preferenceloss import loss_for
 
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = accelerator.device
     # The run's own loss; summed over the step's trained tokens (pairs, for DPO), as in
     # `FineTuner`: any split gives the same update.
-    loss_of = PreferenceLoss(plan.beta) if plan.objective == "dpo" else losses.token_cross_entropy
+    loss_of = loss_for(plan)
     normaliser = torch.tensor(max(1, data.token_counts(rows)[0]), device=device)
     total = torch.zeros((), device=device)
     for batch in micro_batches(rows, data.lengths, plan.micro_batch_size):

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from llmcustoms.losses import Loss, learned_logits, token_cross_entropy
+from llmcustoms import losses
+from llmcustoms.losses import Loss, learned_logits
 
 SUMS = ("chosen_reward", "rejected_reward", "correct")
 
@@ -78,7 +79,7 @@ class PreferenceLoss:
 
 def loss_for(plan: Any) -> Loss:
     """The loss a plan trains with."""
-    return PreferenceLoss(plan.beta) if plan.objective == "dpo" else token_cross_entropy
+    return PreferenceLoss(plan.beta) if plan.objective == "dpo" else losses.token_cross_entropy
 
 
 def preference_metrics(sums: list[float], pairs: int, prefix: str = "") -> dict[str, float]:
