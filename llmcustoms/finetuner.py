@@ -436,15 +436,9 @@ class FineTuner:
             self._sample("trained")
         self.reporter.activity(None)
         self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
-                                  final_loss=position.final_loss, best_eval_loss=position.best_eval,
-                                  best_eval_step=position.best_step, base_eval_loss=position.base_eval,
-                                  stop_cause=stop.cause.value if stop else None, **kept)
+                                  stop_cause=stop.cause.value if stop else None, **position.losses(), **kept)
         if stop is not None:
             self.reporter.message(stop.text)
-        samples = side_by_side(self.run_dir.read_samples())
-        return TrainResult(status="completed", steps=position.step, final_loss=position.final_loss,
-                           best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
-                           tokens_per_s=tokens / max(seconds, 1e-9), output_path=self.run_dir.output_path(self.plan.method),
-                           stop=stop, base_eval_loss=position.base_eval, kept=kept.get("kept"),
-                           last_output=kept.get("last_output"), samples=samples,
-                           held_out=evaluation_at(self.run_dir.read_metrics(), position.best_step))
+        return TrainResult.finished(position, stop, seconds, tokens, self.run_dir.output_path(self.plan.method), kept,
+                                    side_by_side(self.run_dir.read_samples()),
+                                    evaluation_at(self.run_dir.read_metrics(), position.best_step))
