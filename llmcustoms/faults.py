@@ -6,6 +6,10 @@ A testing aid, off unless the variable is set. A comma-separated list of
     oom@5       a real torch.OutOfMemoryError inside step 5's forward pass
     eval_oom@4  the same inside the evaluation after step 4
     nan@7       step 7's loss becomes NaN (so do its gradients)
+    spike@6     step 6's loss is multiplied by SPIKE_FACTOR: finite, but far
+                above the recent losses (the stability check's divergence)
+    bug@3       a RuntimeError inside step 3's forward pass: an unexpected
+                error, as a bug in the code would raise (failure.json)
     sigint@4    SIGINT to this process after step 4 (and its checkpoint, if any)
     sigterm@4   SIGTERM, likewise
     sigkill@4   SIGKILL, likewise: the process dies on the spot
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
-KINDS = ("oom", "eval_oom", "nan", "sigint", "sigterm", "sigkill", "slow")
+KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow")
 SLOW_MICRO_BATCH_S = 4.0
 SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
