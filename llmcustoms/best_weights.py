@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,6 +138,8 @@ class BestWeights:
         weights = self._load(best) if best is not None and best != position.step else None
         if not self.processes.main_decides(weights is not None):
             self.processes.save_trained(model, tokenizer, output)
+            if self.processes.is_main:  # one left by the run before `resume --epochs` extended it: stale now
+                shutil.rmtree(last, ignore_errors=True)
             return {"kept_step": position.step, "kept": _why_last(position, best), "last_output": None}
         self.processes.save_trained(model, tokenizer, last)
         if self.processes.is_main or self.processes.fsdp:  # elsewhere nothing is written from the model again

@@ -26,12 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^step-(\d{6,})$")
+# How a user names a checkpoint: step-40, step-000040 or 40.
+STEP_TEXT = re.compile(r"^(?:step-)?(\d+)$")
 
 
 def _sha256(path: Path) -> str:
@@ -62,6 +65,47 @@ class Checkpoint:
         from safetensors.torch import load_file  # here: `generate` lists checkpoints without torch
 
         return load_file(str(self.path / name))
+
+
+def step_named(text: str) -> int:
+    """The step of a checkpoint as a user names it (`resume --from`)."""
+    match = STEP_TEXT.match(text.strip())
+    if match is None:
+        raise ConfigError(f"--from {text}: not a checkpoint's name.", "Name it step-N, e.g. --from step-40, or just 40.")
+    return int(match.group(1))
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """What `resume` was asked for besides going on: the checkpoint of `step`
+    (None: the newest that verifies), without its optimizer state, for a run
+    extended to `epochs` in all. Given once: a restart after a failure goes on
+    from the newest checkpoint as it is."""
+
+    step: int | None = None
+    reset_optimizer: bool = False
+    epochs: float | None = None
+
+    def went_on(self, position: Any, checkpoints: CheckpointManager, main: bool, total_steps: int) -> str:
+        """Once the checkpoint of `position.step` is restored: the checkpoints after
+        it deleted (by the `main` process), early stopping's count begun again for
+        an extended run, and what to say about it."""
+        step = position.step
+        lines = [f"resuming from checkpoint step-{step:06d} (step {step})"]
+        removed = checkpoints.remove_after(step) if main else []
+        if removed:
+            lines.append(f"removed the checkpoints after step {step} ({', '.join(f'step-{s}' for s in removed)}): "
+                         "the steps after it are trained again")
+        if self.reset_optimizer:
+            lines.append("the optimizer state starts fresh (AdamW moments zero); weights, learning-rate schedule, "
+                         "data order and random state are the checkpoint's")
+        if self.epochs is not None:
+            # More epochs asked for: a run that stopped early would otherwise stop
+            # again at its next evaluation, on the count it ended with.
+            position.evals_since_best = 0
+            lines.append(f"extended to {self.epochs:g} epochs, {total_steps} steps in all; the learning-rate decay "
+                         "is stretched over them")
+        return "\n".join(lines)
 
 
 class CheckpointManager:
@@ -138,6 +182,25 @@ class CheckpointManager:
     def at(self, step: int) -> Checkpoint:
         """The checkpoint of `step` (it may not exist: `verify` says)."""
         return Checkpoint(self.directory / f"step-{step:06d}", step)
+
+    def verified(self, step: int) -> Checkpoint:
+        """The checkpoint of `step` if it verifies; else an error naming those that do."""
+        checkpoint = self.at(step)
+        problem = self.verify(checkpoint.path) if checkpoint.path.is_dir() else "there is none"
+        if problem is None:
+            return checkpoint
+        good = [f"step-{c.step}" for c in reversed(self.all()) if self.verify(c.path) is None]
+        raise ConfigError(f"{self.directory.parent} has no usable checkpoint of step {step} ({problem}).",
+                          f"Its verified checkpoints: {', '.join(good)}." if good else "It has no verified checkpoint.")
+
+    def remove_after(self, step: int) -> list[int]:
+        """Delete the checkpoints after `step`, the steps of those deleted: going
+        on from `step`, they belong to a future that will not happen, and the
+        newest checkpoint must be one of the run that goes on."""
+        removed = sorted(c.step for c in self.all() if c.step > step)
+        for later in removed:
+            shutil.rmtree(self.at(later).path, ignore_errors=True)
+        return removed
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint that verifies; broken ones are reported and skipped."""

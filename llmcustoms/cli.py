@@ -113,18 +113,19 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
 
 @app.command(cls=flags.Command)
 @takes_options("resume")
-def resume(run_dir: flags.ResumeRun = None, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
+def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, reset_optimizer: flags.ResetOptimizer = False,
+           epochs: flags.ResumeEpochs = None, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
            machine_rank: flags.MachineRank = 0, main_process_ip: flags.MainIp = None,
            main_process_port: flags.MainPort = None, **values: Any) -> None:
     """Continue an interrupted or failed run from its checkpoint.
 
-    From the last good checkpoint, with any number of processes."""
+    From the last good checkpoint or --from one, with any number of processes; --epochs extends a run."""
     from llmcustoms import training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
-        session = _session(values, env_file, quiet)
+        session = _session(values, env_file, quiet).resuming(from_step, reset_optimizer, epochs)
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
@@ -144,13 +145,13 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending():
         quiet_libraries()
-        from llmcustoms import console as ui
+        from llmcustoms import console as ui, preflight
         from llmcustoms.dataview import PreparationProgress, show_prepared
-        from llmcustoms.hardware import GIB, Hardware, detect
+        from llmcustoms.hardware import GIB, Hardware
         from llmcustoms.preparation import prepare_run
 
         options = _session(values, env_file).train_options()
-        hardware = detect()
+        hardware = preflight.usable_hardware()  # a CPU-only torch on a GPU machine: a CPU plan that says so
         if vram is not None:  # cards sold as "24 GB" have 24 GiB
             hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=hardware.ram_bytes / GIB,
                                          cores=hardware.cpu_cores)
@@ -218,10 +219,10 @@ def hardware() -> None:
     with ending():
         from llmcustoms import console as ui, hubaccess
         from llmcustoms.fitting import fit_table
-        from llmcustoms.hardware import detect
+        from llmcustoms.preflight import usable_hardware
         from llmcustoms.presets import load_families
 
-        fits = fit_table(machine := detect(), load_families())
+        fits = fit_table(machine := usable_hardware(), load_families())
         ui.show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
 
 
@@ -241,11 +242,11 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 
     Checks your data, picks a goal and a model that fits, and writes .env."""
     with ending():
-        from llmcustoms.hardware import detect
+        from llmcustoms.preflight import usable_hardware
         from llmcustoms.wizard import run_wizard
 
         try:
-            command = run_wizard(detect(), env_file, data)
+            command = run_wizard(usable_hardware(), env_file, data)
         except KeyboardInterrupt:
             print_error("Setup cancelled; nothing was written.", None)
             raise typer.Exit(130) from None

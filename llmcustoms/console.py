@@ -155,6 +155,8 @@ def show_summary(result: Any) -> None:
         table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
     table.add_row("time", _duration(result.seconds))
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+    if result.memory.get("peak_bytes"):
+        table.add_row("memory", memory_text(result.memory))
     if result.stop_reason:
         table.add_row("stopped", escape(result.stop_reason))
     table.add_row("saved to", escape(str(result.output_path)))
@@ -162,6 +164,16 @@ def show_summary(result: Any) -> None:
         table.add_row("weights kept", escape(result.kept))
     console.print(table)
     show_samples(result.samples)
+
+
+def memory_text(memory: dict[str, Any]) -> str:
+    """"peak 1.21 GiB, plan 1.30 GiB (0.93x)": `resourceuse.compare`'s values."""
+    text = f"peak {_gib(memory['peak_bytes'])}"
+    if memory.get("predicted_bytes") and memory.get("ratio"):
+        text += f", plan {_gib(memory['predicted_bytes'])} ({memory['ratio']:.2f}x)"
+    if memory.get("gpu_util") is not None:
+        text += f"; GPU busy {memory['gpu_util']:.0f}%"
+    return text
 
 
 # A reply longer than this is cut in the summary (samples.jsonl has it whole).
@@ -208,6 +220,8 @@ def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
     if "offline: no" in where.values():
         console.print("The Hugging Face Hub cannot be reached: only cached models (or --model PATH to a local "
                       "model directory) can be trained.")
+    if hardware.torch_note:  # GPUs found that the installed torch cannot use: the table is the CPU's
+        console.print(f"[yellow]warning:[/] {escape(hardware.torch_note)}")
     if not hardware.has_gpu:
         console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
                       "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
@@ -315,7 +329,7 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
     # that wrap at their spaces: all six columns fit 80 columns, one line a run
     # when wider. A ratio column would be squeezed out by the others (Rich).
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time"):
+    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time, memory"):
         table.add_column(column, overflow="fold", no_wrap=column == "status")
     for run in runs:
         change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
@@ -325,8 +339,16 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
                       + ("" if run.kept_step is None else f" (kept {run.kept_step})"),
                       "" if run.best_eval_loss is None else f"dpo loss {run.best_eval_loss:.3f}" if run.objective == "dpo"
                       else f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})"),
-                      "" if run.seconds is None else _duration(run.seconds))
+                      _time_and_memory(run))
     return table
+
+
+def _time_and_memory(run: Any) -> str:
+    """"2m 05s 1.2G 0.93x": how long, the measured peak and its ratio to the plan's."""
+    parts = [] if run.seconds is None else [_duration(run.seconds)]
+    if run.peak_bytes:
+        parts.append(f"{run.peak_bytes / 1024 ** 3:.1f}G" + ("" if run.memory_ratio is None else f" {run.memory_ratio:.2f}x"))
+    return " ".join(parts)
 
 
 def show_report(report: Any) -> None:

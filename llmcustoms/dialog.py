@@ -64,6 +64,8 @@ def show_setup_start(hardware: Any) -> None:
     where = (f"{hardware.gpus[0].name}, {hardware.gpus[0].total_bytes / GIB:.0f} GiB" if hardware.has_gpu
              else f"no GPU; {hardware.cpu_cores} CPU cores, {hardware.ram_bytes / GIB:.0f} GiB RAM")
     console.print(f"This machine: {escape(where)}")
+    if hardware.torch_note:  # GPUs found that the installed torch cannot use
+        console.print(f"[yellow]{escape(hardware.torch_note)}[/]")
     if not hardware.has_gpu:
         console.print("[yellow]Without a GPU, training works but is slow: expect hours for real models.[/]")
 

@@ -5,7 +5,8 @@ card. With --merge: the base is reloaded in its own saved dtype (or --dtype;
 never the 4-bit weights QLoRA trained on, since merging into those loses
 quality), the adapter is merged in, and a standalone model is written that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all; the
-message names the dtype it was written in.
+message names the dtype it was written in. Either way nothing is written when
+the disk of DIR cannot take it: exit 2 with the sizes (`preflight.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms import measures
+from llmcustoms.diskspace import TOKENIZER_BYTES
 from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
 from llmcustoms.generation import Say, Waiting
 from llmcustoms.modeling import card_base_model
+from llmcustoms.preflight import bytes_under, check_export_space
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.runweights import model_name, trained_output
 
@@ -93,6 +96,7 @@ def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto"
             raise ConfigError(f"{output} already exists and is not empty.", "Choose another --output, or pass --overwrite.")
         shutil.rmtree(output)
     if not merge or plan.method == "full":
+        check_export_space(output, bytes_under(trained), f"a copy of {trained}")
         shutil.copytree(trained, output, dirs_exist_ok=True)
         make_readable(output)  # runs trained before the weights were written readable
         what = "the model" if plan.method == "full" else "the adapter"
@@ -121,6 +125,9 @@ def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say) -> str:
                                      trust_remote_code=plan.trust_remote_code)
     say("Merging the adapter in")
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
+    weights = sum(p.numel() * p.element_size() for p in merged.parameters())
+    check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", str(merged.dtype).removeprefix("torch."))
     say(f"Writing the merged model to {output}")
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used

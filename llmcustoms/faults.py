@@ -34,6 +34,9 @@ from llmcustoms.errors import ConfigError
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
 KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow")
 SLOW_MICRO_BATCH_S = 4.0
+# What `spike` multiplies a step's loss (and so its gradients) by: far beyond
+# the stability check's thresholds (stability.py), yet finite.
+SPIKE_FACTOR = 100.0
 SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 
@@ -75,6 +78,8 @@ class FaultInjector:
             self.raise_oom_if_due(step, "eval_oom")
             return
         self.raise_oom_if_due(step + 1)
+        if self.due("bug", step + 1):
+            raise RuntimeError(f"injected bug ({ENV_VAR}=bug@{step + 1})")
         if any(f.kind == "slow" and f.step == step + 1 and f.rank in (None, self.rank) for f in self.pending):
             time.sleep(SLOW_MICRO_BATCH_S)
 

@@ -23,7 +23,6 @@ What depends on the number of processes is in `processes.Processes`.
 from __future__ import annotations
 
 import gc
-import math
 import signal
 import time
 from dataclasses import asdict
@@ -33,9 +32,9 @@ import torch
 
 from llmcustoms.batching import Rows, StepRows, TrainingRows, epoch_steps
 from llmcustoms.best_weights import BestWeights
-from llmcustoms.checkpoints import Checkpoint, CheckpointManager, rng_state, set_rng_state
+from llmcustoms.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
 from llmcustoms.evaluation import Evaluation
-from llmcustoms.faults import FaultInjector
+from llmcustoms.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.losses import Loss, select_logits
 from llmcustoms.preferenceloss import SUMS, loss_for, preference_metrics
 from llmcustoms.preferencereport import evaluation_at
@@ -48,8 +47,10 @@ from llmcustoms.objectives import needs_cached_reference
 from llmcustoms.reference import cached_reference
 from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
 from llmcustoms.reporting import Reporter, SilentReporter
+from llmcustoms.resourceuse import ResourceUse
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import SampleReplies, side_by_side
+from llmcustoms.stability import StabilityCheck
 from llmcustoms.stopsignals import StopRequested, StopSignals
 
 # status.json is rewritten (with fsync) at most this often while training runs.
@@ -75,6 +76,7 @@ class FineTuner:
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
         self.recovery = TrainingRecoverySystem()
+        self.stability = StabilityCheck()
         self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
                                              warn=lambda text: reporter.message(text, warning=True))
         # Without artifacts (tuning trials) nothing is saved on a stop, and a second
@@ -84,23 +86,25 @@ class FineTuner:
         self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.trained_since = time.monotonic()  # when the training since the last evaluation began
 
-    def run(self, resume: bool = False) -> TrainResult:
+    def run(self, resume: bool | ResumeFrom = False) -> TrainResult:
         """Set up, train, save. Ends with a result, or with TrainingFailed,
         TrainingInterrupted or RestartNeeded once status.json says so."""
         self._setup_processes()
         self._setup_training()
         if resume:
-            self._resume()
+            self._resume(ResumeFrom() if resume is True else resume)
+            self.stability.seed(self.run_dir.read_metrics())  # the spikes are judged against the steps before
         self.run_dir.write_status("running", step=self.position.step, total_steps=self.plan.total_steps, reason=None,
                                   suggestions=None)
         started, tokens_at_start = time.perf_counter(), self.position.tokens
+        self.usage.restart()  # the rows measure training: loading the model peaks higher on some machines
         with self.signals:
-            self.reporter.training_started(self.plan.total_steps, self.position.step)
+            self.reporter.training_started(self.plan.total_steps, self.position.step, self.plan.memory)
             try:
                 stop = self._train()
             except TrainingFailed as failed:
                 self.run_dir.write_status("failed", step=self.position.step, reason=failed.report["reason"],
-                                          suggestions=failed.report["suggestions"])
+                                          suggestions=failed.report["suggestions"], memory=self.usage.comparison())
                 raise
             except RestartNeeded as restart:
                 self.run_dir.write_status("failed", step=self.position.step, reason=restart.reason)
@@ -111,6 +115,7 @@ class FineTuner:
                 raise self.processes.failure(error, self.run_dir, self.plan, self.position.step) from error
             finally:
                 self.reporter.training_finished()
+                self.usage.close()
         return self._finish(stop, time.perf_counter() - started, self.position.tokens - tokens_at_start)
 
     # ------------------------------------------------------------------ setup
@@ -121,6 +126,8 @@ class FineTuner:
         self.processes = Processes.start(self.plan, self.run_dir, self.signals)
         self.accelerator = self.processes.accelerator
         self.device = self.processes.device
+        # Before the model loads: on a CPU, the resident size the training's memory is counted from.
+        self.usage = ResourceUse.start(self.device, self.plan, self.run_dir.read_status())
         self.evaluation = Evaluation(self.data, self.processes, self._loss, self._free_memory,
                                      lambda text: self.reporter.activity(text))
         self.faults.rank = self.processes.rank
@@ -159,14 +166,14 @@ class FineTuner:
         self.optimizer = self.accelerator.prepare_optimizer(make_optimizer(self.model, self.plan))
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
-    def _resume(self) -> None:
-        checkpoint = self.checkpoints.latest()
+    def _resume(self, start: ResumeFrom) -> None:
+        checkpoint = self.checkpoints.latest() if start.step is None else self.checkpoints.verified(start.step)
         if checkpoint is None:
             self.reporter.message("no usable checkpoint: starting from step 0", warning=True)
             self._forget_after(-1)  # from the start: the base model is evaluated again
             return
-        self._restore(checkpoint)
-        self.reporter.message(f"resuming from checkpoint {checkpoint.path.name} (step {self.position.step})")
+        self._restore(checkpoint, with_optimizer=not start.reset_optimizer)
+        self.reporter.message(start.went_on(self.position, self.checkpoints, self.processes.is_main, self.plan.total_steps))
 
     # ------------------------------------------------------------------- loop
 
@@ -201,7 +208,7 @@ class FineTuner:
             self.faults.send_signal_if_due(self.position.step)
             self._stop_if_signalled(saved, last)
             if time.monotonic() - status_written > STATUS_INTERVAL_S:
-                self.run_dir.write_status("running", step=self.position.step)
+                self.run_dir.write_status("running", step=self.position.step, memory=self.usage.comparison())
                 status_written = time.monotonic()
         return stop
 
@@ -214,7 +221,7 @@ class FineTuner:
         started, generators = time.perf_counter(), rng_state()
         failure = None
         try:
-            totals, tokens = self._forward_backward(rows)
+            totals, tokens, widest = self._forward_backward(rows)
         except torch.OutOfMemoryError:
             failure = "oom"
         except StopRequested:  # the step is dropped, as if never begun: a resumed run repeats it exactly
@@ -234,20 +241,22 @@ class FineTuner:
         # The one host sync per step: loss, the loss's sums and gradient norm come back
         # together. All are the same on every rank, so every rank takes the same decision.
         loss_value, *sums, norm_value = torch.cat([totals.float(), grad_norm.float().reshape(1).to(totals.device)]).tolist()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        failure = self.stability.judge(self.position.step + 1, loss_value, norm_value)  # NaN, or a spike
+        if failure is not None:
             self.optimizer.zero_grad(set_to_none=True)  # skip the update
-            return None, "nan"
+            return None, failure
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
-        return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens,
+        return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens, "batch_tokens": widest,
                 "tokens_per_s": tokens / elapsed, "seconds": elapsed,
                 **(preference_metrics(sums, len(rows)) if sums else {})}, None
 
-    def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int]:
-        """Local gradients of this rank's share of a step; ([summed loss, its sums...], the step's input tokens)."""
+    def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int, int]:
+        """Local gradients of this rank's share of a step; ([summed loss, its sums...], the step's input
+        tokens, its largest micro-batch in padded tokens: what memory grows with)."""
         batches = [(self.data.collate(b), weight)
                    for b, weight in self.processes.micro_batches(rows, self.data.lengths, self.plan.micro_batch_size)]
         # The whole step's trained tokens (pairs, for DPO), over every rank: each rank knows all rows.
@@ -266,9 +275,11 @@ class FineTuner:
             loss = loss * weight
             if self.faults.due("nan", self.position.step + 1):
                 loss = loss * float("nan")
+            elif self.faults.due("spike", self.position.step + 1):
+                loss = loss * SPIKE_FACTOR
             self.accelerator.backward(loss * self.processes.backward_scale)
             totals = totals + torch.cat([loss.detach().reshape(1)] + ([sums * weight] if sums is not None else []))
-        return totals, input_tokens
+        return totals, input_tokens, max((mb["input_ids"].numel() for mb, _ in batches), default=0)
 
     def _loss(self, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.accelerator.autocast():
@@ -285,7 +296,7 @@ class FineTuner:
         position = self.position
         position.advance(metrics["tokens"], metrics["loss"])
         row = {"step": position.step, "epoch": round(position.epoch + position.index / steps_in_epoch, 4),
-               **{k: v for k, v in metrics.items() if k != "tokens"}}
+               **{k: v for k, v in metrics.items() if k != "tokens"}, **self.usage.row(metrics["batch_tokens"])}
         self.run_dir.append_metrics(row)
         self.reporter.step(row)
 
@@ -321,20 +332,13 @@ class FineTuner:
         self.trained_since = time.monotonic()
 
     def _record_eval(self, eval_loss: float) -> None:
-        row = {"step": self.position.step, **self.evaluation.row(eval_loss)}
+        row = {"step": self.position.step, **self.evaluation.row(eval_loss), **self.usage.row()}
         self.run_dir.append_metrics(row)
         self.reporter.evaluated(row)
 
     def _sample(self, label: str, due: bool = True) -> None:
-        """Replies to the sample prompts, from the main process, when it finds them
-        `due` (not under FSDP, where every forward is a collective)."""
-        if self.samples is None or self.processes.fsdp or not self.processes.main_decides(due):
-            return
-        if self.processes.is_main:
-            self.reporter.activity(f"sample replies ({label})")
-            self.samples.answer(self.accelerator.unwrap_model(self.model), self.position.step, label)
-            self.reporter.activity(None)
-        self.accelerator.wait_for_everyone()
+        if self.samples is not None:
+            self.samples.answer_in_run(self.processes, self.model, self.position.step, label, self.reporter.activity, due)
 
     def _lower_evaluation_micro_batch(self) -> None:
         plan, recovery = self.recovery.after_oom(self.plan, self.position.step)
@@ -366,9 +370,9 @@ class FineTuner:
                                   reason=f"stopped by {signal.Signals(signum).name}")
         raise TrainingInterrupted(signum, self.position.step)
 
-    def _restore(self, checkpoint: Checkpoint) -> None:
+    def _restore(self, checkpoint: Checkpoint, with_optimizer: bool = True) -> None:
         """Put model, optimizer, schedule, RNG and loop position back as they were."""
-        state = self.processes.restore_checkpoint(checkpoint, self.model, self.optimizer)
+        state = self.processes.restore_checkpoint(checkpoint, self.model, self.optimizer, with_optimizer)
         self.position = Position.from_state(state)
         self.saved_step = self.position.step  # a stop right after it need not write it again
         self.scheduler.load_state_dict(state["scheduler"])
@@ -379,20 +383,17 @@ class FineTuner:
         """Going back to `step`: what came after it is trained again."""
         self.run_dir.truncate_logs(step)
         self.best.went_back_to(step)
+        self.stability.went_back_to(step)
 
     # --------------------------------------------------------------- recovery
 
     def _recover(self, failure: str) -> None:
-        attempted = self.position.step + 1
-        if failure == "oom":
-            plan, recovery = self.recovery.after_oom(self.plan, attempted)
-        else:
-            plan, recovery = self.recovery.after_nan(self.plan, attempted)
+        plan, recovery = self.recovery.after(failure, self.plan, self.position.step + 1, self.stability.last_spike)
         self._rollback()
         self._apply_plan(plan)
         self.run_dir.add_recovery(recovery.to_json())
-        self.reporter.message(f"step {attempted}: {'out of memory' if failure == 'oom' else 'NaN loss'}; "
-                              f"{recovery.action}; continuing from step {self.position.step}", warning=True)
+        self.reporter.message(f"step {recovery.step}: {recovery.what}; {recovery.action}; continuing from step "
+                              f"{self.position.step}", warning=True)
 
     def _rollback(self) -> None:
         """Back to the last good checkpoint, or to a fresh start if there is none."""
@@ -435,10 +436,12 @@ class FineTuner:
             kept = self.best.write(self.model, self.tokenizer, position, self.plan.method)
             self._sample("trained")
         self.reporter.activity(None)
+        memory = self.usage.comparison()
         self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
-                                  stop_cause=stop.cause.value if stop else None, **position.losses(), **kept)
+                                  stop_cause=stop.cause.value if stop else None, memory=memory, **position.losses(),
+                                  **kept)
         if stop is not None:
             self.reporter.message(stop.text)
         return TrainResult.finished(position, stop, seconds, tokens, self.run_dir.output_path(self.plan.method), kept,
                                     side_by_side(self.run_dir.read_samples()),
-                                    evaluation_at(self.run_dir.read_metrics(), position.best_step))
+                                    evaluation_at(self.run_dir.read_metrics(), position.best_step), memory)

@@ -140,6 +140,11 @@ Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", min=
 Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
 ResumeRun = Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="The run to continue. Default: the newest unfinished run under --output-dir.")]
 
+# `resume`'s own: given once, so none has a variable (LLMCUSTOMS_EPOCHS in a .env would extend a run at every resume).
+FromStep = Annotated[Optional[str], typer.Option("--from", metavar="step-N", help="Go on from this checkpoint (step-N, or N) instead of the newest, e.g. the best one; the checkpoints after it are deleted and their steps trained again.")]
+ResetOptimizer = Annotated[bool, typer.Option("--reset-optimizer", help="Start the optimizer state afresh (AdamW moments zero); weights, learning-rate schedule, data order and random state are the checkpoint's.")]
+ResumeEpochs = Annotated[Optional[float], typer.Option("--epochs", metavar="<float>", show_default=False, parser=_parser(options.BY_NAME["epochs"]), help="Train to this many epochs in all, more than the run has: extends it, a completed run too. The learning-rate decay is stretched to the new length. Only this flag extends a run, not LLMCUSTOMS_EPOCHS.")]
+
 # `tune`'s own.
 Trials = Annotated[int, typer.Option("--trials", "-n", metavar="<int>", min=1, help="Trials to run now (added to the study's earlier ones).")]
 TrialSteps = Annotated[Optional[int], typer.Option("--max-steps", metavar="<int>", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")]

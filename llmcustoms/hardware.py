@@ -3,12 +3,15 @@
 `detect()` reads the machine once into a frozen `Hardware`. Nothing here
 imports torch, so `llmcustoms plan` and `hardware` stay fast, and planning is
 tested by constructing `Hardware` values for machines we do not have.
+NVML finds GPUs whatever torch was built for: `usable_by_torch` turns what
+was found into what training will use, from facts about torch that the
+running layer reads (`preflight.usable_hardware`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 
@@ -48,6 +51,8 @@ class Hardware:
     driver_note: str = ""
     # Training tokens/s measured on a machine like this one, per "model|method" (`speeds.py`).
     speeds: tuple[tuple[str, float], ...] = ()
+    # Why the NVIDIA GPUs found are not used, and how to fix it (`usable_by_torch`); "" when they are.
+    torch_note: str = ""
 
     def measured_speed(self, model: str, method: str) -> float | None:
         return dict(self.speeds).get(f"{model}|{method}")
@@ -140,6 +145,43 @@ def _visible_device_indices(count: int) -> list[int]:
         if part.isdigit() and int(part) < count:
             indices.append(int(part))
     return indices
+
+
+# Where to get a torch that can use NVIDIA GPUs; the wheel index names its CUDA version.
+TORCH_GUIDE = "https://pytorch.org/get-started/locally/"
+TORCH_CUDA_EXAMPLE = "pip install torch --index-url https://download.pytorch.org/whl/cu124"
+
+
+def usable_by_torch(hardware: Hardware, cuda_available: bool, torch_version: str,
+                    torch_cuda: str | None = None) -> Hardware:
+    """The hardware training will really run on, given the installed torch:
+    `cuda_available` (`torch.cuda.is_available()`), `torch_version`
+    (`torch.__version__`, "2.13.0+cpu") and `torch_cuda` (`torch.version.cuda`,
+    None for a build without CUDA). NVML sees the GPUs whatever torch was built
+    for, and a torch that cannot use them trains on the CPU, so the plan must
+    be the CPU's: the GPUs are dropped and `torch_note` says why and what to do
+    (the plan carries it as a warning)."""
+    if not hardware.gpus or cuda_available:
+        return hardware
+    names = [g.name for g in hardware.gpus]
+    listed = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
+    gpus = f"{len(names)} NVIDIA GPU{'s' if len(names) > 1 else ''}"
+    if torch_cuda or "+cu" in torch_version:
+        # A CUDA build that still finds no GPU: its CUDA is newer than the
+        # driver supports (or CUDA_VISIBLE_DEVICES hides the cards from it).
+        built = f" (built for CUDA {torch_cuda})" if torch_cuda else ""
+        message = (f"This machine has {gpus} ({listed}) but the installed torch {torch_version}{built} cannot use "
+                   f"{'them' if len(names) > 1 else 'it'}, so training would run on the CPU. The NVIDIA driver is "
+                   "probably older than that CUDA needs (`nvidia-smi` shows the newest CUDA it supports): update "
+                   f"the driver, or install a torch built for an older CUDA ({TORCH_GUIDE}); planning for the CPU "
+                   "until then.")
+    else:
+        kind = "a ROCm build, for AMD GPUs" if "+rocm" in torch_version else "a CPU-only build"
+        message = (f"This machine has {gpus} ({listed}) but the installed torch {torch_version} is {kind}, so "
+                   f"training would run on the CPU. Install a CUDA build of torch ({TORCH_GUIDE}, e.g. "
+                   f"{TORCH_CUDA_EXAMPLE}); planning for the CPU until then.")
+    return replace(hardware, gpus=(), torch_note=message,
+                   driver_note=f"the installed torch {torch_version} cannot use the {gpus} found")
 
 
 def detect() -> Hardware:

@@ -221,12 +221,12 @@ def find_learning_rate(options: Any, output_dir: Path, test: RangeTest) -> Range
     after the curve is shown and saved."""
     from llmcustoms import tuneview
     from llmcustoms.dataview import PreparationProgress, show_prepared
-    from llmcustoms.hardware import detect
+    from llmcustoms.preflight import usable_hardware
     from llmcustoms.preparation import prepare_run
 
     test.check()
     with PreparationProgress() as progress:
-        prepared = prepare_run(options, detect(), progress=progress)
+        prepared = prepare_run(options, usable_hardware(), progress=progress)
     show_prepared(prepared, options.data)
     result, path = _run_and_save(prepared, test, output_dir)
     lr = result.suggestion.lr

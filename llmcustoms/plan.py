@@ -12,10 +12,16 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.presets import ModelSpec
 
 # Older plan.json files kept warnings among the reasons with this prefix.
 _OLD_WARNING_PREFIX = "warning: "
+
+
+def total_steps(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps for `epochs` passes (a fraction of one counts as a step)."""
+    return max(1, math.ceil(epochs * steps_per_epoch))
 
 
 @dataclass(frozen=True)
@@ -182,3 +188,30 @@ class Plan:
 
     def with_warning(self, warning: str) -> "Plan":
         return replace(self, warnings=self.warnings + (warning,))
+
+    @property
+    def epochs_planned(self) -> float:
+        """The passes the plan's steps make: its epochs, or what --max-steps comes to."""
+        return self.total_steps / self.steps_per_epoch if self.sources.get("total_steps") == "flag" else self.epochs
+
+    def extended_to(self, epochs: float) -> "Plan":
+        """The plan for `epochs` passes in all (`resume --epochs`), its steps counted
+        as planning counts them; an error if that is no more steps than it has.
+
+        Warmup keeps its steps: they are behind the run, and a longer warmup would
+        rewrite what they were. The decay is stretched over the new length, so from
+        the restored step on the learning rate is what a run planned this long (with
+        this warmup) has there, the continuation a user asking for more epochs
+        expects. After a finished cosine or linear decay that means the rate rises
+        again at the restored step: kept near zero, the extra steps would learn nothing."""
+        steps = total_steps(epochs, self.steps_per_epoch)
+        if steps <= self.total_steps:
+            raise ConfigError(f"--epochs {epochs:g} would not extend the run: it is planned for "
+                              f"{self.epochs_planned:g} epochs ({self.total_steps} steps) already.",
+                              f"Give more epochs than that, e.g. --epochs {math.floor(self.epochs_planned) + 1}.")
+        seconds = self.estimated_seconds * steps / self.total_steps if self.estimated_seconds is not None else None
+        reason = (f"extended to {epochs:g} epochs by `resume --epochs`: {self.total_steps} -> {steps} steps; the "
+                  f"learning-rate decay is stretched over the new length (warmup kept at {self.warmup_steps} steps)")
+        return replace(self, epochs=float(epochs), total_steps=steps, estimated_seconds=seconds,
+                       reasons=self.reasons + (reason,),
+                       sources={**self.sources, "epochs": "flag", "total_steps": "optimizer"})

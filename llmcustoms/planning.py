@@ -23,7 +23,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
 from llmcustoms.objectives import DEFAULT_BETA
-from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan
+from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan, total_steps
 from llmcustoms.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.sizing import best_fit, does_not_fit
 
@@ -170,6 +170,7 @@ def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> 
 
 def _precision_and_length(r: _Resolver, hardware: Hardware, stats: DataStats, model: ModelChoice) -> tuple[str, int, int]:
     """(mixed precision, max_seq_len, training rows that keep a trained token)."""
+    r.warnings += [hardware.torch_note] if hardware.torch_note else []  # GPUs found that torch cannot use
     precision = r.get("mixed_precision", hardware.mixed_precision)
     if not r.given("mixed_precision"):
         r.chose("mixed_precision", precision,  # "no" is fp32 to the reader; plan.json keeps "no"
@@ -221,7 +222,7 @@ def _schedule(r: _Resolver, train_rows: int, micro: int, accum_over_processes: i
     per_epoch = steps_per_epoch(train_rows, micro, accum_over_processes)
     epochs = r.get("epochs")
     max_steps = r.get("max_steps")
-    total = max_steps if max_steps else max(1, math.ceil(epochs * per_epoch))
+    total = max_steps if max_steps else total_steps(epochs, per_epoch)
     r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "optimizer"
     warmup_steps = int(r.get("warmup_ratio") * total)
     r.sources["warmup_steps"] = r.sources.pop("warmup_ratio")

@@ -93,16 +93,18 @@ class TrainResult:
     last_output: str | None = None  # where the last step's weights went, when not kept
     samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
     held_out: dict[str, float] = field(default_factory=dict)  # DPO: the best evaluation's row (reward accuracy, ...)
+    memory: dict[str, Any] = field(default_factory=dict)  # measured peak against the plan's (`resourceuse.compare`)
 
     @classmethod
     def finished(cls, position: Position, stop: StopReason | None, seconds: float, tokens: int, output_path: Path,
-                 kept: dict[str, Any], samples: list[dict[str, str]], held_out: dict[str, float]) -> "TrainResult":
+                 kept: dict[str, Any], samples: list[dict[str, str]], held_out: dict[str, float],
+                 memory: dict[str, Any]) -> "TrainResult":
         """A completed run's result; `kept`: which weights `output_path` holds (`BestWeights.write`)."""
         return cls(status="completed", steps=position.step, final_loss=position.final_loss,
                    best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
                    tokens_per_s=tokens / max(seconds, 1e-9), output_path=output_path, stop=stop,
                    base_eval_loss=position.base_eval, kept=kept.get("kept"), last_output=kept.get("last_output"),
-                   samples=samples, held_out=held_out)
+                   samples=samples, held_out=held_out, memory=memory)
 
     @property
     def stop_reason(self) -> str | None:

@@ -19,9 +19,10 @@ from llmcustoms import hubaccess, options
 from llmcustoms.data import Dataset, bad_row_policy, read_dataset, usable_examples
 from llmcustoms.dataadvice import data_facts
 from llmcustoms.datafiles import fingerprint
+from llmcustoms.diskspace import disk_need
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.hardware import GIB, Hardware
-from llmcustoms.memory import SAFETY_MARGIN
+from llmcustoms.memory import SAFETY_MARGIN, parameter_counts
 from llmcustoms.fromrun import with_starting_point
 from llmcustoms.objectives import check_eval_data, preference_reason, with_objective
 from llmcustoms.pairrows import PairRows
@@ -109,6 +110,7 @@ class PreparedRun:
     tokenize_seconds: float = 0.0  # tokenizing them (0 when the cache had them)
     cached: bool = False  # the tokenized rows came from the cache
     templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
+    model_params: int = 0  # every parameter of the model: what `export --merge` writes (0: not known)
 
 
 def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:
@@ -284,7 +286,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     plan = _with_run_facts(plan, options, dataset, split, choice_reason, start)
     prepared = PreparedRun(plan=plan, tokenizer=None, train=None, evaluation=None, dataset=dataset,
                            eval_source=split.source, truncated=0, dropped=0, used_fallback_template=False,
-                           read_seconds=read_seconds)
+                           read_seconds=read_seconds, model_params=sum(parameter_counts(model.arch)))
     if tokenized is None:
         cut, kept = stats.rows_truncated(plan.max_seq_len), stats.rows_kept(plan.max_seq_len)
         return replace(prepared, plan=replace(plan, data_report=_facts(dataset, stats.lengths, stats.length_source,
@@ -299,6 +301,8 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
     if plan.objective == "dpo":
         reasons += (preference_reason(replace(plan, from_run=start.adapter if start else ""),
                                       options.overrides["objective"][1]),)
+    need = disk_need(plan)
+    reasons += (need.reason(),) if need else ()  # checked against free space when `train` starts (`preflight.py`)
     return replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
                    data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
                    eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",

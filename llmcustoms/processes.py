@@ -299,17 +299,20 @@ class Processes:
                 if param.requires_grad:
                     param.copy_(weights[name].to(param.device, param.dtype))
 
-    def restore_checkpoint(self, checkpoint: Checkpoint, model: Any, optimizer: Any) -> dict[str, Any]:
+    def restore_checkpoint(self, checkpoint: Checkpoint, model: Any, optimizer: Any,
+                           with_optimizer: bool = True) -> dict[str, Any]:
         """Weights, optimizer and RNG back from a checkpoint; returns the loop's state.
-        Under FSDP the main process reads the whole tensors and every rank keeps its shard."""
+        Under FSDP the main process reads the whole tensors and every rank keeps its shard.
+        `with_optimizer=False` (`resume --reset-optimizer`) leaves `optimizer` as
+        it is: a new one, whose moments start from zero."""
         state = checkpoint.state()
         groups = state["optimizer_groups"]
         weights = checkpoint.tensors("model.safetensors") if self.is_main or not self.fsdp else {}
         self.load_trainable(model, weights)
-        if self.fsdp:
+        if with_optimizer and self.fsdp:
             load_optimizer(model, optimizer.optimizer,
                            checkpoint.tensors("optimizer.safetensors") if self.is_main else {}, groups)
-        else:
+        elif with_optimizer:
             load_optimizer_state(optimizer, checkpoint.tensors("optimizer.safetensors"), groups)
         set_rng_state(checkpoint.tensors("rng.safetensors"), state["rng"])
         return state

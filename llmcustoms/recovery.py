@@ -9,6 +9,8 @@ to stop with:
                   stay the same); at micro-batch 1 turn on gradient
                   checkpointing; then halve the sequence length; then stop
   NaN / inf       lower the learning rate; stop after a few repeats
+  divergence      a finite loss or gradient norm far above the recent ones
+                  (`stability.py`): the same as NaN, with its own count
 
 Either way the trainer rolls back to the last good checkpoint first.
 """
@@ -27,10 +29,16 @@ MIN_SEQ_LEN = 64
 
 @dataclass(frozen=True)
 class Recovery:
-    kind: str  # oom | nan
+    kind: str  # oom | nan | divergence
     step: int
     action: str
     details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def what(self) -> str:
+        """The failure, for the message that says what was done."""
+        spike = self.details.get("spike")
+        return {"oom": "out of memory", "nan": "NaN loss"}.get(self.kind, f"loss spike ({spike})")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,16 +92,32 @@ def create_failure_report(kind: str, plan: Plan, step: int, detail: str = "") ->
         suggestions = [f"lower --lr (for example --lr {plan.lr / 10:.1e})",
                        "check the data for empty or garbled rows",
                        "use --mixed-precision bf16 or no instead of fp16"]
+    elif kind == "divergence":
+        reason = (f"the loss spiked far above its recent values at step {step}, {MAX_NAN_RECOVERIES} times, "
+                  f"even at lr {plan.lr:.2e}{': ' + detail if detail else ''}")
+        suggestions = [f"lower --lr (for example --lr {plan.lr / 10:.1e})",
+                       f"lower --max-grad-norm (now {plan.max_grad_norm:g})",
+                       "check the data for rows unlike the others (another language, very long replies)"]
     else:
         reason = f"unexpected error at step {step}: {detail}"
         suggestions = ["resume with `llmcustoms resume` (the last checkpoint is kept)",
-                       "if it happens again, report it with the traceback shown"]
+                       "if it happens again, report it with the run directory's failure.json (it holds no tokens "
+                       "and no data rows)"]
     return {"kind": kind, "step": step, "reason": reason, "suggestions": suggestions}
 
 
 class TrainingRecoverySystem:
     def __init__(self) -> None:
         self.nan_recoveries = 0
+        self.divergence_recoveries = 0
+
+    def after(self, failure: str, plan: Plan, step: int, detail: str = "") -> tuple[Plan, Recovery]:
+        """The plan to continue with after `failure` ("oom", "nan" or "divergence") at `step`."""
+        if failure == "oom":
+            return self.after_oom(plan, step)
+        if failure == "divergence":
+            return self.after_divergence(plan, step, detail)
+        return self.after_nan(plan, step)
 
     def after_oom(self, plan: Plan, step: int) -> tuple[Plan, Recovery]:
         if plan.micro_batch_size > 1:
@@ -123,3 +147,13 @@ class TrainingRecoverySystem:
         new = plan.with_changes(f"NaN loss at step {step}: learning rate {plan.lr:.2e} -> {lr:.2e}", lr=lr)
         return new, Recovery("nan", step, "lowered learning rate",
                              {"lr": [plan.lr, lr], "factor": NAN_LR_FACTOR})
+
+    def after_divergence(self, plan: Plan, step: int, detail: str) -> tuple[Plan, Recovery]:
+        """A finite spike (`stability.py`): like NaN, the learning rate is lowered."""
+        if self.divergence_recoveries >= MAX_NAN_RECOVERIES:
+            raise TrainingFailed(create_failure_report("divergence", plan, step, detail))
+        self.divergence_recoveries += 1
+        lr = plan.lr * NAN_LR_FACTOR
+        new = plan.with_changes(f"loss spike at step {step}: learning rate {plan.lr:.2e} -> {lr:.2e}", lr=lr)
+        return new, Recovery("divergence", step, "lowered learning rate",
+                             {"lr": [plan.lr, lr], "factor": NAN_LR_FACTOR, "spike": detail})

@@ -48,6 +48,12 @@ MIN_STEPS_OVERFITTING = 20
 # Overfitting also needs a best evaluation and at least one after it, and one
 # more so that a single evaluation that came out high is not a trend.
 MIN_EVALUATIONS_OVERFITTING = 3
+# The measured peak memory within this range of the plan's prediction: the
+# estimate is right for this machine (the target the estimate is calibrated to).
+MEMORY_RATIO_RANGE = (0.8, 1.25)
+# A GPU busy less than this share of the time waits on something else.
+LOW_GPU_UTILISATION = 50.0
+GIB = 1024 ** 3
 
 
 @dataclass
@@ -132,6 +138,7 @@ def analyse(run: RunDirectory) -> RunReport:
         _learning_rate(report, plan, train, losses)
     _withheld(report, len(train), withheld)
     _throughput(report, plan, train)
+    _resources(report, plan, status)
     _recoveries(report, plan, status)
     if status.get("status") in ("failed", "interrupted"):
         report.recommend("resume", f"the run is {status['status']}: continue it with `llmcustoms resume {run.path}`",
@@ -269,17 +276,48 @@ def _throughput(report: RunReport, plan: Any, train: list[dict[str, Any]]) -> No
                                    f"{plan.grad_accum}, {plan.max_seq_len} tokens, {plan.method}"))
 
 
+def _resources(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
+    """Measured peak memory against the plan's prediction; how busy the GPU was."""
+    memory = status.get("memory") or {}
+    if not memory.get("peak_bytes"):
+        return
+    peak, predicted, ratio = memory["peak_bytes"], memory.get("predicted_bytes"), memory.get("ratio")
+    detail = f"measured peak {peak / GIB:.2f} GiB"
+    if predicted and ratio:
+        detail += f", predicted {predicted / GIB:.2f} GiB ({ratio:.2f}x the prediction)"
+    if memory.get("budget_bytes"):
+        detail += f"; budget {memory['budget_bytes'] / GIB:.1f} GiB"
+    low, high = MEMORY_RATIO_RANGE
+    verdict = "as planned" if ratio is None or low <= ratio <= high else "above plan" if ratio > high else "below plan"
+    report.findings.append(Finding("memory", verdict, detail))
+    if verdict == "above plan":
+        report.recommend("memory", f"the run used {ratio:.2f}x the memory its plan predicted: leave more headroom "
+                                   f"(--batch-size {max(1, plan.micro_batch_size // 2)}), and please report it "
+                                   "with `llmcustoms hardware` and plan.json so the estimate can be corrected")
+    elif verdict == "below plan":
+        report.recommend("memory", f"the run used {ratio:.2f}x the memory its plan predicted: a larger "
+                                   f"--batch-size than {plan.micro_batch_size} may fit")
+    utilisation = memory.get("gpu_util")
+    if utilisation is not None:
+        busy = "under-used" if utilisation < LOW_GPU_UTILISATION else "busy"
+        report.findings.append(Finding("gpu", busy, f"{utilisation:.0f}% utilisation on average"))
+        if busy == "under-used":
+            report.recommend("gpu", f"the GPU was busy only {utilisation:.0f}% of the time: try a larger --batch-size "
+                                    f"than {plan.micro_batch_size}, or look at the data path (very short rows, "
+                                    "a slow disk)")
+
+
 def _recoveries(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
     recoveries = status.get("recoveries", [])
     if not recoveries:
-        report.findings.append(Finding("recoveries", "none", "no out-of-memory or NaN event"))
+        report.findings.append(Finding("recoveries", "none", "no out-of-memory, NaN or loss spike event"))
         return
     listed = "; ".join(f"step {r['step']}: {r['kind']} -> {r['action']}" for r in recoveries)
     report.findings.append(Finding("recoveries", f"{len(recoveries)}", listed))
     if any(r["kind"] == "oom" for r in recoveries):
         report.recommend("batch size", f"memory ran out during training: start with --batch-size "
                                        f"{plan.micro_batch_size} next time, so no step is lost to recovery")
-    if any(r["kind"] == "nan" for r in recoveries):
+    if any(r["kind"] in ("nan", "divergence") for r in recoveries):
         report.recommend("lower lr", f"the loss diverged: start with --lr {plan.lr:.1e} or lower")
 
 

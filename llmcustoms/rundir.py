@@ -5,6 +5,8 @@
       metrics.jsonl     one JSON object per optimizer step, plus eval rows (step 0: the base model)
       samples.jsonl     replies to a few held-out prompts: base model, evaluations, trained model
       status.json       running | completed | failed | interrupted, last step, reason, which weights were kept
+      train.log         what the display showed, as timestamped plain text (runlog.py)
+      failure.json      a failed run's report for a bug report, no secrets or data rows (failurereport.py)
       checkpoints/      step-NNNNNN/ directories
       best/             the best evaluation's trainable weights so far (adapters)
       adapter/          the PEFT adapter of the best evaluation, and the tokenizer (model/ for --method full)
@@ -82,6 +84,14 @@ class RunDirectory:
     @property
     def best_path(self) -> Path:
         return self.path / "best"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def failure_path(self) -> Path:
+        return self.path / "failure.json"
 
     def output_path(self, method: str) -> Path:
         """Where the weights the run keeps go: the best evaluation's, or the last step's without evaluation."""
@@ -282,6 +292,8 @@ class RunSummary:
     started_at: str | None
     seconds: float | None  # from start to the last status update
     objective: str = "sft"  # "dpo": its eval loss is DPO's, not a perplexity
+    peak_bytes: int | None = None  # measured peak memory (`resourceuse`), and against the plan's prediction
+    memory_ratio: float | None = None
 
 
 def list_runs(output_dir: Path) -> list[RunSummary]:
@@ -298,11 +310,12 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
         seconds = None
         if started and updated:
             seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
+        memory = status.get("memory") or {}
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
                                status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
                                status.get("best_eval_loss"), status.get("base_eval_loss"),
                                status.get("kept_step") if status.get("last_output") else None, started, seconds,
-                               plan.get("objective", "sft")))
+                               plan.get("objective", "sft"), memory.get("peak_bytes"), memory.get("ratio")))
     return runs
 
 

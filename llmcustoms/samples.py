@@ -96,6 +96,18 @@ class SampleReplies:
         self.warn = warn
         self.seconds: float | None = None  # how long answering took last time
 
+    def answer_in_run(self, processes: Any, model: Any, step: int, label: str,
+                      activity: Callable[[str | None], None], due: bool = True) -> None:
+        """Answer from the main process of a run (`processes.Processes`) when it finds
+        it `due`; the others wait. Not under FSDP, where every forward is a collective."""
+        if processes.fsdp or not processes.main_decides(due):
+            return
+        if processes.is_main:
+            activity(f"sample replies ({label})")
+            self.answer(processes.accelerator.unwrap_model(model), step, label)
+            activity(None)
+        processes.accelerator.wait_for_everyone()
+
     def answer(self, model: Any, step: int, label: str) -> list[dict[str, Any]]:
         """Greedy replies of `model` (in eval mode while answering), written and
         returned; none, with a warning, if answering fails (out of memory, ...)."""

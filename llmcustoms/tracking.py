@@ -103,8 +103,8 @@ class TrackingReporter:
     def activity(self, text: str | None) -> None:
         self.inner.activity(text)
 
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
-        self.inner.training_started(total_steps, start_step)
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
+        self.inner.training_started(total_steps, start_step, memory)
 
     def step(self, row: dict[str, Any]) -> None:
         self.inner.step(row)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms import launching
+from llmcustoms.checkpoints import ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.settings import Settings, load_settings
 
@@ -53,6 +54,7 @@ class Session:
     quiet: bool = False
     env_file: Path | None = None
     report_to: str | None = None  # as a flag, for the processes a relaunch starts
+    start: ResumeFrom = ResumeFrom()  # `resume`'s --from, --reset-optimizer and --epochs
 
     @classmethod
     def load(cls, given: dict[str, Any], env_file: Path | None, quiet: bool = False) -> "Session":
@@ -81,6 +83,20 @@ class Session:
         """The options a relaunched or restarted `resume` passes on."""
         return ((["--quiet"] if self.quiet else []) + (["--env-file", str(self.env_file)] if self.env_file else [])
                 + (["--report-to", self.report_to] if self.report_to else []))
+
+    def resuming(self, from_step: str | None, reset_optimizer: bool, epochs: float | None) -> "Session":
+        """This session with `resume`'s own flags. `epochs` is the flag's value
+        only: LLMCUSTOMS_EPOCHS, set for `train`, must not extend a run at every resume."""
+        step = step_named(from_step) if from_step is not None else None
+        return replace(self, start=ResumeFrom(step, reset_optimizer, epochs))
+
+    def start_options(self) -> list[str]:
+        """`resume`'s own flags, for the processes a relaunch starts: not for a
+        restart after a failure, which goes on from the newest checkpoint as it is."""
+        start = self.start
+        return ((["--from", str(start.step)] if start.step is not None else [])
+                + (["--reset-optimizer"] if start.reset_optimizer else [])
+                + (["--epochs", repr(start.epochs)] if start.epochs is not None else []))
 
 
 def default_run_name(model: str, preset: str) -> str:
@@ -115,7 +131,7 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
     the user declined or this is not the main process)."""
     from llmcustoms import console as ui
     from llmcustoms.dataview import PreparationProgress, show_prepared
-    from llmcustoms.hardware import detect
+    from llmcustoms.preflight import check_disk_space, usable_hardware
     from llmcustoms.preparation import no_progress, prepare_run
     from llmcustoms.rundir import RunDirectory
 
@@ -127,11 +143,15 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
         RunDirectory.inside(session.output_dir, run_name).check_available(overwrite or world > 1)
     else:
         RunDirectory(session.output_dir).check_available(overwrite=True)
-    hardware = detect()
+    hardware = usable_hardware()  # without GPUs the installed torch cannot use: the plan says so
     with PreparationProgress() if not quiet else nullcontext(no_progress) as progress:
         prepared = prepare_run(options, hardware, world_size=world, progress=progress)
     plan = prepared.plan
     run_dir = RunDirectory.inside(session.output_dir, run_name or default_run_name(plan.model, plan.preset))
+    # Stops (exit 2) before anything is written, and before the question, if the run cannot fit on the disk.
+    disk_warning = check_disk_space(plan, run_dir.path, prepared.model_params)
+    plan = plan.with_warning(disk_warning) if disk_warning else plan
+    prepared = replace(prepared, plan=plan)
     if not quiet:
         show_prepared(prepared, options.data)
         ui.show_plan(plan, hardware)
@@ -146,23 +166,28 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
 
 
 def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int:
-    from llmcustoms.rundir import RunDirectory, find_unfinished_run
-
-    target = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
-    target.read_plan()  # a damaged run fails here, once, not in every process
+    # A damaged run, a finished one, a bad --from or --epochs fail here, once, not in every process.
+    target = _resumable(run_dir, session)
     options = session.resume_options()
-    return launch.relaunch(["resume", str(target.path)] + options, target.path, options)
+    return launch.relaunch(["resume", str(target.path)] + options + session.start_options(), target.path, options)
 
 
 def _resumable(run_dir: Path | None, session: Session) -> Any:
-    """The run to continue, refused if finished or being trained right now."""
+    """The run to continue, refused if finished (unless extended) or being
+    trained right now, or if --from or --epochs cannot be done."""
+    from llmcustoms.checkpoints import CheckpointManager
     from llmcustoms.rundir import RunDirectory, find_unfinished_run
 
     directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
-    directory.read_plan()
-    if directory.read_status().get("status") == "completed":
+    plan, start = directory.read_plan(), session.start
+    if directory.read_status().get("status") == "completed" and start.epochs is None:
         raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
-                              "Start a new run with `llmcustoms train`, or use this one (`report`, `chat`, `export`).")
+                              "Start a new run with `llmcustoms train`, extend this one with `llmcustoms resume "
+                              "RUN --epochs N`, or use it (`report`, `chat`, `export`).")
+    if start.epochs is not None:
+        plan.extended_to(start.epochs)  # an error now, before the data is read, if it is no extension
+    if start.step is not None:
+        CheckpointManager(directory.checkpoints_path, keep=1).verified(start.step)
     if directory.running_pid() is not None and launching.world_size() == 1:
         raise LlmcustomsError(f"{directory.path} is being trained right now (process {directory.running_pid()}).",
                               "Wait for it, or stop it with Ctrl-C first; then resume.")
@@ -173,20 +198,26 @@ def resume(run_dir: Path | None, session: Session) -> Any:
     """Continue a run from its last good checkpoint; returns the `TrainResult`
     (None on a process other than the main one)."""
     from llmcustoms import console as ui
+    from llmcustoms.preflight import check_disk_space
     from llmcustoms.preparation import prepare_resume
 
     directory = _resumable(run_dir, session)
     plan = directory.read_plan()
     world = launching.world_size()
     prepared = prepare_resume(plan, world_size=world)
+    if session.start.epochs is not None:
+        prepared = replace(prepared, plan=prepared.plan.extended_to(session.start.epochs))
+    check_disk_space(prepared.plan, directory.path, resuming=True)  # exit 2 if the rest of the run cannot fit
     restart = directory.pending_restart()
     recovery = None
     if restart is not None:  # a process failed where the others could not learn of it
         prepared, recovery = _recover_before_restart(prepared, restart, directory)
-        wait_for_all_processes(world)  # every process has read the request before it goes
+    # Every process has read plan.json (and the request) before it changes: the
+    # check of --epochs in a process that read it later would fail.
+    wait_for_all_processes(world)
     if launching.is_main_process():
         if prepared.plan != plan:
-            directory.write_plan(prepared.plan)  # new world size, or recovery
+            directory.write_plan(prepared.plan)  # new world size, recovery, or more epochs
         if recovery is not None:
             directory.add_recovery(recovery.to_json())
             directory.clear_restart()
@@ -195,9 +226,10 @@ def resume(run_dir: Path | None, session: Session) -> Any:
     wait_for_all_processes(world)
     quiet = session.quiet or not launching.is_main_process()
     if not quiet:
+        at = session.start.step if session.start.step is not None else directory.read_status().get("step", 0)
         ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
-                         f"({plan.model}, step {directory.read_status().get('step', 0)} of {plan.total_steps})")
-    return run_training(prepared, directory, quiet, resume=True, tracker=session.tracker(),
+                         f"({plan.model}, step {at} of {prepared.plan.total_steps})")
+    return run_training(prepared, directory, quiet, resume=session.start, tracker=session.tracker(),
                         faults_spent_through=restart["step"] if restart else 0,
                         cache=session.settings.get("cache_dir"))
 
@@ -230,21 +262,26 @@ def wait_for_all_processes(world: int) -> None:
         PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
 
 
-def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker: str = "none",
+def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | ResumeFrom, tracker: str = "none",
                  faults_spent_through: int = 0, cache: str | None = None) -> Any:
-    """Train (or resume); show how it ended if it did not finish, and re-raise.
-    `cache`: the cache directory, where the measured speed is kept."""
+    """Train (or resume); show how it ended if it did not finish, and re-raise;
+    train.log says how it ended either way. `cache`: the cache directory, where
+    the measured speed is kept."""
     from llmcustoms import console as ui
     from llmcustoms.faults import FaultInjector
     from llmcustoms.finetuner import FineTuner
     from llmcustoms.recovery import RestartNeeded, TrainingFailed, TrainingInterrupted
+    from llmcustoms.runlog import LoggingReporter, completed_text, plan_line
     from llmcustoms.samples import SampleReplies, held_out_prompts
     from llmcustoms.tracking import TrackingReporter
     from llmcustoms.trainview import make_reporter
 
     main = launching.is_main_process()
-    reporter = TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console), tracker if main else "none",
-                                     run_dir, prepared.plan)
+    # One writer of train.log, as of every file of the run: the main process.
+    reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console),
+                                                     tracker if main else "none", run_dir, prepared.plan),
+                               run_dir.log_path if main and run_dir.writable else None)
+    reporter.log.write("info", ("resuming: " if resume else "starting: ") + plan_line(prepared.plan))
     samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir,
                             warn=lambda text: reporter.message(text, warning=True))
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
@@ -252,38 +289,89 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool, tracker
     try:
         result = tuner.run(resume=resume)
     except RestartNeeded as restart:
+        reporter.log.write("error", restart.reason)
         _exit_for_restart(restart, run_dir)
     except TrainingInterrupted as stop:
         if main:
-            command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
-                       else f"llmcustoms resume {run_dir.path}")
-            kept = "a checkpoint of it was saved" if stop.step else "no step had finished yet"
-            ui.print_notice(f"Stopped at step {stop.step}; {kept}.", f"Continue with: {command}")
+            _say_interrupted(stop, run_dir, reporter.log)
         raise
     except TrainingFailed as failed:
-        ui.show_failure(failed.report, run_dir.path)
-        if failed.__cause__ is not None:  # a bug, not a recoverable condition: show where
-            import traceback
-
-            traceback.print_exception(failed.__cause__)
+        _say_failed(failed, tuner.plan, run_dir, reporter.log, main)
+        raise
+    except Exception as error:  # not one of the loop's endings: a user error, or a bug outside the loop
+        if main:
+            _record_escaped(error, tuner, run_dir, reporter.log)
         raise
     finally:
         reporter.activity(None)  # a spinner left by a failure outside the live display
         if main and launching.world_size() == 1:
             _keep_speed(prepared.plan, run_dir, cache)
+    reporter.log.write("info", completed_text(result))
     return result if main else None
+
+
+def _say_interrupted(stop: Any, run_dir: Any, log: Any) -> None:
+    from llmcustoms import console as ui
+
+    command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
+               else f"llmcustoms resume {run_dir.path}")
+    kept = "a checkpoint of it was saved" if stop.step else "no step had finished yet"
+    ui.print_notice(f"Stopped at step {stop.step}; {kept}.", f"Continue with: {command}")
+    log.write("warning", f"interrupted: stopped at step {stop.step}; {kept}.\nContinue with: {command}")
+
+
+def _say_failed(failed: Any, plan: Any, run_dir: Any, log: Any, main: bool) -> None:
+    """The failure panel, the bug's traceback, and (from the main process) failure.json."""
+    from llmcustoms import console as ui
+
+    ui.show_failure(failed.report, run_dir.path)
+    if failed.__cause__ is not None:  # a bug, not a recoverable condition: show where
+        import traceback
+
+        traceback.print_exception(failed.__cause__)
+    if main:
+        _report_failure(run_dir, plan, failed.__cause__ or failed, failed.report, log)
+
+
+def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> None:
+    """An exception out of `tuner.run` from outside the loop's own handling (loading
+    the model, saving the weights). A user error is the CLI's to say; anything else
+    is a bug: status.json and failure.json say so, and it goes on with its traceback."""
+    from llmcustoms.failurereport import describe
+    from llmcustoms.recovery import create_failure_report
+
+    if isinstance(error, LlmcustomsError):
+        log.write("error", f"stopped: {error}")
+        return
+    step = tuner.position.step
+    report = create_failure_report("error", tuner.plan, step, describe(error))
+    run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
+    _report_failure(run_dir, tuner.plan, error, report, log)
+
+
+def _report_failure(run_dir: Any, plan: Any, error: BaseException, report: dict[str, Any], log: Any) -> None:
+    """failure.json, where it is said, and the ending in train.log."""
+    from llmcustoms import console as ui
+    from llmcustoms.failurereport import save_failure_report
+    from llmcustoms.runlog import failed_text
+
+    said = save_failure_report(run_dir, plan, error, report)
+    if said:
+        ui.err_console.print(ui.escape(said), soft_wrap=True)  # the path whole, to copy
+    log.write("error", failed_text(report, said))
 
 
 def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     """This run's measured speed, for the next plan's duration (`speeds.py`)."""
-    from llmcustoms.hardware import detect
+    from llmcustoms.preflight import usable_hardware
     from llmcustoms.preparation import cache_dir
     from llmcustoms.speeds import record_speed
 
     if plan.objective == "dpo":  # its tokens/s include the reference's forward: not the speed SFT plans from
         return
     try:
-        record_speed(cache_dir(cache), detect(), plan.model, plan.method, run_dir.read_metrics())
+        # The hardware the run used: a CPU-only torch's speed is not the GPU's.
+        record_speed(cache_dir(cache), usable_hardware(), plan.model, plan.method, run_dir.read_metrics())
     except Exception:  # a nicety: never in the way of how the run ended (it runs in a finally)
         return
 

@@ -14,6 +14,9 @@ from typing import Any
 # smoothing that one slow step (an evaluation's warm-up, a save) does not make
 # the ETA jump, little enough that a real change shows within a few steps.
 SMOOTHING = 0.3
+# Evaluations in a row without a better eval loss before the display says the run is on a plateau.
+PLATEAU_EVALUATIONS = 2
+GIB = 1024 ** 3
 
 
 def clock(seconds: float | None) -> str:
@@ -27,8 +30,16 @@ def clock(seconds: float | None) -> str:
 class TrainingProgress:
     """The numbers the display shows, kept from the trainer's rows; no Rich."""
 
-    def __init__(self, total_steps: int, start_step: int, now: float):
+    def __init__(self, total_steps: int, start_step: int, now: float, memory: dict[str, Any] | None = None):
+        """`memory`: the plan's estimate (`MemoryEstimate.to_json()`), None if it has none."""
         self.total, self.start_step, self.done = total_steps, start_step, start_step
+        self.planned = memory or {}
+        self.memory_bytes: int | None = None  # the last step row's
+        self.grad_norm: float | None = None
+        self.gpu_util: float | None = None
+        self.gpu_memory_bytes: int | None = None
+        self.best_eval: tuple[float, int] | None = None  # (eval loss, step) of the best evaluation after step 0
+        self.evals_since_best = 0
         self.started = now
         self.step_seconds: float | None = None  # smoothed wall time per step
         self.last_step_at: float | None = None
@@ -52,6 +63,8 @@ class TrainingProgress:
         self.last_step_at = now
         self.tokens_per_s = _smooth(self.tokens_per_s, row["tokens_per_s"])
         self.done, self.loss, self.lr, self.epoch = row["step"], row["loss"], row["lr"], row.get("epoch")
+        self.memory_bytes, self.grad_norm = row.get("memory_bytes"), row.get("grad_norm")
+        self.gpu_util, self.gpu_memory_bytes = row.get("gpu_util"), row.get("gpu_memory_bytes")
         if "reward_accuracy" in row:
             self.accuracy = _smooth(self.accuracy, row["reward_accuracy"])
         self.set_activity(None, now)
@@ -59,6 +72,11 @@ class TrainingProgress:
     def evaluated(self, row: dict[str, Any], now: float) -> None:
         self.eval_loss, self.eval_step = row["eval_loss"], row["step"]
         self.eval_accuracy = row.get("eval_reward_accuracy")
+        if row["step"] > 0:  # the base model's is what training is measured against, not a best
+            if self.best_eval is None or row["eval_loss"] < self.best_eval[0]:
+                self.best_eval, self.evals_since_best = (row["eval_loss"], row["step"]), 0
+            else:
+                self.evals_since_best += 1
         self.set_activity(None, now)
 
     def set_activity(self, text: str | None, now: float) -> None:
@@ -95,6 +113,27 @@ class TrainingProgress:
         eta = clock(self.eta(now)) if self.step_seconds is not None else "after step 1"
         doing = f"  {self.activity} {clock(now - self.activity_since)}"
         return first, f"{epoch}{speed}elapsed {clock(now - self.started)}  eta {eta}{doing}"
+
+
+    def resources_line(self) -> str:
+        """Memory used at the last step against the plan's estimate and the budget;
+        gradient norm; GPU use where there is a GPU."""
+        used = "-" if self.memory_bytes is None else f"{self.memory_bytes / GIB:.2f} GiB"
+        plan = ""
+        if self.planned.get("total_bytes"):
+            plan = f" (plan {self.planned['total_bytes'] / GIB:.2f}, budget {self.planned['budget_bytes'] / GIB:.1f})"
+        norm = "" if self.grad_norm is None else f"  grad norm {self.grad_norm:.3g}"
+        gpu = "" if self.gpu_util is None else f"  gpu {self.gpu_util:.0f}%"
+        gpu += "" if self.gpu_memory_bytes is None else f" {self.gpu_memory_bytes / GIB:.1f} GiB"
+        return f"memory {used}{plan}{norm}{gpu}"
+
+    def plateau_line(self) -> str | None:
+        """Said once eval loss has not improved for PLATEAU_EVALUATIONS evaluations."""
+        if self.best_eval is None or self.evals_since_best < PLATEAU_EVALUATIONS:
+            return None
+        loss, step = self.best_eval
+        return (f"plateau: eval loss has not improved for {self.evals_since_best} evaluations "
+                f"(best {loss:.4f} @{step})")
 
 
 def _kind(activity: str) -> str:

@@ -36,7 +36,7 @@ class QuietReporter:
     def activity(self, text: str | None) -> None:
         pass  # scripts want the result, not the waits
 
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         pass  # nothing to draw
 
     def step(self, row: dict[str, Any]) -> None:
@@ -71,9 +71,9 @@ class RichReporter:
             self._stop_status()
             self.status = spinner(self.console, text)
 
-    def training_started(self, total_steps: int, start_step: int = 0) -> None:
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         self._stop_status()
-        self.progress = TrainingProgress(total_steps, start_step, time.monotonic())
+        self.progress = TrainingProgress(total_steps, start_step, time.monotonic(), memory)
         self.live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False)
         self.live.start()
 
@@ -84,7 +84,11 @@ class RichReporter:
         bar = ProgressBar(total=max(1, self.progress.total), completed=self.progress.done, width=20)
         row = Table.grid(padding=(0, 1))
         row.add_row(bar, Text(first))
-        return Group(row, Text(second, style="dim", no_wrap=True, overflow="ellipsis"))
+        lines = [row, Text(second, style="dim", no_wrap=True, overflow="ellipsis")]
+        lines += [Text(self.progress.resources_line(), style="dim", no_wrap=True, overflow="ellipsis")]
+        plateau = self.progress.plateau_line()
+        lines += [Text(plateau, style="yellow", no_wrap=True, overflow="ellipsis")] if plateau else []
+        return Group(*lines)
 
     def step(self, row: dict[str, Any]) -> None:
         if self.progress is not None:

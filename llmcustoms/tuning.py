@@ -168,12 +168,12 @@ class PreparedStudy:
 
 def prepare_study(options: Any, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
-    from llmcustoms.hardware import detect
+    from llmcustoms.preflight import usable_hardware
     from llmcustoms.preparation import no_progress, prepare_run
 
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
-    hardware = detect()
+    hardware = usable_hardware()
     prepared = prepare_run(options, hardware, progress=progress or no_progress)
     base = prepared.plan
     mean_tokens = float(prepared.train.lengths.mean())

@@ -53,7 +53,7 @@ def test_the_display_fits_80_columns_and_shows_everything_from_step_1(monkeypatc
         reporter.activity("evaluating 3/7")
         lines = shown(reporter)
         text = " ".join(lines)
-        assert len(lines) == 2 and all(len(line) <= 80 for line in lines)
+        assert len(lines) == 3 and all(len(line) <= 80 for line in lines)
         assert "1/360" in text and "loss 2.0000" in text and "eval 1.8765 @1" in text and "epoch 0.10" in text
         assert re.search(r"eta 4:05:\d\d", text)  # 359 steps of 41 s: 4:05:19
         assert re.search(r"elapsed \d:\d\d:\d\d", text) and "evaluating 3/7 0:00:04" in text
