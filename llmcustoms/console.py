@@ -329,7 +329,7 @@ def runs_table(output_dir: Any, runs: list[Any]) -> Table:
     # that wrap at their spaces: all six columns fit 80 columns, one line a run
     # when wider. A ratio column would be squeezed out by the others (Rich).
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time, memory"):
+    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time memory"):
         table.add_column(column, overflow="fold", no_wrap=column == "status")
     for run in runs:
         change = measures.improvement(run.base_eval_loss, run.best_eval_loss)

@@ -19,6 +19,13 @@ The estimate is a sum of parts, each from first principles:
   logits       batch x sequence x vocabulary in fp32, a few times over (the
                logits, log-softmax kept for backward, and their gradient);
                large for Qwen's 152k vocabulary
+  dropout      LoRA dropout above 0: each adapted linear keeps its own
+               dropped copy of its input and the mask (one byte an element)
+               for backward: 0.8 MiB a token for SmolLM2-135M, measured
+  heap         on a CPU, what glibc's heap holds beyond the live tensors: the
+               blocks a step frees are not all reused for the next ones, and
+               the resident size (what runs out) counts them; a share of the
+               parts that grow with the batch, fitted on real runs
   overhead     runtime bookkeeping, plus the CUDA context on a GPU
 
 With FSDP (`shards` > 1) each process keeps 1/shards of the weights, gradients
@@ -70,6 +77,12 @@ LOGIT_COPIES = 2.85
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
 # Autograd bookkeeping, batch tensors, kernel workspaces: fitted ~106 MiB.
 RUNTIME_OVERHEAD_BYTES = 100 * 1024 ** 2
+# The CPU heap's share on top of the batch's tensors (activations, logits,
+# dropout copies): peak resident size per token over the live tensors' on
+# SmolLM2-135M-Instruct with the shared datasets (benchmarks/NOTES.md: 1.29 and
+# 1.43 on the two; 1.58 for full-vocabulary logits). GPUs' caching allocator
+# is what max_memory_allocated measures past, so it has none.
+CPU_HEAP_SHARE = 0.36
 
 
 @dataclass(frozen=True)
@@ -124,12 +137,19 @@ class MemoryEstimate:
     budget_bytes: int
 
     gathered_bytes: int = 0  # FSDP: parameters gathered from the other shards to compute
+    heap_bytes: int = 0  # on a CPU: the heap's share beyond the batch's live tensors
+
+    @property
+    def batch_bytes(self) -> int:
+        """What grows with the micro-batch's tokens: activations (LoRA dropout's
+        copies among them), logits, and on a CPU the heap around them."""
+        return self.activations_bytes + self.logits_bytes + self.heap_bytes
 
     @property
     def total_bytes(self) -> int:
         """Estimated peak. Gradients are written while activations are freed, so
         the two overlap in time rather than add up."""
-        in_backward = max(self.gradients_bytes, self.activations_bytes + self.logits_bytes)
+        in_backward = max(self.gradients_bytes, self.batch_bytes)
         return (self.weights_bytes + self.trainable_bytes + self.optimizer_bytes + in_backward + self.overhead_bytes
                 + self.gathered_bytes)
 
@@ -169,12 +189,18 @@ class MemoryOptimizer:
             return int(linear * NF4_BITS_PER_WEIGHT / 8) + other * per_param
         return (linear + other) * per_param
 
-    def activation_bytes_per_token(self, method: str, mixed_precision: str, gradient_checkpointing: bool) -> float:
+    def activation_bytes_per_token(self, method: str, mixed_precision: str, gradient_checkpointing: bool,
+                                   lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = ("all-linear",)) -> float:
         arch = self.arch
         element = 4 if mixed_precision == "no" else 2
         kv = arch.num_kv_heads * (arch.hidden_size // arch.num_attention_heads)
         c = ACTIVATION_COEFFICIENTS["full" if method == "full" else "lora"]
         per_layer = (c["hidden"] * arch.hidden_size + c["intermediate"] * arch.intermediate_size + c["kv"] * kv) * element
+        if method != "full" and lora_dropout > 0:
+            # PEFT applies each adapter's own dropout to its input and keeps the result and the mask.
+            linears = block_linears(arch)
+            chosen = linears if lora_targets == ("all-linear",) else [l for l in linears if l.name in lora_targets]
+            per_layer += sum(l.in_features for l in chosen) * (element + 1)
         if gradient_checkpointing:
             # Each layer keeps only its input; backward recomputes one layer at a time.
             return arch.num_layers * arch.hidden_size * element + per_layer
@@ -183,7 +209,7 @@ class MemoryOptimizer:
     def estimate(self, method: str, micro_batch: int, seq_len: int, mixed_precision: str,
                  gradient_checkpointing: bool, lora_rank: int = 16, lora_targets: tuple[str, ...] = ("all-linear",),
                  optimizer: str = "adamw", trained_fraction: float = 1.0, shards: int = 1,
-                 sequences_per_row: int = 1) -> MemoryEstimate:
+                 sequences_per_row: int = 1, lora_dropout: float = 0.0) -> MemoryEstimate:
         """`trained_fraction`: share of positions whose next token is trained; the
         LM head computes logits only there (prompts and padding get none).
         `shards`: processes an FSDP run shards the model over (1: no sharding).
@@ -193,8 +219,10 @@ class MemoryOptimizer:
         linear, other = parameter_counts(self.arch)
         trained = linear + other if method == "full" else lora_parameters(self.arch, lora_rank, lora_targets)
         tokens = micro_batch * sequences_per_row * seq_len
-        activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing))
+        activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing,
+                                                                    lora_dropout, lora_targets))
         logits = int(tokens * trained_fraction * self.arch.vocab_size * 4 * LOGIT_COPIES)
+        heap = 0 if self.on_gpu else int((activations + logits) * CPU_HEAP_SHARE)
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
         gathered = 0
         if shards > 1:
@@ -214,6 +242,7 @@ class MemoryOptimizer:
             overhead_bytes=overhead,
             budget_bytes=self.budget_bytes,
             gathered_bytes=gathered,
+            heap_bytes=heap,
         )
 
     def largest_micro_batch(self, method: str, seq_len: int, mixed_precision: str, gradient_checkpointing: bool,

@@ -346,7 +346,8 @@ class ParameterOptimizer:
         and gradient checkpointing only where the micro-batch needs it."""
         trained_share = 1.0 if r.get("train_on_prompt", False) else stats.trained_fraction(max_seq_len)
         distributed = self._distributed(r, world_size)
-        shape = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share}
+        shape = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share,
+                 "lora_dropout": r.get("lora_dropout") or 0.0}
         if r.given_value("objective") == "dpo":  # a row is a pair: chosen and rejected in one forward
             shape["sequences_per_row"] = 2
         if distributed == "fsdp" and world_size > 1:

@@ -229,11 +229,11 @@ class ResourceUse:
 def predicted_at(estimate: dict[str, int], tokens: int, planned_tokens: int) -> int:
     """The estimate's peak for a micro-batch of `tokens` padded tokens instead of
     `planned_tokens`: activations and logits grow with the tokens (memory.py),
-    the rest does not."""
+    the rest does not (as `MemoryEstimate.total_bytes` adds them up)."""
     scale = min(1.0, tokens / planned_tokens) if tokens and planned_tokens else 1.0
-    in_backward = max(estimate["gradients_bytes"], (estimate["activations_bytes"] + estimate["logits_bytes"]) * scale)
-    return int(estimate["total_bytes"] - max(estimate["gradients_bytes"],
-                                             estimate["activations_bytes"] + estimate["logits_bytes"]) + in_backward)
+    batch = estimate["activations_bytes"] + estimate["logits_bytes"] + estimate.get("heap_bytes", 0)
+    in_backward = max(estimate["gradients_bytes"], batch * scale)
+    return int(estimate["total_bytes"] - max(estimate["gradients_bytes"], batch) + in_backward)
 
 
 def compare(peak: int, estimate: dict[str, int] | None, on_gpu: bool, gpu_util: float | None,

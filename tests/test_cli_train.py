@@ -80,7 +80,8 @@ def test_eval_split_is_seeded_and_sized(tmp_path, tiny_models):
         assert result.exit_code == 0, result.output
     plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("a", "b")]
     assert plans[0]["eval_rows"] == 12 and plans[0]["train_rows"] == 36
-    evals = [[l for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l] for n in ("a", "b")]
+    evals = [[json.loads(l)["eval_loss"] for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()
+              if "eval_loss" in l] for n in ("a", "b")]
     assert evals[0] == evals[1]  # same seed: same held-out rows, same eval loss
 
 

@@ -42,7 +42,7 @@ RUNS = [
     RunSummary("Qwen2.5-0.5B-Instruct-quality-20250101-120000", "Qwen/Qwen2.5-0.5B-Instruct", "qlora", "interrupted",
                1234, 12000, 1.2345, 1.9, 1100, "2025-01-01T12:00:00", 3 * 3600 + 1234),
     RunSummary("SmolLM2-135M-Instruct-highspeed-20250102-083000", "HuggingFaceTB/SmolLM2-135M-Instruct", "full",
-               "completed", 300, 300, 2.0, 2.5, None, None, 754),
+               "completed", 300, 300, 2.0, 2.5, None, None, 754, peak_bytes=int(5.5 * 1024 ** 3), memory_ratio=1.07),
     RunSummary("mistral-7b-qlora", "mistralai/Mistral-7B-Instruct-v0.3", "qlora", "failed", 12, 5000, None, None,
                None, None, 65),
     RunSummary("done", "/models/tiny-llama", "lora", "running", 5, None, None, None, None, None, None),
@@ -55,7 +55,7 @@ def test_the_runs_table_is_whole_at_80_columns():
     assert "…" not in text and max(len(line) for line in lines) <= 80
     rule = next(i for i, line in enumerate(lines) if "────" in line)
     header = " ".join(lines[:rule])
-    for word in ("run", "model", "(method)", "status", "steps", "eval", "ppl", "time"):
+    for word in ("run", "model", "(method)", "status", "steps", "eval", "ppl", "time", "memory"):
         assert re.search(rf"(?<!\S){re.escape(word)}(?!\S)", header), f"no {word} header"
     # Names fold inside their columns: read each column back down, its pieces joined.
     runs_column, models_column = _column(lines, rule, "run", "model"), _column(lines, rule, "model", "status")
@@ -65,7 +65,7 @@ def test_the_runs_table_is_whole_at_80_columns():
         assert model in models_column
     body = "\n".join(lines[rule + 1:])
     for cell in ("interrupted", "completed", "failed", "1234/12000", "3.437", "(-49%)", "7.389", "300/300",
-                 "12/5000", "5/?", "1m 05s", "12m 34s"):
+                 "12/5000", "5/?", "1m 05s", "12m 34s", "5.5G", "1.07x"):
         assert cell in body, cell
 
 
