@@ -64,10 +64,12 @@ class Option:
             return "text"
         noun = "a whole number" if self.kind is int else "a number"
         parts = []
+        # A whole number's bound in full (a seed's 4294967295, not 4.29497e+09).
+        shown = (lambda bound: f"{int(bound)}" if self.kind is int and float(bound).is_integer() else f"{bound:g}")
         if self.minimum is not None:
-            parts.append(f"above {self.minimum:g}" if self.min_open else f"of at least {self.minimum:g}")
+            parts.append(f"above {shown(self.minimum)}" if self.min_open else f"of at least {shown(self.minimum)}")
         if self.maximum is not None:
-            parts.append(f"below {self.maximum:g}" if self.max_open else f"of at most {self.maximum:g}")
+            parts.append(f"below {shown(self.maximum)}" if self.max_open else f"of at most {shown(self.maximum)}")
         return noun + (" " + " and ".join(parts) if parts else "")
 
     def problem(self, value: Any) -> str | None:
@@ -189,7 +191,9 @@ OPTIONS: tuple[Option, ...] = (
            plan="save_every", minimum=1, commands=_BOTH),
     Option("keep", int, "Checkpoints to keep (plus the best by eval loss). Default: 3.", flag="--keep",
            env="KEEP_CHECKPOINTS", plan="keep_checkpoints", minimum=1, commands=_BOTH),
-    Option("seed", int, "Random seed: same seed, same run.", flag="--seed", env="SEED", plan="seed"),
+    # numpy's and torch's generators take seeds in [0, 2^32): a value outside would fail halfway into the run.
+    Option("seed", int, "Random seed: same seed, same run.", flag="--seed", env="SEED", plan="seed", minimum=0,
+           maximum=2 ** 32 - 1),
     # Memory and precision.
     Option("gradient_checkpointing", bool, "Recompute activations to save memory (slower). Default: only when needed.",
            flag="--gradient-checkpointing", env="GRADIENT_CHECKPOINTING", plan="gradient_checkpointing"),

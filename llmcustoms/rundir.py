@@ -31,6 +31,8 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
 
 STATUSES = ("running", "completed", "failed", "interrupted")
+# Room under a file system's 255-byte name limit for the names made from it (".tmp" files, suffixes).
+MAX_RUN_NAME_BYTES = 200
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -108,6 +110,12 @@ class RunDirectory:
         if run_name in ("", ".", "..") or any(sep in run_name for sep in ("/", "\\")) or Path(run_name).is_absolute():
             raise ConfigError(f"--run-name '{run_name}' is not a plain name.",
                               "Use a name without slashes, such as my-run; --output-dir says where it goes.")
+        # A file name has at most 255 bytes on most file systems; control characters
+        # (a newline) would break every listing and log line that names the run.
+        if len(run_name.encode("utf-8", "replace")) > MAX_RUN_NAME_BYTES or not run_name.isprintable():
+            shown = run_name[:40].encode("unicode_escape").decode("ascii") + ("..." if len(run_name) > 40 else "")
+            raise ConfigError(f"--run-name '{shown}' is too long or holds control characters.",
+                              f"Use at most {MAX_RUN_NAME_BYTES} printable characters, such as my-run.")
         return cls(Path(output_dir) / run_name)
 
     @classmethod

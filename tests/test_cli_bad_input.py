@@ -142,3 +142,21 @@ def test_bad_data_with_several_processes_is_refused_before_any_process_starts(cl
                  "--output-dir", str(tmp_path / "runs"), "--yes")
     out = assert_clean_user_error(result, "line 2", "not a JSON object")
     assert out.count("Error:") == 1 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999"])
+def test_a_seed_outside_what_the_generators_take_is_refused_before_anything_is_written(cli, tmp_path, seed):
+    runs = tmp_path / "runs"
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--seed", seed, "--yes", "--output-dir", str(runs))
+    assert_clean_user_error(result, "--seed")
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("name, said", [("a" * 300, "too long"), ("two\nlines", "two\\nlines")])
+def test_a_run_name_too_long_or_with_control_characters_is_refused_before_anything_is_written(cli, tmp_path, name,
+                                                                                           said):
+    runs = tmp_path / "runs"
+    result = cli("train", str(FIXTURES / "alpaca.jsonl"), "--run-name", name, "--yes", "--output-dir", str(runs))
+    out = assert_clean_user_error(result, "--run-name", said)
+    assert "a" * 41 not in out  # the name is shown cut short, not whole
+    assert not runs.exists()
