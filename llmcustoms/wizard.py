@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -349,8 +350,15 @@ def write_env(path: Path, values: dict[str, str]) -> None:
     lines += [f"{k}={_quote(v)}" for k, v in values.items()]
     if kept:
         lines += ["", "# Kept from the previous file"] + [f"{k}={_quote(v)}" for k, v in kept.items()]
+    # It may hold HF_TOKEN: a new file is the owner's alone (0600); an existing one
+    # keeps the mode its owner gave it. The temporary file never has a wider one.
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.unlink(missing_ok=True)
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write("\n".join(lines) + "\n")
+        os.fchmod(file.fileno(), mode)
     os.replace(tmp, path)
 
 

@@ -247,3 +247,19 @@ def test_declining_to_skip_with_no_one_to_answer_again_stops_and_writes_nothing(
     assert result.returncode == 2, result.stdout + result.stderr
     assert "d.jsonl: 2 of 10 rows fail validation" in " ".join(result.stderr.split())
     assert "answer y to skip them" in said(result) and not env_file.exists()
+
+
+def test_the_env_file_setup_writes_is_the_owners_alone_and_an_existing_files_mode_is_kept(tmp_path):
+    """It may hold HF_TOKEN: a new file is 0600; a file the user made 0640 stays 0640 (never widened to 0644)."""
+    from llmcustoms.wizard import write_env
+
+    new = tmp_path / "new.env"
+    write_env(new, {"LLMCUSTOMS_PRESET": "quality"})
+    assert new.stat().st_mode & 0o777 == 0o600
+    existing = tmp_path / "existing.env"
+    existing.write_text("HF_TOKEN=hf_notarealtokenbutlongenough000000\n")
+    os.chmod(existing, 0o640)
+    write_env(existing, {"LLMCUSTOMS_PRESET": "quality"})
+    assert existing.stat().st_mode & 0o777 == 0o640
+    assert "HF_TOKEN=hf_notarealtokenbutlongenough000000" in existing.read_text()
+    assert not list(tmp_path.glob(".*.tmp"))
