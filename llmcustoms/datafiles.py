@@ -329,6 +329,11 @@ def read_rows(path: Path) -> Iterator[RawRow]:
     if path.is_dir():
         yield from _read_saved_dataset(path)
         return
+    if not path.is_file():
+        # A FIFO would wait forever for a writer; a device such as /dev/zero (or a
+        # link to one) never ends and would fill the memory.
+        raise DataError(f"{path} is not a regular file (a pipe, device or socket).",
+                        "Save the data to a file first and pass that file.")
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
         raise DataError(f"{path.name}: unsupported file type '{suffix or '(none)'}'.",

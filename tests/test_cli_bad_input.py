@@ -160,3 +160,19 @@ def test_a_run_name_too_long_or_with_control_characters_is_refused_before_anythi
     out = assert_clean_user_error(result, "--run-name", said)
     assert "a" * 41 not in out  # the name is shown cut short, not whole
     assert not runs.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_data_that_is_not_a_regular_file_is_refused_at_once(cli, tmp_path, kind):
+    """A FIFO would hang the reader forever; a link to /dev/zero would read until memory ran out."""
+    import os
+
+    data = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(data)
+    else:
+        data.symlink_to("/dev/zero")
+    runs = tmp_path / "runs"
+    result = cli("train", str(data), "--yes", "--output-dir", str(runs), timeout=60)
+    assert_clean_user_error(result, "is not a regular file")
+    assert not runs.exists()
