@@ -17,22 +17,12 @@ from llmcustoms.chatturns import RowProblem
 from llmcustoms.errors import ConfigError, DataError
 from llmcustoms.failurereport import (MESSAGE_CHARS, REDACTED, classify, format_traceback, redact,
                                       save_failure_report)
-from llmcustoms.plan import LoraSettings, Plan
 from llmcustoms.rundir import RunDirectory
+from test_checkpoints import plan
 
 # Fake, but shaped as the real ones are.
 HF_TOKEN = "hf_" + "Zq3xK9LmP2vR7tY1wE5uI8oA4sD6fG0hJk"
 OPENAI_KEY = "sk-" + "proj-AbCdEfGhIjKlMnOpQrStUv"
-
-
-def plan(**changes) -> Plan:
-    fields = dict(model="m", family="llama", model_type="llama", preset="quality", method="lora", micro_batch_size=8,
-                  grad_accum=2, effective_batch_size=16, max_seq_len=512, gradient_checkpointing=False,
-                  mixed_precision="bf16", lr=2e-4, lr_scheduler="cosine", warmup_steps=0, weight_decay=0.0,
-                  max_grad_norm=1.0, epochs=1.0, steps_per_epoch=10, total_steps=10, eval_every=0,
-                  early_stopping_patience=0, save_every=5, keep_checkpoints=3, seed=1, train_on_prompt=False,
-                  trust_remote_code=False, train_rows=160, eval_rows=0, lora=LoraSettings(16, 32, 0.0, ("q_proj",)))
-    return Plan(**{**fields, **changes})
 
 
 def raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
