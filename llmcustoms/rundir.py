@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from llmcustoms import runlock
 from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
 
@@ -238,18 +239,10 @@ class RunDirectory:
         return status if isinstance(status, dict) else {}
 
     def running_pid(self) -> int | None:
-        """The pid of a live process training this run, if there is one."""
-        status = self.read_status()
-        pid = status.get("pid")
-        if status.get("status") != "running" or not isinstance(pid, int) or pid == os.getpid():
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None  # died without a word (kill -9, power loss): resumable
-        except PermissionError:
-            pass  # alive, another user's
-        return pid
+        """The pid of another process training this run (holding its lock), if
+        there is one. Not status.json's: a process killed with kill -9 leaves it
+        saying `running`, and its pid may be another program's by now."""
+        return runlock.holder(self.path)
 
     def write_status(self, status: str, **fields: Any) -> dict[str, Any]:
         assert status in STATUSES, status

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms import launching
+from llmcustoms import launching, runlock
 from llmcustoms.checkpoints import ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.settings import Settings, load_settings
@@ -118,17 +118,33 @@ def launch_train(options: Any, session: Session, launch: Launch, run_name: str |
     # Every process must write to the same run: name it once, here.
     name = run_name or default_run_name(options.model or "auto", options.preset or "quality")
     target = RunDirectory.inside(session.output_dir, name)
-    target.check_available(overwrite)
     argv = launching.strip_launch_options(sys.argv[1:])
     argv += [] if run_name else ["--run-name", name]
     argv += [] if yes else ["--yes"]  # the processes cannot ask
-    return launch.relaunch(argv, target.path, session.resume_options())
+    # The launcher owns the run for all its processes (and their restarts); they do not lock it.
+    with runlock.owning(target.path, "starting another run in it"):
+        target.check_available(overwrite)
+        return launch.relaunch(argv, target.path, session.resume_options())
 
 
 def train(options: Any, session: Session, run_name: str | None, overwrite: bool, yes: bool,
           confirm: Callable[[str], bool]) -> Any:
     """Plan, show the plan, ask, train. Returns the `TrainResult` (None when
-    the user declined or this is not the main process)."""
+    the user declined or this is not the main process).
+
+    A named run is locked before anything else: a second `train` of the same
+    name (or `--overwrite` of a run that is training) is refused before its
+    data preparation, not after it."""
+    from llmcustoms.rundir import RunDirectory
+
+    if run_name and not launching.inside_launch():
+        with runlock.owning(RunDirectory.inside(session.output_dir, run_name).path, "starting another run in it"):
+            return _train(options, session, run_name, overwrite, yes, confirm)
+    return _train(options, session, run_name, overwrite, yes, confirm)
+
+
+def _train(options: Any, session: Session, run_name: str | None, overwrite: bool, yes: bool,
+           confirm: Callable[[str], bool]) -> Any:
     from llmcustoms import console as ui
     from llmcustoms.dataview import PreparationProgress, show_prepared
     from llmcustoms.preflight import check_disk_space, usable_hardware
@@ -157,19 +173,22 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
         ui.show_plan(plan, hardware)
         if not yes and not confirm("Start training?"):
             return None
-    if launching.is_main_process():
-        run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
-        run_dir.write_plan(plan)
-        run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: said from the start
-    wait_for_all_processes(world)
-    return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
+    # Re-entrant: a named run is held already; a run named just now is locked here, before it is made.
+    with nullcontext() if launching.inside_launch() else runlock.owning(run_dir.path, "starting another run in it"):
+        if launching.is_main_process():
+            run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
+            run_dir.write_plan(plan)
+            run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: from the start
+        wait_for_all_processes(world)
+        return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
 
 
 def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int:
     # A damaged run, a finished one, a bad --from or --epochs fail here, once, not in every process.
     target = _resumable(run_dir, session)
     options = session.resume_options()
-    return launch.relaunch(["resume", str(target.path)] + options + session.start_options(), target.path, options)
+    with runlock.owning(target.path, "resuming it"):  # for all the processes it starts
+        return launch.relaunch(["resume", str(target.path)] + options + session.start_options(), target.path, options)
 
 
 def _resumable(run_dir: Path | None, session: Session) -> Any:
@@ -188,15 +207,24 @@ def _resumable(run_dir: Path | None, session: Session) -> Any:
         plan.extended_to(start.epochs)  # an error now, before the data is read, if it is no extension
     if start.step is not None:
         CheckpointManager(directory.checkpoints_path, keep=1).verified(start.step)
-    if directory.running_pid() is not None and launching.world_size() == 1:
-        raise LlmcustomsError(f"{directory.path} is being trained right now (process {directory.running_pid()}).",
+    pid = None if launching.inside_launch() else directory.running_pid()  # a launcher holds it for its processes
+    if pid is not None:
+        raise LlmcustomsError(f"{directory.path} is being trained right now (process {pid or '?'}).",
                               "Wait for it, or stop it with Ctrl-C first; then resume.")
     return directory
 
 
 def resume(run_dir: Path | None, session: Session) -> Any:
     """Continue a run from its last good checkpoint; returns the `TrainResult`
-    (None on a process other than the main one)."""
+    (None on a process other than the main one). The run is locked for it."""
+    if launching.inside_launch():
+        return _resume(run_dir, session)
+    directory = _resumable(run_dir, session)
+    with runlock.owning(directory.path, "resuming it"):
+        return _resume(directory.path, session)
+
+
+def _resume(run_dir: Path | None, session: Session) -> Any:
     from llmcustoms import console as ui
     from llmcustoms.preflight import check_disk_space
     from llmcustoms.preparation import prepare_resume

@@ -29,6 +29,7 @@ from llmcustoms.memory import MemoryOptimizer
 from llmcustoms.plan import LoraSettings, Plan
 from llmcustoms.preparation import PreparedRun
 from llmcustoms.presets import TUNABLE_FIELDS, TrainingPreset, load_families, find_model_spec, parse_preset
+from llmcustoms import runlock
 from llmcustoms.rundir import RunDirectory
 
 RANKS = (4, 8, 16, 32, 64)
@@ -250,9 +251,14 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
     outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
 
     def objective(trial: Any) -> float:
+        # Trial numbers are unique in a shared study; the lock keeps a stray second `tune` out anyway.
+        run_dir = RunDirectory(settings.study_dir / f"trial-{trial.number:04d}")
+        with runlock.owning(run_dir.path, "running a trial in it"):
+            return run_trial(trial, run_dir)
+
+    def run_trial(trial: Any, run_dir: RunDirectory) -> float:
         params = space.suggest(trial)
         plan = trial_plan(base, params, settings.steps)
-        run_dir = RunDirectory(settings.study_dir / f"trial-{trial.number:04d}")
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
         last: dict[str, float] = {}

@@ -1,0 +1,118 @@
+"""One owner per run directory: the lock `train`, `resume` and tune trials hold.
+
+Without it, `train --overwrite` deleted a run that was training under it, and
+two `resume` of one run both trained it (one deleting the other's checkpoint
+in progress, or both appending the same steps to metrics.jsonl).
+
+The lock is `fcntl.flock` on a file beside the run directory, `.NAME.lock` in
+its parent, not inside it: `--overwrite` deletes and remakes the directory,
+and a lock on a deleted file would let a third command in. The OS releases a
+flock when its process dies, kill -9 included, so a killed run never leaves a
+stale lock and nothing has to be cleaned up. The lock files stay (empty but
+for the holder's pid): deleting one while another process waits to lock it
+is the classic race that lets two owners in.
+
+Within one process the lock is re-entrant (a tuning study runs many trials,
+tests run many commands in one interpreter): flock would refuse a second
+description of the same file even to its own process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from llmcustoms.errors import ConfigError
+
+# Held in this process: lock file -> (descriptor, how many holds).
+_held: dict[Path, tuple[int, int]] = {}
+
+
+def lock_path(run_dir: Path) -> Path:
+    run_dir = Path(run_dir).absolute()
+    return run_dir.parent / f".{run_dir.name}.lock"
+
+
+def holder(run_dir: Path) -> int | None:
+    """The pid of another process holding the run's lock, or None (free, or ours).
+    0 when it is held but the holder did not say who it is."""
+    path = lock_path(run_dir)
+    if path in _held or not path.exists():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid_in(fd)
+    finally:
+        os.close(fd)  # closing the descriptor drops a lock it took
+    return None
+
+
+@contextmanager
+def owning(run_dir: Path, doing: str) -> Iterator[None]:
+    """Hold the run's lock for the block; a run held by another process is
+    refused at once (exit 2), before anything is read or written. `doing` says
+    what this command was about to do, for the message."""
+    path = lock_path(run_dir)
+    _take(path, run_dir, doing)
+    try:
+        yield
+    finally:
+        _release(path)
+
+
+def _take(path: Path, run_dir: Path, doing: str) -> None:
+    if path in _held:
+        fd, holds = _held[path]
+        _held[path] = (fd, holds + 1)
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"Cannot lock the run directory {run_dir}: {exc.strerror} ({path}).",
+                          "Check that you can write to its parent directory (--output-dir).") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(fd)
+        os.close(fd)
+        who = f"process {pid}" if pid else "another process"
+        raise ConfigError(f"{run_dir} is in use by another llmcustoms command ({who}); not {doing}.",
+                          "Wait for it to finish, or stop it (Ctrl-C) and run this again; "
+                          "or choose another --run-name.") from None
+    _write_pid(fd)
+    _held[path] = (fd, 1)
+
+
+def _release(path: Path) -> None:
+    fd, holds = _held[path]
+    if holds > 1:
+        _held[path] = (fd, holds - 1)
+        return
+    del _held[path]
+    os.close(fd)  # releases the flock
+
+
+def _write_pid(fd: int) -> None:
+    # Only for the message another command shows; a full disk must not stop the run here.
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError:
+        pass
+
+
+def _pid_in(fd: int) -> int:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
