@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.checkpointcontent import Unusable, safetensors_header
 from llmcustoms.checkpoints import CheckpointManager
 from llmcustoms.filemodes import make_readable
 
@@ -62,11 +63,14 @@ class BestWeightFiles:
             os.close(directory)
 
     def load(self, step: int) -> dict[str, Any] | None:
-        """The weights kept for `step`, or None if there are none."""
+        """The weights kept for `step`, or None if there are none (or their file is not safetensors)."""
         from safetensors.torch import load_file
 
-        path = self.path(step)
-        return load_file(str(path)) if path.is_file() else None
+        try:
+            safetensors_header(self.path(step))
+        except Unusable:
+            return None
+        return load_file(str(self.path(step)))
 
     def forget_after(self, step: int) -> None:
         """Drop what was kept after `step`: the run went back to a checkpoint of `step`."""
@@ -115,14 +119,11 @@ class BestWeights:
         return False
 
     def _named_by_checkpoints(self) -> set[int | None]:
-        """The best step each checkpoint's state names: a rollback to it needs that file."""
-        named = set()
-        for checkpoint in self.checkpoints.all():
-            try:
-                named.add(checkpoint.state().get("best_step"))
-            except (OSError, ValueError):
-                continue  # half-deleted by a kill during pruning: never restored from
-        return named
+        """The best step each checkpoint's state names: a rollback to it needs that
+        file. Only a verified state is read: a checkpoint half-deleted by a kill,
+        or damaged, is never restored from, and its state may be any bytes."""
+        states = (self.checkpoints.verified_state(checkpoint) for checkpoint in self.checkpoints.all())
+        return {state.get("best_step") for state in states if state is not None}
 
     def went_back_to(self, step: int) -> None:
         """The run continues from a checkpoint of `step`: forget what came after it."""
@@ -135,7 +136,7 @@ class BestWeights:
         account of it: `kept_step`, `kept` (why), `last_output`."""
         output, last = self.run_dir.output_path(method), self.run_dir.last_output_path(method)
         best = position.best_step
-        weights = self._load(best) if best is not None and best != position.step else None
+        weights = self._load(best, model) if best is not None and best != position.step else None
         if not self.processes.main_decides(weights is not None):
             self.processes.save_trained(model, tokenizer, output)
             if self.processes.is_main:  # one left by the run before `resume --epochs` extended it: stale now
@@ -150,19 +151,30 @@ class BestWeights:
                 "kept": f"the best evaluation's: eval loss {position.best_eval:.4f} at step {best} "
                         f"(the last step, {position.step}{last_eval}, is in {last.name}/)"}
 
-    def _load(self, step: int) -> dict[str, Any] | None:
+    def _load(self, step: int, model: Any) -> dict[str, Any] | None:
         """The kept weights of `step` on the main process (None if they cannot be
-        read); the other processes get {}: under FSDP the main one shards them out."""
+        read, or do not fit `model`); the other processes get {}: under FSDP the
+        main one shards them out."""
+        from safetensors.torch import load_file
+
         if not self.processes.is_main:
             return {}
-        if not self.full:
-            weights = self.files.load(step)
-        else:
+        if self.full:
             checkpoint = self.checkpoints.at(step)
-            weights = None if self.checkpoints.verify(checkpoint.path) else checkpoint.tensors("model.safetensors")
-        if weights is None:
-            self.warn(f"the weights of the best evaluation (step {step}) are missing; keeping the last step's")
-        return weights
+            path = checkpoint.path / "model.safetensors"
+            problem = self.checkpoints.verify(checkpoint.path) if checkpoint.path.is_dir() else "its checkpoint is gone"
+        else:
+            path = self.files.path(step)
+            problem = None if path.is_file() else f"{path.name} is gone"
+        try:  # the header against the model, before anything is loaded
+            problem = problem or self.processes.weights_problem(model, safetensors_header(path), path.name)
+        except Unusable as unusable:
+            problem = str(unusable)
+        if problem is not None:
+            self.warn(f"the weights of the best evaluation (step {step}) cannot be used ({problem}); "
+                      "keeping the last step's")
+            return None
+        return load_file(str(path))
 
 
 def _why_last(position: Any, best: int | None) -> str:

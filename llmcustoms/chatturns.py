@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+from llmcustoms.rawrows import DEEP_JSON, MAX_DEPTH, BeyondLimits, parse_json, too_deep
+
 ROLES = ("system", "user", "assistant", "tool")
 # "developer" is what newer OpenAI exports call the system turn.
 OPENAI_ROLES = {**{role: role for role in ROLES}, "developer": "system"}
@@ -226,21 +228,30 @@ def _arguments(arguments: Any, where: str) -> str:
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         arguments = {}
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise RowProblem(f"tool call arguments are not valid JSON ({where})") from None
+        arguments = _json_text(arguments, "tool call arguments are", where)
     if not isinstance(arguments, dict):
         raise RowProblem(f"tool call arguments must be an object, found {type(arguments).__name__} ({where})")
+    if too_deep(arguments):  # json.dumps and the template recurse through them
+        raise RowProblem(f"tool call arguments are nested more than {MAX_DEPTH} levels deep ({where})")
     return json.dumps(arguments, ensure_ascii=False)
+
+
+def _json_text(text: str, subject: str, where: str = "") -> Any:
+    """JSON held as text in a field, parsed within the limits on a row."""
+    place = f" ({where})" if where else ""
+    try:
+        return parse_json(text)
+    except json.JSONDecodeError:
+        raise RowProblem(f"{subject} not valid JSON{place}") from None
+    except BeyondLimits as exc:
+        if str(exc) == DEEP_JSON:
+            raise RowProblem(f"{subject} {exc}{place}") from None
+        raise RowProblem(f"{subject.rsplit(' ', 1)[0]}: {exc}{place}") from None  # "tool call arguments: text that..."
 
 
 def _sharegpt_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise RowProblem(f"function_call value is not valid JSON ({where})") from None
+        value = _json_text(value, "function_call value is", where)
     calls = value if isinstance(value, list) else [value]
     if not calls:
         raise RowProblem(f"function_call without a call ({where})")
@@ -276,12 +287,11 @@ def tools_field(value: dict) -> str:
     if tools is None or (isinstance(tools, str) and not tools.strip()):
         return ""
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise RowProblem("field 'tools' is not valid JSON") from None
+        tools = _json_text(tools, "field 'tools' is")
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise RowProblem(f"field 'tools' must be a list of tool schemas, found {type(tools).__name__}")
+    if too_deep(tools):  # json.dumps and the template recurse through them
+        raise RowProblem(f"field 'tools' is nested more than {MAX_DEPTH} levels deep")
     # A bare {name, description, parameters} is wrapped the way OpenAI-compatible
     # servers pass tools to the template, so training and serving agree.
     wrapped = [tool if "function" in tool else {"type": "function", "function": tool} for tool in tools]

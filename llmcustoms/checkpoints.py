@@ -12,7 +12,11 @@ safetensors and JSON:
 It is written into a temporary directory and renamed into place, so a process
 killed at any moment (even mid-save) leaves either the whole checkpoint or
 none. A checkpoint whose manifest is missing or does not verify does not
-exist: it is skipped with a warning. Nothing is ever unpickled.
+exist: it is skipped with a warning, and so is one whose files are not what
+they must be (`checkpointcontent`) or whose tensors do not fit the model being
+trained (the manager's `check`). Deleting one (pruning, going back to an
+earlier step) first renames it out of the step-N names, so a kill mid-delete
+never leaves a half-deleted step-N. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.checkpointcontent import Unusable, manifest_problem, read_json, safetensors_header, state_problem
 from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
 
@@ -55,6 +60,10 @@ def _fsync(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A checkpoint directory. Read `state` and `tensors` only of one that
+    `CheckpointManager.verify` (or `latest`, `verified`) has passed: anything
+    else may be half-deleted, truncated or of another shape."""
+
     path: Path
     step: int
 
@@ -109,14 +118,27 @@ class ResumeFrom:
 
 
 class CheckpointManager:
-    def __init__(self, directory: Path, keep: int, warn: Callable[[str], None] = lambda message: None):
+    """`check`, given by the training loop, says what keeps an intact checkpoint
+    from being restored into the model and optimizer it has (tensors of other
+    names, shapes or dtypes), or None; `latest` and `verified` use it after `verify`."""
+
+    def __init__(self, directory: Path, keep: int, warn: Callable[[str], None] = lambda message: None,
+                 check: Callable[[Checkpoint], str | None] = lambda checkpoint: None,
+                 point: Callable[[int | None, str], None] = lambda step, where: None):
+        """`point(step, where)` is called at each point of a save (step) or a delete
+        (None) where a kill would leave the disk in another state: fault injection
+        (`faults.kill_saving`) kills the process there."""
         self.directory = Path(directory)
         self.keep = max(1, keep)
         self.warn = warn
+        self.check = check
+        self.point = point
 
     def save(self, step: int, tensors: dict[str, dict[str, Any]], state: dict[str, Any]) -> Checkpoint:
         """Write a checkpoint atomically. `tensors` maps each of TENSOR_FILES to a
-        flat {name: tensor} dict; `state` must be JSON-serialisable."""
+        flat {name: tensor} dict; `state` must be JSON-serialisable. A write that
+        fails (a full disk) removes what it wrote, and raises: the checkpoints
+        before it are as they were."""
         from safetensors.torch import save_file
 
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -125,48 +147,71 @@ class CheckpointManager:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        for name in TENSOR_FILES:
-            # safetensors needs contiguous tensors that own their memory
-            save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.get(name, {}).items()},
-                      str(tmp / name))
-        (tmp / STATE_FILE).write_text(json.dumps(state))
-        make_readable(tmp)
-        files = {}
-        for name in TENSOR_FILES + (STATE_FILE,):
-            _fsync(tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
-        _fsync(tmp / MANIFEST)
+        self.point(step, "started")
+        try:
+            for name in TENSOR_FILES:
+                # safetensors needs contiguous tensors that own their memory
+                save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.get(name, {}).items()},
+                          str(tmp / name))
+                self.point(step, name)
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            self.point(step, STATE_FILE)
+            make_readable(tmp)
+            files = {}
+            for name in TENSOR_FILES + (STATE_FILE,):
+                _fsync(tmp / name)
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
+            _fsync(tmp / MANIFEST)
+            self.point(step, MANIFEST)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # its room back at once: the disk may be full
+            raise
         if final.exists():
             # Re-saving a step (after a rollback): move the old one aside first,
             # so there is never a moment without a complete checkpoint.
             old = self.directory / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
+            self.point(step, "moved aside")
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
+        self.point(step, "renamed")
         _fsync(self.directory)
         return Checkpoint(final, step)
 
     def verify(self, path: Path) -> str | None:
-        """None if the checkpoint is complete and intact, else what is wrong."""
+        """None if the checkpoint is complete and intact and its files hold what
+        they must (`checkpointcontent`: the manifest's shape, each safetensors
+        header, state.json's values), else what is wrong. Never raises on any
+        bytes, and never imports torch (`generate` lists checkpoints without it)."""
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
-            return "no readable manifest"
-        files = manifest.get("files", {})
-        for name in TENSOR_FILES + (STATE_FILE,):
-            if name not in files:
-                return f"{name} is not in the manifest"
-            file = path / name
-            if not file.is_file():
-                return f"{name} is missing"
-            if file.stat().st_size != files[name]["size"]:
-                return f"{name} has the wrong size (truncated?)"
-            if _sha256(file) != files[name]["sha256"]:
-                return f"{name} does not match its checksum"
-        return None
+            manifest = _manifest(path)
+            for name in TENSOR_FILES + (STATE_FILE,):
+                _check_intact(path / name, manifest["files"][name])
+            for name in TENSOR_FILES:
+                safetensors_header(path / name)
+            return state_problem(read_json(path / STATE_FILE), _step_of(path))
+        except Unusable as unusable:
+            return str(unusable)
+
+    def problem(self, checkpoint: Checkpoint) -> str | None:
+        """What keeps `checkpoint` from being restored: `verify`, then `check`."""
+        if not checkpoint.path.is_dir():
+            return "there is none"
+        return self.verify(checkpoint.path) or self.check(checkpoint)
+
+    def verified_state(self, checkpoint: Checkpoint) -> dict[str, Any] | None:
+        """The checkpoint's state.json if it matches its manifest and holds what it
+        must, else None: cheaper than `verify`, for readers of the state alone."""
+        try:
+            manifest = _manifest(checkpoint.path)
+            _check_intact(checkpoint.path / STATE_FILE, manifest["files"][STATE_FILE])
+            state = read_json(checkpoint.path / STATE_FILE)
+        except Unusable:
+            return None
+        return state if state_problem(state, checkpoint.step) is None else None
 
     def all(self) -> list[Checkpoint]:
         """Every checkpoint directory by name, newest first, unverified."""
@@ -184,12 +229,12 @@ class CheckpointManager:
         return Checkpoint(self.directory / f"step-{step:06d}", step)
 
     def verified(self, step: int) -> Checkpoint:
-        """The checkpoint of `step` if it verifies; else an error naming those that do."""
+        """The checkpoint of `step` if it verifies and fits (`check`); else an error naming those that do."""
         checkpoint = self.at(step)
-        problem = self.verify(checkpoint.path) if checkpoint.path.is_dir() else "there is none"
+        problem = self.problem(checkpoint)
         if problem is None:
             return checkpoint
-        good = [f"step-{c.step}" for c in reversed(self.all()) if self.verify(c.path) is None]
+        good = [f"step-{c.step}" for c in reversed(self.all()) if self.problem(c) is None]
         raise ConfigError(f"{self.directory.parent} has no usable checkpoint of step {step} ({problem}).",
                           f"Its verified checkpoints: {', '.join(good)}." if good else "It has no verified checkpoint.")
 
@@ -198,29 +243,101 @@ class CheckpointManager:
         on from `step`, they belong to a future that will not happen, and the
         newest checkpoint must be one of the run that goes on."""
         removed = sorted(c.step for c in self.all() if c.step > step)
-        for later in removed:
-            shutil.rmtree(self.at(later).path, ignore_errors=True)
+        self._delete([self.at(later).path for later in removed])
         return removed
 
     def latest(self) -> Checkpoint | None:
-        """The newest checkpoint that verifies; broken ones are reported and skipped."""
+        """The newest checkpoint that verifies and fits (`check`); others are reported and skipped."""
         for checkpoint in self.all():
-            problem = self.verify(checkpoint.path)
+            problem = self.problem(checkpoint)
             if problem is None:
                 return checkpoint
             self.warn(f"checkpoint {checkpoint.path.name} is unusable ({problem}); trying an older one")
         return None
 
     def prune(self, best_step: int | None) -> None:
-        """Keep the newest `keep` checkpoints and the one of `best_step` (the best
-        evaluation's weights, in a full fine-tuning run)."""
-        for index, checkpoint in enumerate(self.all()):
-            if index >= self.keep and checkpoint.step != best_step:
-                shutil.rmtree(checkpoint.path, ignore_errors=True)
-        for leftover in self.directory.glob(".tmp-*"):
-            if not leftover.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(leftover, ignore_errors=True)  # from a process killed mid-save
+        """Keep the newest `keep` whole checkpoints and the one of `best_step` (the
+        best evaluation's weights, in a full fine-tuning run). One that is not
+        whole (half-deleted by a kill, truncated) is deleted: it is never read.
+        Whole means its files have the manifest's sizes; hashing every kept
+        checkpoint at every save would cost more than a checkpoint's worth."""
+        kept, doomed = 0, []
+        for checkpoint in self.all():
+            if _whole(checkpoint.path) and (kept < self.keep or checkpoint.step == best_step):
+                kept += 1
+            else:
+                doomed.append(checkpoint.path)
+        self._delete(doomed)
+        mine = f"-{os.getpid()}"
+        for leftover in self.directory.glob(".*-step-*"):
+            # .tmp- and .old-: from a process killed mid-save (this one's own are its
+            # save's to finish); .deleting-: from a kill, or a failure, mid-delete.
+            if leftover.name.startswith(".deleting-") or (
+                    leftover.name.startswith((".tmp-", ".old-")) and not leftover.name.endswith(mine)):
+                shutil.rmtree(leftover, ignore_errors=True)
 
+    def _delete(self, paths: list[Path]) -> None:
+        """Delete checkpoints: each first renamed out of the step-N names (all of
+        them before any file goes), so a kill or a failure mid-delete leaves
+        .deleting- leftovers that `prune` removes, never a half-deleted step-N
+        that later saves and resumes would read."""
+        renamed = []
+        for path in paths:
+            doomed = self.directory / f".deleting-{path.name}-{os.getpid()}"
+            if doomed.exists():  # left by a failed delete of this step before
+                shutil.rmtree(doomed, ignore_errors=True)
+            try:
+                os.replace(path, doomed)
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                self.warn(f"checkpoint {path.name} could not be deleted ({error.strerror or error})")
+                continue
+            renamed.append(doomed)
+        if renamed:
+            _fsync(self.directory)  # the renames outlive a power loss before the files go
+        for doomed in renamed:
+            self.point(None, "deleting")
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int | None:
+    match = NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, of the right shape; Unusable if not."""
+    if not (path / MANIFEST).is_file():
+        raise Unusable("no readable manifest")
+    manifest = read_json(path / MANIFEST)
+    problem = manifest_problem(manifest, _step_of(path), TENSOR_FILES + (STATE_FILE,))
+    if problem is not None:
+        raise Unusable(problem)
+    return manifest
+
+
+def _check_intact(file: Path, entry: dict[str, Any]) -> None:
+    """Unusable unless `file` has the size and sha256 its manifest `entry` gives."""
+    try:
+        if not file.is_file():
+            raise Unusable(f"{file.name} is missing")
+        if file.stat().st_size != entry["size"]:
+            raise Unusable(f"{file.name} has the wrong size (truncated?)")
+        if _sha256(file) != entry["sha256"]:
+            raise Unusable(f"{file.name} does not match its checksum")
+    except OSError as error:
+        raise Unusable(f"{file.name} cannot be read ({error.strerror or error})") from None
+
+
+def _whole(path: Path) -> bool:
+    """Whether a checkpoint has its manifest and every file of the manifest's size (not hashed)."""
+    try:
+        manifest = _manifest(path)
+        return all((path / name).stat().st_size == manifest["files"][name]["size"]
+                   for name in TENSOR_FILES + (STATE_FILE,))
+    except (Unusable, OSError):
+        return False
 
 # ------------------------------------------------ state to tensors and JSON
 

@@ -79,10 +79,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version_cal
     """Fine-tune a small open LLM on your own data with one command."""
 
 
-def _session(values: dict[str, Any], env_file: Optional[Path], quiet: bool = False) -> Any:
+def _session(values: dict[str, Any], env_file: Optional[Path], quiet: bool = False, allowed: Any = None) -> Any:
     from llmcustoms.training import Session
 
-    return Session.load(flags.given_values(values), env_file, quiet)
+    return Session.load(flags.given_values(values), env_file, quiet, allowed)
 
 
 @app.command(cls=flags.Command)
@@ -113,11 +113,12 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
 
 @app.command(cls=flags.Command)
 @takes_options("resume")
+@flags.takes_permissions
 def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, reset_optimizer: flags.ResetOptimizer = False,
            epochs: flags.ResumeEpochs = None, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
            machine_rank: flags.MachineRank = 0, main_process_ip: flags.MainIp = None,
-           main_process_port: flags.MainPort = None, **values: Any) -> None:
+           main_process_port: flags.MainPort = None, allowed: Any = None, **values: Any) -> None:
     """Continue an interrupted or failed run from its checkpoint.
 
     From the last good checkpoint or --from one, with any number of processes; --epochs extends a run."""
@@ -125,7 +126,7 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
-        session = _session(values, env_file, quiet).resuming(from_step, reset_optimizer, epochs)
+        session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs)
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
@@ -267,12 +268,6 @@ def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
         ui.show_runs(output_dir, list_runs(output_dir))
 
 
-def _run_directory(path: Path) -> Any:
-    from llmcustoms.rundir import RunDirectory
-
-    return RunDirectory.existing(path)
-
-
 @app.command(cls=flags.Command)
 def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
     """Analyse a run and say what to change.
@@ -282,17 +277,19 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
         from llmcustoms import console as ui
         from llmcustoms.report import analyse
         from llmcustoms.report import plot as draw
+        from llmcustoms.rundir import RunDirectory
 
-        directory = _run_directory(run)
+        directory = RunDirectory.existing(run)
         ui.show_report(analyse(directory))
         if plot:
             console.print(f"Wrote {draw(directory)}")
 
 
 @app.command(cls=flags.Command)
+@flags.takes_permissions
 def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: flags.Prompt = None,
              checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 256,
-             temperature: flags.Temperature = 0.7, seed: flags.Seed = None) -> None:
+             temperature: flags.Temperature = 0.7, seed: flags.Seed = None, allowed: Any = None) -> None:
     """Generate a reply to one prompt with the run's model.
 
     The reply goes to stdout, what is being loaded to stderr."""
@@ -302,15 +299,16 @@ def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: f
 
         if (prompt is None) == (prompt_option is None):
             raise LlmcustomsError("Give one prompt.", f'For example: llmcustoms generate {run} "What do bees make?"')
-        trained = open_trained(_run_directory(run), checkpoint, ui.waiting, ui.print_warning, seed)
+        trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, seed, allowed)
         trained.reply([{"role": "user", "content": prompt or prompt_option or ""}], max_new_tokens, temperature,
                       on_text=dialog.write_piece)
         dialog.write_piece("\n")
 
 
 @app.command(cls=flags.Command)
+@flags.takes_permissions
 def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 512,
-         temperature: flags.Temperature = 0.7, system: flags.System = None) -> None:
+         temperature: flags.Temperature = 0.7, system: flags.System = None, allowed: Any = None) -> None:
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over.
 
     Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""
@@ -318,21 +316,22 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
         from llmcustoms import console as ui, dialog
         from llmcustoms.generation import open_trained
 
-        trained = open_trained(_run_directory(run), checkpoint, ui.waiting, ui.print_warning)
+        trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, allowed=allowed)
         start = [{"role": "system", "content": system}] if system else []
         dialog.chat_loop(lambda messages, on_text: trained.reply(messages, max_new_tokens, temperature, on_text),
                          start, str(run), trained.description)
 
 
 @app.command(cls=flags.Command)
+@flags.takes_permissions
 def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = False, dtype: flags.Dtype = "auto",
-           overwrite: flags.ExportOverwrite = False) -> None:
+           overwrite: flags.ExportOverwrite = False, allowed: Any = None) -> None:
     """Copy the adapter, or merge it into a standalone model."""
     with ending():
         from llmcustoms import console as ui
         from llmcustoms.export import export_run
 
-        written = export_run(_run_directory(run), output, merge, dtype, overwrite, ui.waiting)
+        written = export_run(run, output, merge, dtype, overwrite, ui.waiting, allowed)
     console.print(f"Exported {written.what} to {written.path}")
 
 

@@ -8,58 +8,48 @@ so a file larger than RAM can be read. A row that cannot be parsed is yielded
 with its `problem` (the caller's bad-row policy decides); a file whose
 structure is broken (a JSON array cut in half) raises `DataError` naming the
 line. Nothing here shows a row's content: the data may be private. No torch.
+
+The limits on one row are `rawrows.py`'s: a row with a lone surrogate, or
+nested too deeply for the json module, is a bad row. One longer than
+`MAX_ROW_BYTES` (64 MiB) is a bad row in JSON Lines, skipped unread; in a
+JSON array, a single JSON object or a CSV file it is a `DataError` (so is a
+row of a JSON array nested too deeply), since where the next row starts
+cannot be found without reading it. `tablefiles.py` reads CSV, Parquet and
+the Arrow rows of saved datasets, a batch at a time.
 """
 
 from __future__ import annotations
 
 import codecs
-import csv
 import functools
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Iterator
 
+from llmcustoms import rawrows
 from llmcustoms.errors import DataError
+from llmcustoms.rawrows import NOT_UNICODE, TOO_DEEP, TOO_LONG, BeyondLimits, RawRow, lone_surrogate, parse_json
+from llmcustoms.tablefiles import read_arrow_rows, read_csv, read_parquet
+
+__all__ = ["RawRow", "SUPPORTED_SUFFIXES", "fingerprint", "read_rows"]
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bytes read at a time from a JSON array; doubled while one row is larger.
 JSON_CHUNK = 1 << 20
 _SPACE = re.compile(r"[ \t\r\n]*")
-TOO_DEEP = "nested too deeply, or a number too long"
 JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
-
-
-@dataclass(frozen=True)
-class RawRow:
-    """A row as read from the file, before validation. `value` is None when
-    the row could not even be parsed; `problem` then says why."""
-
-    row: int
-    line: int | None
-    value: Any = None
-    problem: str | None = None
-
-    def where(self, path: Path) -> str:
-        if self.line is not None and self.line != self.row:
-            return f"{path.name}, row {self.row} (line {self.line})"
-        if self.line is not None:
-            return f"{path.name}, line {self.line}"
-        return f"{path.name}, row {self.row}"
-
-    def location(self) -> str:
-        """Where the row is, without the file name: 'line 12', 'row 3' or 'row 3 at line 1'."""
-        if self.line is not None and self.line != self.row:
-            return f"row {self.row} at line {self.line}"
-        return f"line {self.line}" if self.line is not None else f"row {self.row}"
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
     row = 0
     with open(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
+        for line_no, line in rawrows.lines(f):
+            if line is None:
+                row += 1
+                yield RawRow(row, line_no, problem=TOO_LONG)
+                continue
             if line_no == 1 and line.startswith(codecs.BOM_UTF8):
                 line = line[3:]
             if not line.strip():
@@ -71,11 +61,11 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                 yield RawRow(row, line_no, problem=f"not valid UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})")
                 continue
             try:
-                yield RawRow(row, line_no, value=json.loads(text))
+                yield RawRow(row, line_no, value=parse_json(text))
             except json.JSONDecodeError as exc:
                 yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
-            except (ValueError, RecursionError):  # the json module's limits: digits, nesting
-                yield RawRow(row, line_no, problem=f"not valid JSON ({TOO_DEEP})")
+            except BeyondLimits as exc:
+                yield RawRow(row, line_no, problem=str(exc))
 
 
 class _TextStream:
@@ -165,12 +155,18 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
                 # a mistake in the middle fails here, not after the whole file.
                 if text.eof or not _cut_short(exc, text.buffer):
                     raise text.fail(exc.pos, exc.msg) from None
-            except (ValueError, RecursionError):  # the json module's limits
-                raise text.fail(text.pos, TOO_DEEP) from None
+            except (ValueError, RecursionError):  # the json module's limits: nesting, digits
+                raise _unreadable_row(text, row + 1, TOO_DEEP) from None
+            if len(text.buffer) - text.pos > rawrows.MAX_ROW_BYTES:
+                raise _unreadable_row(text, row + 1, TOO_LONG)
             text.more(size)
             size *= 2
+        if end - text.pos > rawrows.MAX_ROW_BYTES:  # parsed whole, but too long all the same
+            raise _unreadable_row(text, row + 1, TOO_LONG)
         row += 1
-        yield RawRow(row, text.line, value=value)
+        # Parsed, so the array reads on past it: a bad row like any other.
+        bad = lone_surrogate(value, text.buffer, text.pos, end)
+        yield RawRow(row, text.line, problem=NOT_UNICODE) if bad else RawRow(row, text.line, value=value)
         text.consume_to(end)
         text.skip_space()
         if text.at(","):
@@ -185,6 +181,52 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
         raise text.fail(text.pos, "Expecting ',' or ']' between array elements")
 
 
+def _unreadable_row(text: _TextStream, row: int, problem: str) -> DataError:
+    # Where the next row starts cannot be found without reading this one whole.
+    return DataError(f"{text.path.name}, line {text.line}: row {row} of the JSON array is {problem}.",
+                     "A JSON array cannot skip such a row: fix it, or save the file as JSON Lines (one row per "
+                     "line), where it is skipped as a bad row.")
+
+
+def _is_json_lines(text: _TextStream) -> bool:
+    """Whether a .json file that is not an array is JSON Lines (many are):
+    a first line that is JSON, and more after it."""
+    text.compact()
+    while "\n" not in text.buffer and len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+        pass
+    first_line, _, rest = text.buffer.partition("\n")
+    if len(first_line) > rawrows.MAX_ROW_BYTES:
+        return True  # too long for a row either way: JSON Lines reading says so, and reads on
+    if not rest.strip() and text.more(JSON_CHUNK):
+        rest = text.buffer.partition("\n")[2]
+    try:
+        json.loads(first_line)
+    except json.JSONDecodeError:
+        return False
+    except (ValueError, RecursionError):
+        pass  # JSON beyond the limits: a bad row if more lines follow
+    return bool(rest.strip())
+
+
+def _single_object(text: _TextStream) -> dict:
+    """The one row of a .json file that holds a single object."""
+    name = text.path.name
+    while len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+        pass
+    if len(text.buffer) > rawrows.MAX_ROW_BYTES:
+        raise DataError(f"{name}: the JSON object is {TOO_LONG}.", JSON_HINT)
+    try:
+        value = parse_json(text.buffer)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{name}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}).",
+                        JSON_HINT) from None
+    except BeyondLimits as exc:
+        raise DataError(f"{name}, the JSON object: {exc}.", JSON_HINT) from None
+    if not isinstance(value, dict):
+        raise DataError(f"{name}: the file holds a JSON {type(value).__name__}, not an array of objects.", JSON_HINT)
+    return value
+
+
 def _read_json(path: Path) -> Iterator[RawRow]:
     with open(path, "rb") as f:
         text = _TextStream(path, f)
@@ -192,112 +234,10 @@ def _read_json(path: Path) -> Iterator[RawRow]:
         if text.at("["):
             yield from _array_elements(text)
             return
-        # Many ".json" files are really JSON Lines; a single object is one row.
-        text.compact()
-        while "\n" not in text.buffer and text.more(JSON_CHUNK):
-            pass
-        first_line, _, rest = text.buffer.partition("\n")
-        if not rest.strip() and text.more(JSON_CHUNK):
-            rest = text.buffer.partition("\n")[2]
-        try:
-            json.loads(first_line)
-            is_jsonl = bool(rest.strip())
-        except json.JSONDecodeError:
-            is_jsonl = False
-        if not is_jsonl:
-            while text.more(JSON_CHUNK):
-                pass
-            try:
-                value = json.loads(text.buffer)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path.name}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}).",
-                                JSON_HINT) from None
-            if not isinstance(value, dict):
-                raise DataError(f"{path.name}: the file holds a JSON {type(value).__name__}, not an array of objects.",
-                                JSON_HINT)
-            yield RawRow(1, 1, value=value)
+        if not _is_json_lines(text):
+            yield RawRow(1, 1, value=_single_object(text))
             return
     yield from _read_jsonl(path)
-
-
-def _csv_rows(path: Path, reader: Any) -> Iterator[RawRow]:
-    header: list[str] | None = None
-    row = 0
-    start_line = 1
-    while True:
-        try:
-            cells = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as exc:
-            raise DataError(f"{path.name}, line {start_line}: not valid CSV ({exc}).",
-                            "Check the quoting on that line; a cell with commas or line breaks needs double quotes.") from None
-        line, start_line = start_line, reader.line_num + 1
-        if not cells:
-            continue
-        if header is None:
-            header = [name.strip() for name in cells]
-            if len(set(header)) != len(header):
-                raise DataError(f"{path.name}, line {line}: the header repeats a column name.",
-                                "Give every column a unique name.")
-            continue
-        row += 1
-        if len(cells) > len(header):
-            yield RawRow(row, line, problem=f"has more cells than the header's {len(header)} columns")
-            continue
-        value, problem = {}, None
-        for name, cell in zip(header, cells):
-            # Chat columns in a CSV hold JSON text.
-            if name in ("messages", "conversations", "tools", "chosen", "rejected") and cell.strip().startswith("["):
-                try:
-                    cell = json.loads(cell)
-                except json.JSONDecodeError as exc:
-                    problem = f"column '{name}' is not valid JSON ({exc.msg})"
-                    break
-            value[name] = cell
-        yield RawRow(row, line, problem=problem) if problem else RawRow(row, line, value=value)
-
-
-def _decoded_lines(path: Path, f: IO[bytes]) -> Iterator[str]:
-    """The file's lines as text, naming the line of a byte that is not UTF-8."""
-    for line_no, line in enumerate(f, start=1):
-        try:
-            yield line.decode("utf-8-sig" if line_no == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path.name}, line {line_no}: not valid UTF-8 text (byte 0x{line[exc.start]:02x}).",
-                            "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').") from None
-
-
-def _read_csv(path: Path) -> Iterator[RawRow]:
-    # The csv module refuses cells over 128 KiB by default; long documents are normal here.
-    csv.field_size_limit(2 ** 31 - 1)
-    with open(path, "rb") as f:
-        # csv.reader, not DictReader: DictReader skips blank lines without saying
-        # so, and the line numbers of every later row would be off.
-        # strict: a stray quote is an error at its line, not a cell that
-        # silently swallows every row after it.
-        yield from _csv_rows(path, csv.reader(_decoded_lines(path, f), strict=True))
-
-
-def _read_arrow_rows(rows: Iterator[dict]) -> Iterator[RawRow]:
-    for i, value in enumerate(rows, start=1):
-        yield RawRow(i, None, value=value)
-
-
-def _read_parquet(path: Path) -> Iterator[RawRow]:
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise DataError(f"{path.name}: not a readable Parquet file ({type(exc).__name__}).",
-                        "Check that the file was written completely.") from None
-
-    def rows() -> Iterator[dict]:
-        for batch in parquet.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
-
-    yield from _read_arrow_rows(rows())
 
 
 def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
@@ -313,7 +253,7 @@ def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
             raise DataError(f"{path}: the saved DatasetDict has no 'train' split (splits: {', '.join(loaded)}).",
                             "Save the training rows under a split named 'train'.")
         loaded = loaded["train"]
-    yield from _read_arrow_rows(iter(loaded))  # Arrow files are memory-mapped: this streams
+    yield from read_arrow_rows(path, iter(loaded))  # Arrow files are memory-mapped: this streams
 
 
 def _is_empty(path: Path) -> bool:
@@ -339,7 +279,7 @@ def read_rows(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path.name}: unsupported file type '{suffix or '(none)'}'.",
                         f"Use one of {', '.join(SUPPORTED_SUFFIXES)} or a saved `datasets` directory.")
     if suffix == ".parquet":
-        yield from _read_parquet(path)
+        yield from read_parquet(path)
         return
     try:
         empty = _is_empty(path)
@@ -347,7 +287,7 @@ def read_rows(path: Path) -> Iterator[RawRow]:
         raise DataError(f"Cannot read {path}: {exc.strerror}.") from None
     if empty:
         raise DataError(f"{path.name} is empty.", "Add at least one row of data.")
-    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}[suffix]
+    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": read_csv}[suffix]
     yield from reader(path)
 
 

@@ -28,12 +28,19 @@ weights) while a checkpoint holds whole tensors: the sizes are scaled back up.
 The estimate of one checkpoint is at least the bytes a tiny test model's
 checkpoint holds and within 10% of them (`tests/test_preflight.py`); for real
 models, whose trained weights are megabytes, the small files are under 1%.
+
+While a run trains, the disk may fill up for reasons of its own (other
+programs, another run). Before each checkpoint the free space is checked
+against the last checkpoint's size (`checkpoint_room`), and a run that cannot
+write the next one stops cleanly with the last good one named; a write that
+fills the disk anyway ends the same way (`DiskFull.report`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
@@ -50,6 +57,11 @@ TOKENIZER_BYTES = 16 * MIB
 LOG_BYTES = 16 * MIB
 # What `export --merge` writes per weight unless told otherwise: the dtype the preset models are saved in (bf16).
 MERGED_BYTES_PER_PARAM = 2
+# Asked to be free beyond a checkpoint's size before writing one: the next
+# one may be a little larger (headers, state.json), and status.json, the
+# metrics and the log go on being written until the next check.
+CHECKPOINT_MARGIN = 0.1
+CHECKPOINT_MARGIN_BYTES = 16 * MIB
 
 
 def size(n: int) -> str:
@@ -134,6 +146,15 @@ def check_run_fits(plan: Plan, free_bytes: int, present_bytes: int, where: str, 
     return None
 
 
+def check_checkpoint_fits(needed: int, free_bytes: int, where: str) -> None:
+    """Refuse (`ConfigError`, exit 2) to resume a run whose next checkpoint
+    (`needed`: `checkpoint_room`) cannot fit in the `free_bytes` of the disk of `where`."""
+    if needed > free_bytes:
+        raise ConfigError(f"Not enough disk space to resume this run: its next checkpoint needs about {size(needed)} "
+                          f"free, and the disk of {where} has {size(free_bytes)} free.",
+                          "Free some space on that disk, then resume the run again.")
+
+
 def check_export_fits(needed: int, free_bytes: int, where: str, what: str, dtype: str = "") -> None:
     """Refuse (`ConfigError`, exit 2) an export of `needed` bytes (`what`: "the
     merged model") that the disk of `where` cannot take; `dtype`: the merged weights'."""
@@ -143,3 +164,60 @@ def check_export_fits(needed: int, free_bytes: int, where: str, what: str, dtype
     raise ConfigError(f"Not enough disk space to write {what}: it needs about {size(needed)}, and the disk of "
                       f"{where} has {size(free_bytes)} free.",
                       f"Free some space there, or pass --output on a disk with more room{smaller}.")
+
+
+def checkpoint_room(last_bytes: int | None, plan: Plan | None) -> int:
+    """What must be free before a checkpoint is written: the size of the last
+    one (`last_bytes`), or the plan's estimate before the first, with a margin."""
+    need = disk_need(plan) if plan is not None and last_bytes is None else None
+    size_bytes = last_bytes if last_bytes is not None else need.checkpoint_bytes if need else 0
+    return math.ceil(size_bytes * (1 + CHECKPOINT_MARGIN)) + CHECKPOINT_MARGIN_BYTES
+
+
+def rest_of_run(plan: Plan | None, present_bytes: int) -> int:
+    """What the rest of a run needs beyond the `present_bytes` in its directory,
+    as `resume`'s check counts it (`check_run_fits`); 0 when not known."""
+    need = disk_need(plan) if plan is not None else None
+    return max(0, need.total_bytes - present_bytes) if need else 0
+
+
+@dataclass(frozen=True)
+class DiskFull:
+    """Where a run found its disk full, for the report that ends it."""
+
+    step: int  # the last finished step
+    writing: str  # what could not be written: "checkpoint step-000009", "best/step-000006.safetensors"
+    needed: int  # bytes it needed (`whole_run`: the rest of the run needs)
+    free: int  # bytes free when it was found
+    where: str  # the run directory
+    filesystem: str  # the mount point of its disk
+    last_checkpoint: int | None  # the step of the newest checkpoint that verifies
+    to_finish: int = 0  # what the rest of the run needs (`rest_of_run`)
+    error: str = ""  # the system's words ("No space left on device"); "" when found before writing
+    quota: bool = False  # a disk quota (EDQUOT), not the disk itself
+    whole_run: bool = False  # what `writing` needs is not known: `needed` is the rest of the run's need
+
+    def report(self) -> dict[str, Any]:
+        """TrainingFailed's report: kind "disk_full", the step, the reason and what to do."""
+        found = (f"the disk{' quota' if self.quota else ''} filled up after step {self.step} while writing "
+                 f"{self.writing} ({self.error})" if self.error
+                 else f"not enough disk space after step {self.step} for {self.writing}")
+        kept = (f"the last good checkpoint is step-{self.last_checkpoint:06d}" if self.last_checkpoint is not None
+                else "there is no checkpoint yet (resuming starts from step 0)")
+        # A quota is not the disk's free space, which may be plenty: what is left of it is not known here.
+        room = (f"your disk quota on {self.filesystem} is used up" if self.quota
+                else f"the disk of {self.where} has {size(self.free)} free")
+        needs = "the rest of the run needs about" if self.whole_run else "it needs"
+        needs = f"{needs} {size(self.needed)} free and " if self.needed else ""  # 0: not known (no estimate)
+        reason = f"{found}: {needs}{room}; {kept}"
+        # Enough for `resume`'s own check too, which wants room for the rest of the run.
+        to_free = max(self.needed, self.to_finish) - (0 if self.quota else self.free)
+        whole = " (what the rest of the run needs)" if self.to_finish > self.needed and not self.whole_run else ""
+        amount = f"at least {size(max(to_free, MIB))}{whole}" if self.needed or self.to_finish else "some space"
+        suggestions = [f"free {amount} on {self.filesystem} (the file system of {self.where}), then "
+                       f"`llmcustoms resume {self.where}`"]
+        if self.quota:
+            suggestions.append("`quota -s` shows your quota: delete files of yours on that file system, or ask "
+                               "for a larger quota")
+        suggestions.append("`llmcustoms runs` lists your runs: deleting one you no longer need frees its checkpoints")
+        return {"kind": "disk_full", "step": self.step, "reason": reason, "suggestions": suggestions}

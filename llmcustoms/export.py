@@ -6,7 +6,9 @@ never the 4-bit weights QLoRA trained on, since merging into those loses
 quality), the adapter is merged in, and a standalone model is written that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all; the
 message names the dtype it was written in. Either way nothing is written when
-the disk of DIR cannot take it: exit 2 with the sizes (`preflight.py`).
+the disk of DIR cannot take it: exit 2 with the sizes (`preflight.py`). A merge
+loads the base as this command's flags allow (`modeling.Allowed`): a copy loads
+nothing, so it needs no flag.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from llmcustoms.diskspace import TOKENIZER_BYTES
 from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
 from llmcustoms.generation import Say, Waiting
-from llmcustoms.modeling import card_base_model
+from llmcustoms.modeling import Allowed, adapter_weights, card_base_model, check_weight_files
 from llmcustoms.preflight import bytes_under, check_export_space
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.runweights import model_name, trained_output
@@ -85,12 +87,18 @@ def _no_display(what: str) -> Any:
     return nullcontext(lambda text: None)
 
 
-def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
-               waiting: Waiting = _no_display) -> Exported:
-    """Write the export; `waiting` shows the merge (a minute or more for real models) as it goes."""
+def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
+               waiting: Waiting = _no_display, allowed: Allowed = Allowed()) -> Exported:
+    """Write the export of the run at `path`; `waiting` shows the merge (a
+    minute or more for real models) as it goes."""
+    run = RunDirectory.existing(path)
     plan, trained = trained_output(run)
     if merge and dtype not in DTYPES:  # before anything is deleted
         raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
+    if merge and plan.method != "full":  # what the merge would refuse to load, refused before anything is deleted
+        allowed.check(plan)
+        check_weight_files(plan.model, allowed.pickle_weights)
+        adapter_weights(trained)
     if output.exists() and any(output.iterdir()):
         if not overwrite:
             raise ConfigError(f"{output} already exists and is not empty.", "Choose another --output, or pass --overwrite.")
@@ -102,12 +110,12 @@ def export_run(run: RunDirectory, output: Path, merge: bool, dtype: str = "auto"
         what = "the model" if plan.method == "full" else "the adapter"
     else:
         with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
-            what = f"a merged model ({_merge(plan, trained, output, dtype, say)} weights)"
+            what = f"a merged model ({_merge(plan, trained, output, dtype, say, allowed)} weights)"
     (output / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
     return Exported(output, what)
 
 
-def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say) -> str:
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> str:
     """Write the merged model; the dtype its weights were written in ("float32").
     `say` hears each stage."""
     from llmcustoms import modeling
@@ -121,16 +129,18 @@ def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say) -> str:
     # "auto": the dtype the base model was saved in (bf16 for the models in the
     # presets). Never 4-bit, even for a QLoRA run.
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype,
-                                     trust_remote_code=plan.trust_remote_code)
+    trust = plan.trust_remote_code and allowed.remote_code
+    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
+                                     use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
     say("Merging the adapter in")
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, adapter_weights(adapter)).merge_and_unload()
     # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
     weights = sum(p.numel() * p.element_size() for p in merged.parameters())
     check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", str(merged.dtype).removeprefix("torch."))
     say(f"Writing the merged model to {output}")
     merged.save_pretrained(output, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter).save_pretrained(output)  # with the chat template the run used
+    # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
+    modeling.from_pretrained(AutoTokenizer, str(adapter), trust_remote_code=trust).save_pretrained(output)
     make_readable(Path(output))
     # What was written, not what was asked for: "auto" is whatever the base was saved in.
     return str(merged.dtype).removeprefix("torch.")

@@ -3,7 +3,7 @@
 A run that fails (`TrainingFailed`, or an unexpected exception out of the
 `FineTuner`) writes `<run dir>/failure.json` from the main process:
 
-    failure       out_of_memory | nan | divergence | data | cuda | bug
+    failure       out_of_memory | nan | divergence | disk_full | data | cuda | bug
     reason        why the run stopped (status.json says the same)
     step, suggestions
     error         the underlying exception: its type and message (capped)
@@ -35,11 +35,12 @@ import traceback
 from typing import Any
 
 from llmcustoms.chatturns import RowProblem
+from llmcustoms.diskwrites import disk_full_code
 from llmcustoms.errors import DataError
 from llmcustoms.rundir import write_json_atomic
 
 # TrainingFailed.report's kinds that say what failed on their own.
-KNOWN_KINDS = {"oom": "out_of_memory", "nan": "nan", "divergence": "divergence"}
+KNOWN_KINDS = {"oom": "out_of_memory", "nan": "nan", "divergence": "divergence", "disk_full": "disk_full"}
 # What CUDA, its libraries and the driver put in their errors' messages.
 CUDA_MARKERS = ("cuda error", "cudnn", "cublas", "nccl", "device-side assert", "driver")
 CUDA_ERROR_TYPES = ("AcceleratorError",)  # torch's type for CUDA errors since 2.8
@@ -127,6 +128,8 @@ def classify(error: BaseException | None, kind: str = "error") -> str:
     out_of_memory = (torch.OutOfMemoryError,) if torch is not None else ()
     if any(isinstance(e, out_of_memory) for e in chain):
         return "out_of_memory"
+    if any(disk_full_code(e) is not None for e in chain):
+        return "disk_full"
     if any(isinstance(e, (DataError, RowProblem)) for e in chain):
         return "data"
     if any(type(e).__name__ in CUDA_ERROR_TYPES or any(m in describe(e).lower() for m in CUDA_MARKERS)

@@ -15,6 +15,17 @@ A testing aid, off unless the variable is set. A comma-separated list of
     sigkill@4   SIGKILL, likewise: the process dies on the spot
     slow@4      every micro-batch of step 4 takes SLOW_MICRO_BATCH_S longer (a
                 long step to interrupt; not spent by firing)
+    slow_eval@4 every forward pass in eval mode after step 4 (its evaluation's
+                micro-batches, sample replies' tokens) takes SLOW_MICRO_BATCH_S
+                longer (a long evaluation to interrupt; not spent by firing)
+    diskfull@9  from step 9 on, the free-space check before each checkpoint
+                reads the disk as full, and so does `resume`'s check before it
+                starts while the variable is still set (the disk is still
+                full); not spent by firing (`disk_full_from`)
+    kill_saving@5  SIGKILL at a random point of step 5's checkpoint write or
+                of the pruning after it (benchmarks/kill_anywhere.py)
+    kill_pruning@5 SIGKILL in the first pruning from step 5's checkpoint on,
+                after the checkpoints to delete were renamed, before they go
 
 An optional `:rank=R` suffix limits a fault to one process of a distributed run.
 A fault fires once per run: processes restarted after a failure at step N
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -32,7 +44,11 @@ from dataclasses import dataclass
 from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
-KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow")
+KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow", "slow_eval", "diskfull",
+         "kill_saving", "kill_pruning")
+# kill_saving@N kills at one of the first KILL_POINTS points from the start of step N's checkpoint write, chosen at
+# random (CheckpointManager's `point`: 7 in a write, then one per checkpoint the pruning after it deletes).
+KILL_POINTS = 8
 SLOW_MICRO_BATCH_S = 4.0
 # What `spike` multiplies a step's loss (and so its gradients) by: far beyond
 # the stability check's thresholds (stability.py), yet finite.
@@ -52,6 +68,8 @@ class FaultInjector:
     def __init__(self, spec: str | None, rank: int = 0, spent_through: int = 0):
         self.rank = rank
         self.pending: list[Fault] = []
+        self._kill_in: int | None = None  # points of a save left before kill_saving kills
+        self._kill_pruning = False  # kill_pruning fired: kill at the next delete
         for part in filter(None, (p.strip() for p in (spec or "").split(","))):
             match = SPEC.match(part)
             if not match or match["kind"] not in KINDS:
@@ -76,11 +94,15 @@ class FaultInjector:
         """Inside a forward pass, after the embeddings: `step` is the last finished one."""
         if not training:
             self.raise_oom_if_due(step, "eval_oom")
+            self._slow_if_due("slow_eval", step)
             return
         self.raise_oom_if_due(step + 1)
         if self.due("bug", step + 1):
             raise RuntimeError(f"injected bug ({ENV_VAR}=bug@{step + 1})")
-        if any(f.kind == "slow" and f.step == step + 1 and f.rank in (None, self.rank) for f in self.pending):
+        self._slow_if_due("slow", step + 1)
+
+    def _slow_if_due(self, kind: str, step: int) -> None:
+        if any(f.kind == kind and f.step == step and f.rank in (None, self.rank) for f in self.pending):
             time.sleep(SLOW_MICRO_BATCH_S)
 
     def raise_oom_if_due(self, step: int, kind: str = "oom") -> None:
@@ -89,7 +111,34 @@ class FaultInjector:
 
             raise torch.OutOfMemoryError(f"out of memory (injected by {ENV_VAR}={kind}@{step})")
 
+    def kill_saving(self, step: int | None, where: str) -> None:
+        """CheckpointManager's `point`: SIGKILL at a random point of step N's
+        checkpoint write or of the pruning after it (`kill_saving@N`). The
+        point is drawn from the OS, not from `random`, whose state is the run's."""
+        if step is not None and self.due("kill_pruning", step):
+            self._kill_pruning = True
+        if where == "deleting" and self._kill_pruning:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step is not None and self.due("kill_saving", step):
+            self._kill_in = secrets.randbelow(KILL_POINTS)
+        elif self._kill_in is None:
+            return
+        if self._kill_in == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_in -= 1
+
     def send_signal_if_due(self, step: int) -> None:
         for kind, signum in SIGNALS.items():
             if self.due(kind, step):
                 os.kill(os.getpid(), signum)
+
+
+def disk_full_from(spec: str | None = None) -> int | None:
+    """The first step of a `diskfull@N` in `spec` (default: the variable's
+    value), from which the disk reads as full; None without one. Not a
+    `FaultInjector`'s: the disk stays full, for the checks of every later
+    checkpoint and of `resume` (preflight.py)."""
+    spec = os.environ.get(ENV_VAR) if spec is None else spec
+    steps = [int(match["step"]) for match in map(SPEC.match, (p.strip() for p in (spec or "").split(",")))
+             if match and match["kind"] == "diskfull"]
+    return min(steps) if steps else None

@@ -23,7 +23,6 @@ What depends on the number of processes is in `processes.Processes`.
 from __future__ import annotations
 
 import gc
-import signal
 import time
 from dataclasses import asdict
 from typing import Any, Callable
@@ -51,7 +50,7 @@ from llmcustoms.resourceuse import ResourceUse
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.samples import SampleReplies, side_by_side
 from llmcustoms.stability import StabilityCheck
-from llmcustoms.stopsignals import StopRequested, StopSignals
+from llmcustoms.stopsignals import StopRequested, StopSignals, record_quit, stopped_by
 
 # status.json is rewritten (with fsync) at most this often while training runs.
 STATUS_INTERVAL_S = 5.0
@@ -78,10 +77,11 @@ class FineTuner:
         self.recovery = TrainingRecoverySystem()
         self.stability = StabilityCheck()
         self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
-                                             warn=lambda text: reporter.message(text, warning=True))
-        # Without artifacts (tuning trials) nothing is saved on a stop, and a second
-        # Ctrl-C must reach the caller as KeyboardInterrupt, which sums the study up.
-        self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True), checkpoints=save_artifacts)
+                                             warn=lambda text: reporter.message(text, warning=True), point=self.faults.kill_saving,
+                                             check=lambda c: self.processes.checkpoint_problem(c, self.model, self.optimizer))
+        # Without artifacts (tuning trials) a second Ctrl-C reaches the caller as KeyboardInterrupt (it sums the study up).
+        self.signals = StopSignals(lambda text: self.reporter.message(text, warning=True), save_artifacts,
+                                   lambda signum: record_quit(self.run_dir, signum, self.position.step, self.checkpoints))
         self.position = Position()
         self.saved_step = -1  # the step of the last checkpoint this process wrote
         self.trained_since = time.monotonic()  # when the training since the last evaluation began
@@ -116,7 +116,7 @@ class FineTuner:
             finally:
                 self.reporter.training_finished()
                 self.usage.close()
-        return self._finish(stop, time.perf_counter() - started, self.position.tokens - tokens_at_start)
+            return self._finish(stop, time.perf_counter() - started, self.position.tokens - tokens_at_start)
 
     # ------------------------------------------------------------------ setup
 
@@ -156,7 +156,7 @@ class FineTuner:
         select_logits(model)
         if needs_cached_reference(self.plan) and self.data.reference is None:  # DPO without an adapter to switch off
             self.data.reference = cached_reference(model, self.data, self.run_dir, 2 * self.plan.micro_batch_size,
-                                                   self.device, self.accelerator.autocast, self.reporter.activity)
+                                                   self.processes, self.accelerator.autocast, self.reporter.activity)
         # Out-of-memory injection happens inside a forward pass, after the
         # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         model.get_input_embeddings().register_forward_hook(
@@ -180,7 +180,8 @@ class FineTuner:
     def _train(self) -> StopReason | None:
         """Optimizer steps until the plan's last one, or a reason to stop early."""
         status_written = time.monotonic()
-        stop = None
+        # Resumed where a stop cut an evaluation short: that step's work is finished first (its checkpoint written again).
+        stop = self._after_step(True) if self.evaluation.cut_short(self.position.step, self.plan, self.run_dir) else None
         if self.baseline and self.position.step == 0 and self.position.base_eval is None:
             self._evaluate_base()
         epoch, steps = None, []  # an epoch's steps, worked out once per epoch (a rollback may change it)
@@ -198,18 +199,23 @@ class FineTuner:
                 self._recover(failure)  # rolled back: the position is the checkpoint's
                 continue
             self._record(metrics, len(steps))
-            stop = self._maybe_evaluate()
-            last = self.position.step == self.plan.total_steps or stop is not None
-            # An evaluation that beat the best: its weights are kept now (for full fine-tuning, as a checkpoint).
-            best_checkpoint = self.save_artifacts and self.best.keep_if_best(self.model, self.position)
-            saved = self.save_artifacts and (self.position.step % self.plan.save_every == 0 or last or best_checkpoint)
-            if saved:
-                self._save_checkpoint()
-            self.faults.send_signal_if_due(self.position.step)
-            self._stop_if_signalled(saved, last)
+            stop = self._after_step()
             if time.monotonic() - status_written > STATUS_INTERVAL_S:
                 self.run_dir.write_status("running", step=self.position.step, memory=self.usage.comparison())
                 status_written = time.monotonic()
+        return stop
+
+    def _after_step(self, resumed: bool = False) -> StopReason | None:
+        """Evaluate when due, keep the best weights, checkpoint, stop for a signal; `resumed`: see `_train`."""
+        stop = self._maybe_evaluate()
+        last = self.position.step == self.plan.total_steps or stop is not None
+        # An evaluation that beat the best: its weights are kept now (for full fine-tuning, as a checkpoint).
+        best = self.save_artifacts and self.best.keep_if_best(self.model, self.position)
+        saved = self.save_artifacts and (resumed or best or last or self.position.step % self.plan.save_every == 0)
+        if saved:
+            self._save_checkpoint()
+        self.faults.send_signal_if_due(self.position.step)
+        self._stop_if_signalled(saved, last)
         return stop
 
     def _attempt(self, rows: list[int]) -> tuple[dict[str, float] | None, str | None]:
@@ -305,10 +311,10 @@ class FineTuner:
     def _maybe_evaluate(self) -> StopReason | None:
         """Evaluate when due; says why to stop when it is time to."""
         plan, position = self.plan, self.position
-        due = plan.eval_every and (position.step % plan.eval_every == 0 or position.step == plan.total_steps)
-        if not (self.evaluation and due):
+        if not self.evaluation.due(position.step, plan):
             return None
-        eval_loss = self.evaluation.loss(self.model, position.step, self._lower_evaluation_micro_batch)
+        eval_loss = self.evaluation.loss(self.model, position.step, self._lower_evaluation_micro_batch,
+                                         lambda: self._stop_if_signalled(saved=False, last=False))
         position.last_eval = eval_loss
         self._record_eval(eval_loss)
         self._sample("eval", self.samples is not None and self.samples.cheap(time.monotonic() - self.trained_since))
@@ -320,12 +326,9 @@ class FineTuner:
 
     def _evaluate_base(self) -> None:
         """The untrained model's eval loss and replies: what the run is measured against."""
-        if self.evaluation and self.plan.eval_every:
-            try:  # a stop here loses nothing: a resumed run evaluates the base model again
-                self.position.base_eval = (self.evaluation.untrained() or
-                                           self.evaluation.loss(self.model, 0, self._lower_evaluation_micro_batch, True))
-            except StopRequested:
-                self._stop_if_signalled(saved=True, last=False)
+        if self.evaluation and self.plan.eval_every:  # a stop loses nothing: a resumed run evaluates the base model again
+            self.position.base_eval = self.evaluation.untrained() or self.evaluation.loss(
+                self.model, 0, self._lower_evaluation_micro_batch, lambda: self._stop_if_signalled(saved=True, last=False))
             self._record_eval(self.position.base_eval)
         if not self.processes.stop_now():
             self._sample("base")
@@ -359,15 +362,13 @@ class FineTuner:
         self.reporter.activity(None)
 
     def _stop_if_signalled(self, saved: bool, last: bool) -> None:
-        """After a step, or in one (`StopRequested`): stop for SIGINT / SIGTERM, with a
-        checkpoint of the last finished step."""
+        """Stop for SIGINT / SIGTERM (after a step, in one, in an evaluation) with a checkpoint of the last whole step."""
         signum = self.processes.stopping()
         if signum is None or last:
             return
-        if not saved and self.save_artifacts and self.position.step > 0:
+        if not saved and self.saved_step != self.position.step and self.save_artifacts and self.position.step > 0:
             self._save_checkpoint()
-        self.run_dir.write_status("interrupted", step=self.position.step,
-                                  reason=f"stopped by {signal.Signals(signum).name}")
+        self.run_dir.write_status("interrupted", step=self.position.step, reason=stopped_by(signum))
         raise TrainingInterrupted(signum, self.position.step)
 
     def _restore(self, checkpoint: Checkpoint, with_optimizer: bool = True) -> None:
@@ -398,8 +399,7 @@ class FineTuner:
     def _rollback(self) -> None:
         """Back to the last good checkpoint, or to a fresh start if there is none."""
         self.accelerator.wait_for_everyone()
-        checkpoint = self.checkpoints.latest()
-        if checkpoint is not None:
+        if (checkpoint := self.checkpoints.latest()) is not None:
             self._restore(checkpoint)
             return
         self.model = self.optimizer = None

@@ -5,11 +5,15 @@ parameters, and the flags that steer a command rather than set a value
 `takes_options(command)` gives a command function every table option that
 command accepts: Typer reads the function's signature, so the decorator
 extends it, and the function receives the values as `**values`.
+`takes_permissions` gives a command that loads a run's model the two flags that
+allow more than safe loading, as one `allowed` value.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import textwrap
 from enum import Enum
 from pathlib import Path
@@ -90,6 +94,21 @@ def _parser(option: Option) -> Callable[[str], Any]:
     return parse
 
 
+def _finite(minimum: float, maximum: float = float("inf")) -> Callable[[str], float]:
+    """The parser of a float flag outside the options table. Click's own ranges
+    let "nan" and "inf" through (nan compares false with every bound)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise typer.BadParameter(f"expected a number, got '{text}'.") from None
+        if not (math.isfinite(value) and minimum <= value <= maximum):
+            bounds = f"between {minimum:g} and {maximum:g}" if math.isfinite(maximum) else f"at least {minimum:g}"
+            raise typer.BadParameter(f"expected a finite number {bounds}, got {text}.")
+        return value
+    return parse
+
+
 def _annotation(option: Option) -> Any:
     kind: Any = _choice_type(option) if option.choices else option.kind
     return Annotated[Optional[kind], _typer_info(option)]
@@ -118,6 +137,26 @@ def takes_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return decorate
 
 
+def takes_permissions(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command that loads a run's model --trust-remote-code and
+    --allow-pickle-weights; it receives them as `allowed` (`modeling.Allowed`).
+    Flags of this command only: a run's plan.json and the environment never allow them."""
+    own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "allowed"]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    flags = [inspect.Parameter("trust_remote_code", kind, default=False, annotation=TrustRemoteCode),
+             inspect.Parameter("allow_pickle_weights", kind, default=False, annotation=AllowPickleWeights)]
+    rest = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
+
+    @functools.wraps(func)
+    def command(*args: Any, trust_remote_code: bool = False, allow_pickle_weights: bool = False, **kwargs: Any) -> Any:
+        from llmcustoms.modeling import Allowed
+
+        return func(*args, allowed=Allowed(trust_remote_code, allow_pickle_weights), **kwargs)
+
+    command.__signature__ = inspect.Signature([p for p in own if p not in rest] + flags + rest)  # type: ignore[attr-defined]
+    return command
+
+
 def given_values(values: dict[str, Any]) -> dict[str, Any]:
     """The table options a user gave on the command line: enums as their text, None dropped."""
     return {name: value.value if isinstance(value, Enum) else value
@@ -136,7 +175,7 @@ NumMachines = Annotated[Optional[int], typer.Option("--num-machines", metavar="<
 MachineRank = Annotated[int, typer.Option("--machine-rank", metavar="<int>", min=0, help="This machine's index, 0 on the main one.")]
 MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
 MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Port on machine 0 for the processes to meet.")]
-Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", min=0.5, help="Plan for a GPU with this many GB instead of this machine's.")]
+Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", parser=_finite(0.5, 100_000), help="Plan for a GPU with this many GB instead of this machine's.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
 ResumeRun = Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="The run to continue. Default: the newest unfinished run under --output-dir.")]
 
@@ -149,15 +188,15 @@ ResumeEpochs = Annotated[Optional[float], typer.Option("--epochs", metavar="<flo
 Trials = Annotated[int, typer.Option("--trials", "-n", metavar="<int>", min=1, help="Trials to run now (added to the study's earlier ones).")]
 TrialSteps = Annotated[Optional[int], typer.Option("--max-steps", metavar="<int>", min=1, help="Optimizer steps per trial. Default: 100, or one run if shorter.")]
 BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", metavar="<int>", min=1, help="Training tokens per trial (instead of --max-steps).")]
-Timeout = Annotated[Optional[float], typer.Option("--timeout", metavar="<float>", min=1, help="Stop starting new trials after this many seconds.")]
+Timeout = Annotated[Optional[float], typer.Option("--timeout", metavar="<float>", parser=_finite(1), help="Stop starting new trials after this many seconds.")]
 Storage = Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")]
 StudyName = Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")]
 LrFind = Annotated[bool, typer.Option("--lr-find/--no-lr-find", help="Centre the lr range on `llmcustoms lr-find`'s suggestion for this model and data (the range test runs first if none is saved).")]
 
 # `lr-find`'s own.
 LrSteps = Annotated[Optional[int], typer.Option("--steps", metavar="<int>", min=5, help="Optimizer steps of the range test. Default: 100, or fewer if a whole run is shorter.")]
-StartLr = Annotated[float, typer.Option("--start-lr", help="Learning rate of the first step.")]
-EndLr = Annotated[float, typer.Option("--end-lr", help="Learning rate of the last step.")]
+StartLr = Annotated[float, typer.Option("--start-lr", metavar="<float>", parser=_finite(0), help="Learning rate of the first step.")]
+EndLr = Annotated[float, typer.Option("--end-lr", metavar="<float>", parser=_finite(0), help="Learning rate of the last step.")]
 
 
 class Sampler(str, Enum):
@@ -184,5 +223,9 @@ Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a s
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]
 ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, help="Longest reply in tokens.")]
-Temperature = Annotated[float, typer.Option("--temperature", metavar="<float>", min=0.0, help="0 for greedy; higher is more varied.")]
+Temperature = Annotated[float, typer.Option("--temperature", metavar="<float>", parser=_finite(0.0, 100.0), help="0 for greedy; higher is more varied.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help=options.BY_NAME["seed"].help)]
+
+# Loading a run's model (`takes_permissions`): given on the command itself, or not at all.
+TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Let the run's model repository run its own code, for this command; the run's plan.json alone never does.")]
+AllowPickleWeights = Annotated[bool, typer.Option("--allow-pickle-weights", help="Also load model weights from pickle files (pytorch_model.bin), which can run code when loaded, for this command. Default: safetensors weights only.")]

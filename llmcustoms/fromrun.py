@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.modeling import adapter_weights
 from llmcustoms.rundir import RunDirectory
 
 
@@ -30,13 +31,18 @@ class StartingPoint:
     reason: str
 
 
-def starting_point(path: str) -> StartingPoint:
-    """The finished run at `path`, checked; ConfigError says what is wrong."""
+def starting_point(path: str, trusted: bool = False) -> StartingPoint:
+    """The finished run at `path`, checked; ConfigError says what is wrong.
+    `trusted`: this command allows remote code (its plan.json alone never does)."""
     run = RunDirectory(Path(path))
     if not run.plan_path.exists():
         raise ConfigError(f"--from-run {path}: not a run directory (no plan.json).",
                           "Pass a directory made by `llmcustoms train`, such as runs/my-sft.")
     plan = run.read_plan()
+    if plan.trust_remote_code and not trusted:
+        raise ConfigError(f"--from-run {path}: its model ({plan.model}) runs code from its repository "
+                          "(trust_remote_code).",
+                          "Pass --trust-remote-code to allow it for this command, if you trust that repository.")
     if run.read_status().get("status") != "completed":
         raise ConfigError(f"--from-run {path}: that run has not finished, so it has no final weights to start from.",
                           f"Finish it first (`llmcustoms resume {path}`), then start from it.")
@@ -48,6 +54,7 @@ def starting_point(path: str) -> StartingPoint:
         return StartingPoint(str(weights.resolve()), "", None, {},
                              f"starts from {run.path.name}'s fully fine-tuned model ({weights})")
     assert plan.lora is not None
+    adapter_weights(weights)  # safetensors only, refused now rather than once the model is loaded
     shape = {"lora_r": (plan.lora.r, "from-run"), "lora_alpha": (plan.lora.alpha, "from-run"),
              "lora_dropout": (plan.lora.dropout, "from-run")}
     return StartingPoint(plan.model, str(weights.resolve()), plan.method, shape,
@@ -60,7 +67,7 @@ def with_starting_point(options: Any) -> tuple[Any, StartingPoint | None]:
     of its `from_run`, and what it starts from (None without --from-run)."""
     if not options.from_run:
         return options, None
-    start = starting_point(options.from_run)
+    start = starting_point(options.from_run, bool(options.override("trust_remote_code", False)))
     if options.model and Path(options.model).resolve() != Path(start.model).resolve() and options.model != start.model:
         raise ConfigError(f"--model {options.model} and --from-run {options.from_run} disagree: that run trained "
                           f"{start.model}.", "Drop --model: --from-run brings its model.")

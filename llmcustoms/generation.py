@@ -3,7 +3,9 @@
 The run's base model is loaded the way it was trained (4-bit for QLoRA runs)
 with the chosen weights on top (`runweights`: the adapter, or with
 --checkpoint a checkpoint's), and prompts are rendered with the chat template
-the run trained with, so the model sees the format it learned.
+the run trained with, so the model sees the format it learned. What the
+loading may do (remote code, pickle weights) is what this command's flags
+allow (`modeling.Allowed`), never what the run's plan.json says.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable
 
 from llmcustoms.chattemplates import prompts_use_template
 from llmcustoms.errors import ModelError
+from llmcustoms.modeling import Allowed, adapter_weights, check_weight_files
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.runweights import Weights, choose_weights
 
@@ -37,16 +40,18 @@ class Trained:
         return generate(self.model, self.tokenizer, self.plan, messages, max_new_tokens, temperature, on_text)
 
 
-def open_trained(run: RunDirectory, checkpoint: str | None, waiting: Waiting, warn: Say,
-                 seed: int | None = None) -> Trained:
-    """The run's model, loaded while `waiting` shows it. A run without the
-    weights asked for is refused before torch is even imported."""
-    weights = choose_weights(run, checkpoint, warn)
+def open_trained(run: Path, checkpoint: str | None, waiting: Waiting, warn: Say, seed: int | None = None,
+                 allowed: Allowed = Allowed()) -> Trained:
+    """The model of the run at `run`, loaded while `waiting` shows it. A run
+    without the weights asked for, or whose model runs code `allowed` does not
+    allow, is refused before torch is even imported."""
+    weights = choose_weights(RunDirectory.existing(run), checkpoint, warn)
+    check_loadable(weights, allowed)
     from llmcustoms.modeling import quiet_libraries
 
     with waiting(f"Loading {weights.describe()}") as say:
         quiet_libraries()  # imports transformers: seconds already
-        trained = load_trained(weights, say)
+        trained = load_trained(weights, say, allowed)
     if seed is not None:  # after loading: new LoRA layers draw their first values from the generator
         from transformers import set_seed
 
@@ -54,18 +59,21 @@ def open_trained(run: RunDirectory, checkpoint: str | None, waiting: Waiting, wa
     return trained
 
 
-def load_trained(weights: Weights, say: Say = lambda text: None) -> Trained:
+def load_trained(weights: Weights, say: Say = lambda text: None, allowed: Allowed = Allowed()) -> Trained:
     """The model of `weights`, on the GPU if there is one, ready to generate."""
+    check_loadable(weights, allowed)
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmcustoms import modeling
 
     plan = weights.plan
-    tokenizer = _tokenizer(weights)
+    trust = plan.trust_remote_code and allowed.remote_code
+    tokenizer = _tokenizer(weights, trust)
     on_gpu = torch.cuda.is_available()
     dtype = (torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": plan.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust,
+                              "use_safetensors": modeling.safetensors_only(allowed.pickle_weights)}
     if on_gpu:
         kwargs["device_map"] = "auto"
     if plan.method == "qlora":
@@ -80,7 +88,7 @@ def load_trained(weights: Weights, say: Say = lambda text: None) -> Trained:
     if plan.method != "full" and weights.directory is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, weights.directory)
+        model = PeftModel.from_pretrained(model, adapter_weights(weights.directory))
     elif plan.method != "full":
         model = modeling.attach_lora(model, plan)
     if weights.tensors is not None:
@@ -89,7 +97,18 @@ def load_trained(weights: Weights, say: Say = lambda text: None) -> Trained:
     return Trained(model.eval(), tokenizer, plan, weights.describe())
 
 
-def _tokenizer(weights: Weights) -> Any:
+def check_loadable(weights: Weights, allowed: Allowed) -> None:
+    """Refuse, from the files alone, what `load_trained` may not load: a model
+    running its own code, pickle weights, an adapter not in safetensors."""
+    plan = weights.plan
+    allowed.check(plan)
+    full_model = plan.method == "full" and weights.directory is not None
+    check_weight_files(str(weights.directory) if full_model else plan.model, allowed.pickle_weights)
+    if plan.method != "full" and weights.directory is not None:
+        adapter_weights(weights.directory)
+
+
+def _tokenizer(weights: Weights, trust_remote_code: bool) -> Any:
     """The tokenizer saved with the weights, or (a checkpoint keeps none) the
     base model's, with the chat template training gave it."""
     from llmcustoms import modeling
@@ -97,10 +116,11 @@ def _tokenizer(weights: Weights) -> Any:
     if weights.directory is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(weights.directory)
+        # trust_remote_code always given: left out, transformers would ask on the terminal.
+        return modeling.from_pretrained(AutoTokenizer, str(weights.directory), trust_remote_code=trust_remote_code)
     from llmcustoms.chattemplates import ensure_chat_template
 
-    tokenizer = modeling.load_tokenizer(weights.plan.model, weights.plan.trust_remote_code)
+    tokenizer = modeling.load_tokenizer(weights.plan.model, trust_remote_code)
     ensure_chat_template(tokenizer)
     return tokenizer
 
@@ -109,18 +129,26 @@ def put_in(model: Any, path: Path) -> None:
     """Trained tensors (a checkpoint's, or best/'s) into the model the plan
     built, by the names training saved them under: every trainable parameter."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         tensors = load_file(str(path))
-    except OSError as exc:  # pruned by a run still training, between choosing and loading
+    except (OSError, SafetensorError) as exc:  # pruned by a run still training, or damaged
         raise ModelError(f"Cannot read {path} ({type(exc).__name__}).",
-                         "If the run is still training, its checkpoints change: try again.") from None
+                         "If the run is still training, its checkpoints change: try again. Otherwise the file is "
+                         "damaged: pick another checkpoint (--checkpoint).") from None
     params = {name: param for name, param in model.named_parameters() if param.requires_grad}
     if set(params) != set(tensors):
         missing, extra = len(set(params) - set(tensors)), len(set(tensors) - set(params))
         raise ModelError(f"The weights in {path} do not fit the model the run's plan builds "
                          f"({missing} missing, {extra} unexpected).", "Was plan.json edited after training?")
+    # copy_ would broadcast a [1, n] tensor into an [r, n] weight without a word.
+    for name, param in params.items():
+        if tensors[name].shape != param.shape:
+            raise ModelError(f"The weights in {path} do not fit the model the run's plan builds ({name} is "
+                             f"{list(tensors[name].shape)}, the model's {list(param.shape)}).",
+                             "Was plan.json edited after training? Otherwise pick another checkpoint (--checkpoint).")
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(tensors[name].to(param.device, param.dtype))

@@ -3,6 +3,12 @@
 `--model` is a local directory or a Hugging Face Hub id. A hub id is looked up
 in the local cache first, so a cached model loads with no network at all; only
 a model the user asked for and that is not cached is fetched.
+
+Loading runs no code but ours unless the user asks, on the command that loads:
+the model's own code only with --trust-remote-code, and weights only from
+safetensors files (a pickle file, pytorch_model.bin, can run code when
+unpickled) unless --allow-pickle-weights (`Allowed`). An adapter loads from
+adapter_model.safetensors only.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,38 @@ from llmcustoms.presets import Family, ModelSpec, family_for_model_type, find_mo
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # Used for model types no preset family covers: peft finds every linear layer.
 ALL_LINEAR = ("all-linear",)
+# Weight files read with pickle (torch.load), which can run code when read.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What the user allowed a model load to do, on the command that loads a
+    run's model (`resume`, `generate`, `chat`, `export`). A run directory can
+    come from anyone, so its plan.json never allows anything by itself."""
+
+    remote_code: bool = False  # --trust-remote-code
+    pickle_weights: bool = False  # --allow-pickle-weights
+
+    def check(self, plan: Any) -> None:
+        """Refuse, before anything loads, a run whose model runs its own code
+        when this command was not told it may."""
+        if plan.trust_remote_code and not self.remote_code:
+            raise ModelError(f"This run's model ({plan.model}) runs code from its repository (trust_remote_code).",
+                             "Pass --trust-remote-code to allow it for this command, if you trust that repository.")
+
+    def applied_to(self, plan: Plan) -> Plan:
+        """`plan` as this command may load it (`resume`), refused now if it may
+        not: remote code, and pickle weights, only as this command allows."""
+        self.check(plan)
+        check_weight_files(plan.model, self.pickle_weights)
+        return replace(plan, allow_pickle_weights=self.pickle_weights)
+
+    def flags(self) -> list[str]:
+        """The flags that allow the same again (for the processes a relaunch starts)."""
+        return ((["--trust-remote-code"] if self.remote_code else [])
+                + (["--allow-pickle-weights"] if self.pickle_weights else []))
 
 
 def looks_like_path(name: str) -> bool:
@@ -42,6 +80,23 @@ def model_location(name: str) -> str:
     return name
 
 
+def remote_code_refused(name: str) -> ModelError:
+    return ModelError(f"The model '{name}' runs code from its repository (trust_remote_code), which llmcustoms "
+                      "does not allow unless asked.",
+                      "Pass --trust-remote-code (or set LLMCUSTOMS_TRUST_REMOTE_CODE=true) if you trust that repository.")
+
+
+def pickle_refused(name: str, found: str | None = None) -> ModelError:
+    """A model whose weights are in pickle files only (`found`: the file), refused."""
+    what = (f"The weights of '{name}' are in a pickle file ({found}), which can run code when it is loaded"
+            if found else f"The model '{name}' has no safetensors weights, only pickle files, which can run code "
+            "when they are loaded")
+    return ModelError(f"{what}; llmcustoms loads safetensors weights only.",
+                      "If you trust where they came from, convert them once (in Python: AutoModelForCausalLM."
+                      "from_pretrained(MODEL).save_pretrained(DIR) writes model.safetensors; then pass --model DIR), "
+                      "or pass --allow-pickle-weights to load them as they are.")
+
+
 def _explain(name: str, exc: Exception) -> ModelError:
     """One message for the many ways a load can fail; never includes a token."""
     text = str(exc)
@@ -49,6 +104,10 @@ def _explain(name: str, exc: Exception) -> ModelError:
     if "Gated" in kind or "gated" in text or "401" in text:
         return ModelError(f"The model '{name}' is gated on the Hugging Face Hub and needs an access token.",
                           "Accept its licence on the Hub, then set HF_TOKEN in the environment or in .env.")
+    if "trust_remote_code" in text:  # transformers refuses a model's own code unless trusted
+        return remote_code_refused(name)
+    if "no file named model.safetensors found" in text or "cannot be loaded with `safetensors`" in text:
+        return pickle_refused(name)  # what transformers says when use_safetensors=True finds none
     if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
         return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
                           "Check the spelling, or pass --model PATH to a local model directory.")
@@ -73,6 +132,9 @@ def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
     """Try the local cache first (instant and offline), then the Hub, if it answers
     at once (`hubaccess`: no minute of retries when it cannot be reached)."""
     location = model_location(name)
+    # Else, for a Hub model without safetensors weights, transformers asks the
+    # Hub's conversion bot to open a pull request on that model, with the user's token.
+    os.environ.setdefault("DISABLE_SAFETENSORS_CONVERSION", "1")
     try:
         return loader.from_pretrained(location, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
@@ -82,6 +144,45 @@ def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         return loader.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as exc:
         raise _explain(name, exc) from None
+
+
+def check_weight_files(name: str, allow_pickle: bool) -> None:
+    """Refuse (exit 2, before anything loads) a local model whose weights are in
+    pickle files only, or whose config.json names a weights file that is not
+    safetensors, unless pickle weights are allowed. A Hub model is refused when
+    it loads (`from_pretrained` with use_safetensors=True)."""
+    path = Path(name).expanduser()
+    if allow_pickle or not path.is_dir():
+        return
+    try:
+        named = json.loads((path / "config.json").read_text()).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):  # no config, not JSON, not an object: loading says so
+        named = None
+    if isinstance(named, str) and not named.endswith((".safetensors", ".safetensors.index.json")):
+        raise pickle_refused(name, named)
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise pickle_refused(name, pickles[0])
+
+
+def safetensors_only(allow_pickle: bool) -> bool | None:
+    """`use_safetensors` for transformers: True, or None (safetensors first, else
+    pickle) when allowed; False would prefer pickle files over safetensors ones."""
+    return None if allow_pickle else True
+
+
+def adapter_weights(directory: Path | str) -> Path:
+    """The directory of an adapter to load, refused unless its weights are
+    adapter_model.safetensors (peft would read adapter_model.bin with pickle)."""
+    if not (Path(directory) / ADAPTER_WEIGHTS).is_file():
+        found = [p.name for p in Path(directory).glob("adapter_model.*")]
+        raise ModelError(f"The adapter in {directory} has no {ADAPTER_WEIGHTS}"
+                         + (f" (only {found[0]}, a pickle file that can run code when loaded)." if found else "."),
+                         "llmcustoms loads adapters from safetensors only; the adapters it writes are. Convert it "
+                         "once if you trust it: PeftModel.from_pretrained(base, DIR).save_pretrained(DIR).")
+    return Path(directory)
 
 
 def load_config(name: str, trust_remote_code: bool = False) -> Any:
@@ -171,7 +272,9 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": weights_dtype(plan), "trust_remote_code": plan.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": weights_dtype(plan), "trust_remote_code": plan.trust_remote_code,
+                              "use_safetensors": safetensors_only(plan.allow_pickle_weights)}
+    check_weight_files(plan.model, plan.allow_pickle_weights)
     if plan.method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -206,7 +309,7 @@ def continue_adapter(model: Any, adapter: str) -> Any:
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ModelError(f"The adapter this run starts from ({adapter}) is gone.",
                          "Put that run's adapter back where it was, or start a new run.")
-    return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    return PeftModel.from_pretrained(model, adapter_weights(adapter), is_trainable=True)
 
 
 def attach_lora(model: Any, plan: Plan) -> Any:

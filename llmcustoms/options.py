@@ -215,6 +215,9 @@ OPTIONS: tuple[Option, ...] = (
            flag="--raw-prompts", env="RAW_PROMPTS", plan="raw_prompts"),
     Option("trust_remote_code", bool, "Allow the model repository to run its own code.", flag="--trust-remote-code",
            env="TRUST_REMOTE_CODE", plan="trust_remote_code"),
+    Option("allow_pickle_weights", bool, "Also load model weights from pickle files (pytorch_model.bin), which can "
+           "run code when loaded. Default: safetensors weights only.", flag="--allow-pickle-weights",
+           env="ALLOW_PICKLE_WEIGHTS", plan="allow_pickle_weights"),
     # Several processes.
     Option("distributed", str, "With several processes: ddp (each holds the model; default) or fsdp (full "
            "fine-tuning sharded over the processes).", flag="--distributed", env="DISTRIBUTED", plan="distributed",

@@ -141,6 +141,9 @@ class Plan:
     beta: float = 0.1
     # A finished run whose adapter this one starts from (`--from-run`), "" for none.
     from_run: str = ""
+    # Whether weights may load from pickle files (--allow-pickle-weights). Only
+    # the command that loads decides: `resume` sets it from its own flag.
+    allow_pickle_weights: bool = False
     data_report: dict[str, Any] = field(default_factory=dict)
     # What the training rows' token ids depend on (`preparation.tokenization_cache_key`):
     # resume refuses to go on with ids made another way.

@@ -442,6 +442,7 @@ class ParameterOptimizer:
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
             objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),
+            allow_pickle_weights=bool(r.get("allow_pickle_weights", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
             distributed=batch.distributed, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,

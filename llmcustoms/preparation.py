@@ -264,6 +264,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         usable, offline_reason = hubaccess.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)
         choice_reason += offline_reason
+    # Before the tokenizer and the data's tokens: a model train would refuse to load is refused now.
+    modeling.check_weight_files(model.name, bool(options.override("allow_pickle_weights", False)))
 
     tokenized = None
     try:

@@ -30,10 +30,12 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms import launching
+from llmcustoms import launching, preflight
 from llmcustoms.batching import micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
+from llmcustoms.checkpointcontent import (TensorInfo, Unusable, fit_problem, optimizer_fit_problem, rng_fit_problem,
+                                          safetensors_header, torch_dtype_name)
 from llmcustoms.modeling import save_trained
 from llmcustoms.plan import Plan
 from llmcustoms.recovery import RestartNeeded, TrainingFailed, create_failure_report
@@ -263,15 +265,33 @@ class Processes:
                         state: dict[str, Any], protect: int | None = None) -> None:
         """Trainable weights, optimizer and RNG, with the loop's `state`, as one
         checkpoint: whole (under FSDP gathered), written once, by the main process.
-        Pruning spares the checkpoint of step `protect` (a full fine-tuning run's best)."""
+        Pruning spares the checkpoint of step `protect` (a full fine-tuning run's best).
+
+        A full disk ends the run, on every rank (`TrainingFailed`, kind
+        "disk_full"): before anything is written when the main process finds
+        too little room for it (`preflight.checkpoint_shortfall`), or after a
+        write that filled the disk, its files removed. Earlier checkpoints stay."""
+        run_path = self.run_dir.path
+        writing, needed = preflight.checkpoint_need(run_path, step)
+        shortfall = preflight.checkpoint_shortfall(run_path, step, writing, needed) if self.is_main else None
+        if not self.main_decides(shortfall is None):
+            raise TrainingFailed(shortfall or preflight.disk_full_report(run_path, step, writing, needed))
         weights, optimizer_tensors, groups = self._training_state(model, optimizer)
         rng_tensors, rng_json = rng_state()
+        full, cause = None, None
         if self.is_main:  # the same on every rank (or gathered here): one writer
-            checkpoints.save(step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
-                                    "rng.safetensors": rng_tensors},
-                             {**state, "optimizer_groups": groups, "rng": rng_json})
-            checkpoints.prune(protect)
-        # No rank goes on (and might roll back to it) before the checkpoint is whole.
+            try:
+                checkpoints.save(step, {"model.safetensors": weights, "optimizer.safetensors": optimizer_tensors,
+                                        "rng.safetensors": rng_tensors},
+                                 {**state, "optimizer_groups": groups, "rng": rng_json})
+                checkpoints.prune(protect)
+            except Exception as error:
+                full, cause = preflight.disk_full_failure(error, run_path, step, writing, needed), error
+                if full is None:
+                    raise
+        # No rank goes on (and might roll back to it) before the checkpoint is whole, or known lost.
+        if not self.main_decides(full is None):
+            raise TrainingFailed(full or preflight.disk_full_report(run_path, step, writing, needed)) from cause
         self.accelerator.wait_for_everyone()
 
     def _training_state(self, model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
@@ -290,21 +310,60 @@ class Processes:
         return {name: param for name, param in unwrapped.named_parameters() if param.requires_grad}
 
     def load_trainable(self, model: Any, weights: dict[str, Any]) -> None:
-        """Put whole trainable tensors back (under FSDP the main process's, sharded to every rank)."""
+        """Put whole trainable tensors back (under FSDP the main process's, sharded to every rank).
+        Callers check them first (`weights_problem`): a [1, n] tensor would broadcast into an [r, n] weight."""
         if self.fsdp:
             load_weights(model, weights if self.is_main else {})
             return
+        given = {name: tensor_info(tensor) for name, tensor in weights.items()}
+        problem = self.weights_problem(model, given, "the weights")
+        if problem is not None:
+            raise ValueError(f"the weights do not fit the model: {problem}")
         with torch.no_grad():
             for name, param in self.accelerator.unwrap_model(model).named_parameters():
                 if param.requires_grad:
                     param.copy_(weights[name].to(param.device, param.dtype))
+
+    def weights_problem(self, model: Any, tensors: dict[str, TensorInfo],
+                        file: str = "model.safetensors") -> str | None:
+        """Whether `tensors` (the header of `file`) are exactly the model's trainable weights."""
+        trained = {name: tensor_info(param) for name, param in self.accelerator.unwrap_model(model).named_parameters()
+                   if param.requires_grad}  # under FSDP a DTensor's shape is the whole tensor's
+        return fit_problem(file, tensors, trained)
+
+    def checkpoint_problem(self, checkpoint: Checkpoint, model: Any, optimizer: Any) -> str | None:
+        """What keeps a verified checkpoint from being restored into `model` and
+        `optimizer` (None: nothing): every tensor's name, shape and dtype, read
+        from the headers before anything is loaded, against the trainable
+        weights, the optimizer's parameters and this torch's generator; and the
+        state a restore reads. The same files on every rank: the same answer."""
+        state = checkpoint.state()
+        lacking = [key for key in ("optimizer_groups", "scheduler", "rng") if key not in state]
+        if lacking:
+            return f"state.json lacks {', '.join(lacking)}"
+        live = [[tensor_info(param) for param in group["params"]] for group in optimizer.param_groups]
+        if len(state["scheduler"].get("base_lrs", live)) != len(live):
+            return f"the scheduler has {len(state['scheduler']['base_lrs'])} learning rates for {len(live)} groups"
+        try:
+            return (self.weights_problem(model, safetensors_header(checkpoint.path / "model.safetensors"))
+                    or optimizer_fit_problem(safetensors_header(checkpoint.path / "optimizer.safetensors"),
+                                             state["optimizer_groups"], live)
+                    or rng_fit_problem(safetensors_header(checkpoint.path / "rng.safetensors"),
+                                       tensor_info(torch.get_rng_state())))
+        except Unusable as unusable:  # changed since it was verified
+            return str(unusable)
 
     def restore_checkpoint(self, checkpoint: Checkpoint, model: Any, optimizer: Any,
                            with_optimizer: bool = True) -> dict[str, Any]:
         """Weights, optimizer and RNG back from a checkpoint; returns the loop's state.
         Under FSDP the main process reads the whole tensors and every rank keeps its shard.
         `with_optimizer=False` (`resume --reset-optimizer`) leaves `optimizer` as
-        it is: a new one, whose moments start from zero."""
+        it is: a new one, whose moments start from zero. `checkpoint` is one that
+        `CheckpointManager.latest` or `verified` gave, checked by `checkpoint_problem`;
+        checked again here, before anything is copied, whoever the caller."""
+        problem = self.checkpoint_problem(checkpoint, model, optimizer)
+        if problem is not None:
+            raise ValueError(f"checkpoint {checkpoint.path.name} cannot be restored: {problem}")
         state = checkpoint.state()
         groups = state["optimizer_groups"]
         weights = checkpoint.tensors("model.safetensors") if self.is_main or not self.fsdp else {}
@@ -329,3 +388,8 @@ class Processes:
         if self.is_main:
             save_trained(self.accelerator.unwrap_model(model), tokenizer, output, weights)
         self.accelerator.wait_for_everyone()
+
+
+def tensor_info(tensor: Any) -> TensorInfo:
+    """A tensor's dtype and shape as a safetensors header gives them."""
+    return TensorInfo(torch_dtype_name(tensor.dtype), tuple(tensor.shape))

@@ -13,6 +13,11 @@ model over every row again; one without them computes them again, from the
 model as loaded (the starting weights, before its checkpoint is restored).
 Memory holds one model throughout. Every process computes all of them (the
 forwards are collectives under FSDP); the main one writes them.
+
+The pass is as long as an evaluation over the training rows, and comes before
+the loop: it installs the stop signals itself, and a stop (SIGINT, SIGTERM),
+agreed between micro-batches, ends the run there. What was computed of the
+rows being computed is lost; nothing else is.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from llmcustoms.checkpoints import CheckpointManager
 from llmcustoms.losses import learned_logits
 from llmcustoms.pairrows import PairRows
+from llmcustoms.recovery import TrainingInterrupted
+from llmcustoms.stopsignals import StopRequested, stop_agreed, stopped_by
 
 DIRECTORY = "reference"
 
@@ -72,10 +80,12 @@ class ReferenceLogps:
 @torch.no_grad()
 def compute(model: Any, rows: Any, collate: Callable[[list], dict[str, torch.Tensor]], micro_batch: int,
             device: torch.device, autocast: Callable[[], AbstractContextManager],
-            progress: Callable[[int, int], None] = lambda done, total: None) -> ReferenceLogps:
+            progress: Callable[[int, int], None] = lambda done, total: None,
+            stopped: Callable[[], bool] = lambda: False) -> ReferenceLogps:
     """The reference log-probabilities of every sequence of `rows` (a `PairRows`,
     or no rows), with `model` as it is now, in eval mode; `micro_batch`
-    sequences (half as many pairs) at a time, read from the store as they go."""
+    sequences (half as many pairs) at a time, read from the store as they go.
+    StopRequested when `stopped()`, asked before each micro-batch, says so."""
     lengths = rows.rows.lengths if isinstance(rows, PairRows) else np.zeros(0, np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.zeros(int(starts[-1]), np.float32)
@@ -84,6 +94,8 @@ def compute(model: Any, rows: Any, collate: Callable[[list], dict[str, torch.Ten
     model.eval()
     try:
         for pair in range(0, len(lengths) // 2, pairs_at_once):
+            if stopped():
+                raise StopRequested
             progress(pair, len(lengths) // 2)
             first = 2 * pair
             halves = rows.examples(list(range(pair, min(pair + pairs_at_once, len(lengths) // 2))))
@@ -99,21 +111,38 @@ def compute(model: Any, rows: Any, collate: Callable[[list], dict[str, torch.Ten
     return ReferenceLogps(values, starts)
 
 
-def cached_reference(model: Any, data: Any, run_dir: Any, micro_batch: int, device: torch.device,
+def cached_reference(model: Any, data: Any, run_dir: Any, micro_batch: int, processes: Any,
                      autocast: Callable[[], AbstractContextManager],
                      say: Callable[[str | None], None]) -> tuple[ReferenceLogps, ReferenceLogps]:
     """(training, evaluation) reference log-probabilities of a `TrainingRows`'
     pairs: from the run directory, or computed now with `model` (in
-    micro-batches of `micro_batch` sequences) and kept there."""
+    micro-batches of `micro_batch` sequences) on every one of the run's
+    `processes.Processes`, and kept there. A stop ends the run with
+    TrainingInterrupted, once status.json says so."""
     directory = run_dir.path / DIRECTORY
     out = []
-    for name, rows in (("train", data.train), ("eval", data.evaluation)):
-        kept = ReferenceLogps.load(directory, name, 2 * len(rows))
-        if kept is None:
-            kept = compute(model, rows, data.collate_examples, micro_batch, device, autocast,
-                           lambda done, total: say(f"reference log-probabilities ({name} pairs) {done}/{total}"))
-            if run_dir.writable:
-                kept.save(directory, name)
-        out.append(kept)
+    with processes.signals:
+        try:
+            for name, rows in (("train", data.train), ("eval", data.evaluation)):
+                kept = ReferenceLogps.load(directory, name, 2 * len(rows))
+                # Every process computes, or none: under FSDP the forwards are collectives, and each agrees on a stop.
+                if processes.main_decides(kept is None):
+                    kept = compute(model, rows, data.collate_examples, micro_batch, processes.device, autocast,
+                                   lambda done, total: say(f"reference log-probabilities ({name} pairs) {done}/{total}"),
+                                   lambda: stop_agreed(processes) is not None)
+                    if run_dir.writable:
+                        kept.save(directory, name)
+                out.append(kept)
+        except StopRequested:
+            say(None)
+            _interrupted(run_dir, processes.stopping())
     say(None)
     return out[0], out[1]
+
+
+def _interrupted(run_dir: Any, signum: int) -> None:
+    """Stopped before the loop began: nothing to save. The step said is the
+    newest checkpoint's (a resumed run's), where `resume` goes on from."""
+    step = max((c.step for c in CheckpointManager(run_dir.checkpoints_path, 1).all()), default=0)
+    run_dir.write_status("interrupted", step=step, reason=f"{stopped_by(signum)} while computing DPO's reference")
+    raise TrainingInterrupted(signum, step)

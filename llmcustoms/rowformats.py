@@ -212,9 +212,16 @@ def detect_format(rows: list[RawRow], path: Path) -> str:
     raise DataError(
         # Field names only, shortened: in odd files the keys themselves could be content.
         f"{path.name}: cannot tell the data format from the fields found "
-        f"({', '.join(str(f)[:30] for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
+        f"({', '.join(_shown_field(f) for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
         f"Accepted formats: {accepted}. Rename your columns to one of these.",
     )
+
+
+def _shown_field(name: str) -> str:
+    """A field name as the user wrote it, shortened; control characters (a
+    terminal's escape codes, a line break) escaped, since they would act."""
+    short = str(name)[:30]
+    return short if short.isprintable() else repr(short)[1:-1]
 
 
 def _text_field(value: dict, name: str, required: bool = True) -> str:

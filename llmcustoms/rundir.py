@@ -14,6 +14,12 @@
 
 JSON files are replaced atomically (write a temp file, then rename), so a
 reader never sees half a file even if the process dies mid-write.
+
+A full disk never stops the run here: status.json, metrics.jsonl and
+samples.jsonl are written as far as there is room (status.json, as a last
+resort, over its old content in the room it already has; a row is appended
+whole or not at all) and stderr says, once a file, what could not be. The
+training loop notices the full disk where it matters, at a checkpoint.
 """
 
 from __future__ import annotations
@@ -28,21 +34,21 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms import runlock
+from llmcustoms.diskwrites import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
 
 STATUSES = ("running", "completed", "failed", "interrupted")
+# What status.json keeps when a full disk leaves room for no more: how the run stands and why.
+ESSENTIAL_STATUS = ("status", "step", "total_steps", "reason", "suggestions", "recoveries", "pid", "started_at",
+                    "updated_at")
 # Room under a file system's 255-byte name limit for the names made from it (".tmp" files, suffixes).
 MAX_RUN_NAME_BYTES = 200
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace `path` with `data` as JSON, atomically; a write that fails removes its temp file."""
+    replace_file(path, json.dumps(data, indent=2))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -177,21 +183,45 @@ class RunDirectory:
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
                 rows = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                os.replace(tmp, path)
+                text = "".join(json.dumps(r) + "\n" for r in rows)
+                try:
+                    replace_file(path, text)
+                except OSError as exc:
+                    if exc.errno not in DISK_FULL:
+                        raise
+                    if not overwrite(path, text):  # fewer rows than it holds: they fit in the room it has
+                        say_unwritten(path, exc, f"it still holds rows after step {step}")
 
     def _append(self, path: Path, rows: list[dict[str, Any]]) -> None:
+        """Append rows, a line each; on a full disk those that fit, and stderr says so."""
         if not self.writable or not rows:
             return
-        with open(path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        try:
+            append_lines(path, [json.dumps(row) + "\n" for row in rows])
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            say_unwritten(path, exc, "rows are missing from it while the disk is full")
 
     def add_recovery(self, recovery: dict[str, Any]) -> None:
         if not self.writable:
             return
         status = self.read_status()
-        write_json_atomic(self.status_path, {**status, "recoveries": status.get("recoveries", []) + [recovery]})
+        self._save_status({**status, "recoveries": status.get("recoveries", []) + [recovery]})
+
+    def _save_status(self, status: dict[str, Any]) -> None:
+        """status.json as far as the disk allows. On a full disk it is written
+        over its old content (compact, and if need be without what only
+        `report` shows) in the room that already has; else stderr says it is out of date."""
+        try:
+            write_json_atomic(self.status_path, status)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            essential = {key: status[key] for key in ESSENTIAL_STATUS if key in status}
+            if not any(overwrite(self.status_path, json.dumps(data, separators=(",", ":")))
+                       for data in (status, essential)):
+                say_unwritten(self.status_path, exc, f"it may not say the run is `{status.get('status')}`")
 
     @property
     def restart_path(self) -> Path:
@@ -255,7 +285,7 @@ class RunDirectory:
         current["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         current.setdefault("started_at", current["updated_at"])
         current.setdefault("recoveries", [])
-        write_json_atomic(self.status_path, current)
+        self._save_status(current)
         return current
 
 

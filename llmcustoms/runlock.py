@@ -8,9 +8,10 @@ The lock is `fcntl.flock` on a file beside the run directory, `.NAME.lock` in
 its parent, not inside it: `--overwrite` deletes and remakes the directory,
 and a lock on a deleted file would let a third command in. The OS releases a
 flock when its process dies, kill -9 included, so a killed run never leaves a
-stale lock and nothing has to be cleaned up. The lock files stay (empty but
-for the holder's pid): deleting one while another process waits to lock it
-is the classic race that lets two owners in.
+stale lock. The owner deletes the lock file when it is done, while still
+holding it; a command that locked a file just deleted (it opened it a moment
+before) sees that the path no longer names what it locked, and tries again,
+so two owners cannot both hold "the" lock.
 
 Within one process the lock is re-entrant (a tuning study runs many trials,
 tests run many commands in one interpreter): flock would refuse a second
@@ -88,8 +89,18 @@ def _take(path: Path, run_dir: Path, doing: str) -> None:
         raise ConfigError(f"{run_dir} is in use by another llmcustoms command ({who}); not {doing}.",
                           "Wait for it to finish, or stop it (Ctrl-C) and run this again; "
                           "or choose another --run-name.") from None
+    if not _still_named(path, fd):  # its owner deleted it as we opened it: lock the new one
+        os.close(fd)
+        return _take(path, run_dir, doing)
     _write_pid(fd)
     _held[path] = (fd, 1)
+
+
+def _still_named(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def _release(path: Path) -> None:
@@ -98,6 +109,10 @@ def _release(path: Path) -> None:
         _held[path] = (fd, holds - 1)
         return
     del _held[path]
+    try:
+        path.unlink()  # while still held: see the module's docstring
+    except OSError:
+        pass  # a read-only or full disk: a lock file left behind is harmless
     os.close(fd)  # releases the flock
 
 

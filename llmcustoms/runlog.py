@@ -9,7 +9,8 @@ evaluation), each step's and evaluation's numbers, and how the run ended
 (`training.run_training`). A resumed run appends to the same file.
 
 Each line is appended and closed at once, so a killed run keeps every line up
-to its end. Only the main process writes: a `RunLog` without a path writes
+to its end; a line is whole or not there (a full disk cuts none short).
+Only the main process writes: a `RunLog` without a path writes
 nothing. Lines go through `failurereport.redact` (tokens and keys); nothing
 here sees a data row, only the loop's numbers and its own messages.
 """
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.diskwrites import DISK_FULL, append_lines
 from llmcustoms.failurereport import redact
 from llmcustoms.reporting import Reporter
 
@@ -43,26 +45,32 @@ UNLOGGED_KEYS = ("step", "seconds")  # the step leads the line; tokens/s says th
 
 class RunLog:
     """Appends timestamped lines to `path` (None: writes nothing). A write that
-    fails (a full disk) is said once through `warn`, and the log stops: the run
-    goes on without it."""
+    fails is said once through `warn`, and the run goes on without its log; on a
+    full disk the lines are left out only while there is no room (a failed
+    checkpoint's files, once removed, leave room for how the run ended)."""
 
     def __init__(self, path: Path | None, warn: Callable[[str], None] = lambda text: None):
         self.path = path
         self.warn = warn
         self.problem: str | None = None
+        self.stopped = False
 
     def write(self, level: str, text: str) -> None:
         assert level in LEVELS, level
-        if self.path is None or self.problem is not None:
+        if self.path is None or self.stopped:
             return
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         body = redact(text.rstrip()).replace("\n", "\n" + INDENT)
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(f"{stamp} {level:<8} {body}\n")
+            append_lines(self.path, [f"{stamp} {level:<8} {body}\n"])
         except OSError as exc:
+            full = exc.errno in DISK_FULL
+            if self.problem is None:
+                self.warn(f"{self.path} could not be written ({exc.strerror or exc}); " +
+                          ("its lines are left out while the disk is full." if full
+                           else "the run goes on without its log."))
             self.problem = exc.strerror or str(exc)
-            self.warn(f"{self.path} could not be written ({self.problem}); the run goes on without its log.")
+            self.stopped = not full
 
 
 def _number(key: str, value: Any) -> str:

@@ -12,8 +12,9 @@ Rows go to the run's samples.jsonl:
 `label` is "base", "eval" or "trained". The prompts are the user's data, so
 they stay in the terminal and the run directory; the exported model card
 never shows them. A sample is a look, never worth the run: a prompt too long
-for the plan's sequence length is not drawn, and a failure to answer is a
-warning.
+for the plan's sequence length is not drawn, a failure to answer is a
+warning, and a stop asked for (SIGINT, SIGTERM) ends the answering at the next
+token, writing none of them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 from llmcustoms.data import usable_examples
 from llmcustoms.rowformats import Example
+from llmcustoms.stopsignals import StopRequested
 
 SAMPLE_PROMPTS = 3
 MAX_NEW_TOKENS = 48
@@ -99,26 +101,38 @@ class SampleReplies:
     def answer_in_run(self, processes: Any, model: Any, step: int, label: str,
                       activity: Callable[[str | None], None], due: bool = True) -> None:
         """Answer from the main process of a run (`processes.Processes`) when it finds
-        it `due`; the others wait. Not under FSDP, where every forward is a collective."""
-        if processes.fsdp or not processes.main_decides(due):
+        it `due` and no stop was asked of it; the others wait. Not under FSDP, where
+        every forward is a collective."""
+        def stopped() -> bool:  # asked of the main process's own signals: it alone answers
+            return processes.signals.received is not None
+
+        if processes.fsdp or not processes.main_decides(due and not stopped()):
             return
         if processes.is_main:
             activity(f"sample replies ({label})")
-            self.answer(processes.accelerator.unwrap_model(model), step, label)
+            self.answer(processes.accelerator.unwrap_model(model), step, label, stopped)
             activity(None)
         processes.accelerator.wait_for_everyone()
 
-    def answer(self, model: Any, step: int, label: str) -> list[dict[str, Any]]:
+    def answer(self, model: Any, step: int, label: str,
+               stopped: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
         """Greedy replies of `model` (in eval mode while answering), written and
-        returned; none, with a warning, if answering fails (out of memory, ...)."""
+        returned; none, with a warning, if answering fails (out of memory, ...),
+        and none, silently, once `stopped()` says so (asked after every token)."""
         from llmcustoms.generation import generate
+
+        def token(text: str) -> None:
+            if stopped():
+                raise StopRequested
 
         started = time.perf_counter()
         was_training = model.training
         model.eval()
         try:
-            replies = [generate(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0)
+            replies = [generate(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0, token)
                        for p in self.prompts]
+        except StopRequested:
+            return []
         except Exception as error:  # noqa: BLE001 - whatever it was, training goes on
             self.warn(f"sample replies at step {step} skipped ({type(error).__name__}: {error})")
             return []

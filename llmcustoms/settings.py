@@ -56,6 +56,9 @@ def read_env_file(path: Path) -> dict[str, tuple[str, int]]:
             raise ConfigError(f"{path}, line {line}: not a NAME=value line.",
                               "Fix or delete that line; lines starting with # are comments.")
         if binding.key is not None and binding.value is not None:
+            if "\x00" in binding.key + binding.value:  # no environment can hold one: os.environ would refuse it
+                raise ConfigError(f"{path}, line {line}: a NUL character in a NAME=value line.",
+                                  "Fix or delete that line; save the file as plain text.")
             values[binding.key] = (binding.value, line)
     return values
 
@@ -88,7 +91,8 @@ def load_settings(env_file: Path | None = None) -> Settings:
             problems.append(f"{where}: {exc}")
     unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_VARIABLE
                      and n not in NOT_SETTINGS)
-    problems += [f"unknown setting {n}" for n in unknown]
+    # A name of bytes that are not UTF-8 (as surrogates) could not even be printed.
+    problems += [f"unknown setting {n if n.isprintable() else ascii(n)}" for n in unknown]
     if problems:
         raise ConfigError("Invalid setting(s):\n  " + "\n  ".join(problems),
                           "See .env.example for every LLMCUSTOMS_ variable and its values.")

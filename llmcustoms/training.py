@@ -24,6 +24,7 @@ from typing import Any, Callable
 from llmcustoms import launching, runlock
 from llmcustoms.checkpoints import ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
+from llmcustoms.modeling import Allowed
 from llmcustoms.settings import Settings, load_settings
 
 
@@ -55,13 +56,18 @@ class Session:
     env_file: Path | None = None
     report_to: str | None = None  # as a flag, for the processes a relaunch starts
     start: ResumeFrom = ResumeFrom()  # `resume`'s --from, --reset-optimizer and --epochs
+    allowed: Allowed = Allowed()  # remote code, pickle weights: `resume`'s own flags, never its plan.json
 
     @classmethod
-    def load(cls, given: dict[str, Any], env_file: Path | None, quiet: bool = False) -> "Session":
-        """The settings with the command's flags over them: flag > environment."""
+    def load(cls, given: dict[str, Any], env_file: Path | None, quiet: bool = False,
+             allowed: Allowed | None = None) -> "Session":
+        """The settings with the command's flags over them: flag > environment.
+        `allowed`: `resume`'s flags; for `train`, its settings."""
         settings = load_settings(env_file)
         settings.values.update({name: (value, "flag") for name, value in given.items()})
-        return cls(settings, quiet=quiet, env_file=env_file, report_to=given.get("report_to"))
+        if allowed is None:
+            allowed = Allowed(bool(settings.get("trust_remote_code")), bool(settings.get("allow_pickle_weights")))
+        return cls(settings, quiet=quiet, env_file=env_file, report_to=given.get("report_to"), allowed=allowed)
 
     def train_options(self) -> Any:
         """What to train, as `preparation.TrainOptions`; what is not given, the plan decides."""
@@ -82,7 +88,7 @@ class Session:
     def resume_options(self) -> list[str]:
         """The options a relaunched or restarted `resume` passes on."""
         return ((["--quiet"] if self.quiet else []) + (["--env-file", str(self.env_file)] if self.env_file else [])
-                + (["--report-to", self.report_to] if self.report_to else []))
+                + (["--report-to", self.report_to] if self.report_to else []) + self.allowed.flags())
 
     def resuming(self, from_step: str | None, reset_optimizer: bool, epochs: float | None) -> "Session":
         """This session with `resume`'s own flags. `epochs` is the flag's value
@@ -198,7 +204,7 @@ def _resumable(run_dir: Path | None, session: Session) -> Any:
     from llmcustoms.rundir import RunDirectory, find_unfinished_run
 
     directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
-    plan, start = directory.read_plan(), session.start
+    plan, start = session.allowed.applied_to(directory.read_plan()), session.start  # remote code refused here
     if directory.read_status().get("status") == "completed" and start.epochs is None:
         raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
                               "Start a new run with `llmcustoms train`, extend this one with `llmcustoms resume "
@@ -230,7 +236,7 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
     from llmcustoms.preparation import prepare_resume
 
     directory = _resumable(run_dir, session)
-    plan = directory.read_plan()
+    plan = session.allowed.applied_to(directory.read_plan())
     world = launching.world_size()
     prepared = prepare_resume(plan, world_size=world)
     if session.start.epochs is not None:
@@ -349,32 +355,49 @@ def _say_interrupted(stop: Any, run_dir: Any, log: Any) -> None:
 
 
 def _say_failed(failed: Any, plan: Any, run_dir: Any, log: Any, main: bool) -> None:
-    """The failure panel, the bug's traceback, and (from the main process) failure.json."""
+    """The failure panel, the bug's traceback (not a full disk's: `preflight.as_disk_full`),
+    and (from the main process) failure.json."""
     from llmcustoms import console as ui
+    from llmcustoms.preflight import as_disk_full
 
-    ui.show_failure(failed.report, run_dir.path)
-    if failed.__cause__ is not None:  # a bug, not a recoverable condition: show where
+    cause = failed.__cause__
+    agreed = failed.report["kind"] == "disk_full"  # at a checkpoint, where every process stops together
+    if main:
+        as_disk_full(failed, run_dir)
+    if main or not agreed:  # one panel for what every process knows
+        ui.show_failure(failed.report, run_dir.path)
+    if cause is not None and failed.report["kind"] != "disk_full":  # a bug, not a recoverable condition: show where
         import traceback
 
-        traceback.print_exception(failed.__cause__)
+        traceback.print_exception(cause)
     if main:
-        _report_failure(run_dir, plan, failed.__cause__ or failed, failed.report, log)
+        _report_failure(run_dir, plan, cause or failed, failed.report, log)
+    if agreed:  # no process exits, and has the launcher stop the others, before the main one's reports are written
+        wait_for_all_processes(launching.world_size())
 
 
 def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> None:
     """An exception out of `tuner.run` from outside the loop's own handling (loading
-    the model, saving the weights). A user error is the CLI's to say; anything else
-    is a bug: status.json and failure.json say so, and it goes on with its traceback."""
+    the model, saving the weights). A user error is the CLI's to say; a full disk is
+    said, and raised as `TrainingFailed` (exit 1, no traceback); anything else is a
+    bug: status.json and failure.json say so, and it goes on with its traceback."""
+    from llmcustoms import console as ui
     from llmcustoms.failurereport import describe
-    from llmcustoms.recovery import create_failure_report
+    from llmcustoms.preflight import disk_full_failure
+    from llmcustoms.recovery import TrainingFailed, create_failure_report
 
     if isinstance(error, LlmcustomsError):
         log.write("error", f"stopped: {error}")
         return
     step = tuner.position.step
-    report = create_failure_report("error", tuner.plan, step, describe(error))
+    full = disk_full_failure(error, run_dir.path, step)
+    report = full or create_failure_report("error", tuner.plan, step, describe(error))
     run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
+    if full is not None:
+        ui.show_failure(full, run_dir.path)
     _report_failure(run_dir, tuner.plan, error, report, log)
+    if full is not None:
+        raise TrainingFailed(full) from error
 
 
 def _report_failure(run_dir: Any, plan: Any, error: BaseException, report: dict[str, Any], log: Any) -> None:

@@ -84,3 +84,11 @@ def test_large_data_measures_memory_and_time_to_first_step(tmp_path, tiny_models
         assert 0 < run["first_step_s"] <= run["seconds"]
     table = large_data.table({"baseline": baseline, "sizes": {"0.0002": entry}})
     assert len(table.splitlines()) == 4 and "failed" not in table
+
+
+def test_kill_anywhere_kills_resumes_and_ends_with_the_uninterrupted_adapter():
+    summary = run("kill_anywhere.py", "--kills", "4", "--per-run", "4", "--steps", "16")
+    assert summary["kills"] == 4 and sum(summary["landed"].values()) == 4
+    assert summary["all_identical"] is True and summary["max_difference"] <= 1e-5
+    for result in summary["results"]:
+        assert result["status"] == "completed" and result["one_row_per_step"]

@@ -176,3 +176,12 @@ def test_data_that_is_not_a_regular_file_is_refused_at_once(cli, tmp_path, kind)
     result = cli("train", str(data), "--yes", "--output-dir", str(runs), timeout=60)
     assert_clean_user_error(result, "is not a regular file")
     assert not runs.exists()
+
+
+@pytest.mark.parametrize("args", [("plan", "--vram", "inf"), ("plan", "--vram", "nan"), ("lr-find", "--start-lr", "nan"),
+                                  ("lr-find", "--end-lr", "inf"), ("tune", "--timeout", "inf")])
+def test_a_float_flag_outside_the_options_table_refuses_nan_and_infinity(cli, tiny_models, tmp_path, args):
+    command, *flag = args
+    result = cli(command, str(FIXTURES / "alpaca.jsonl"), "--model", str(tiny_models["llama"]), *flag, cwd=tmp_path)
+    assert_clean_user_error(result, f"Invalid value for '{flag[0]}'", "finite number")
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -55,8 +55,9 @@ def test_the_lock_is_reentrant_in_a_process_and_lives_beside_the_run(tmp_path):
         probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom llmcustoms import runlock\n"
                                 "print(runlock.holder(Path(sys.argv[1])))", str(run)], capture_output=True, text=True)
         assert probe.stdout.strip() == str(os.getpid())
-    assert runlock.lock_path(run) == tmp_path / ".mine.lock"
+        assert runlock.lock_path(run).exists() and runlock.lock_path(run) == tmp_path / ".mine.lock"
     assert not run.exists()  # taking the lock makes nothing inside the run's place
+    assert not runlock.lock_path(run).exists()  # and leaves nothing behind
 
 
 def train_args(model: Path, output: Path, name: str, *extra: str) -> list[str]:
