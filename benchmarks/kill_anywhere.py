@@ -78,6 +78,13 @@ def landed(names: list[str]) -> str:
     return "between writes"
 
 
+def last_status(run: Path) -> str | None:
+    try:
+        return json.loads((run / "status.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
 def last_step(run: Path) -> int:
     try:
         return int(json.loads((run / "status.json").read_text()).get("step", 0))
@@ -138,7 +145,7 @@ def killed_run(model: Path, root: Path, index: int, kills: int, steps: int, rng:
     run = root / name
     where: list[str] = []
     first = train_args(model, root, name, steps)
-    while len(where) < kills:
+    while len(where) < kills and last_status(run) != "completed":  # a kill may land just after the end
         args = first if not (run / "plan.json").exists() else ["resume", str(run), "--quiet"]
         spot = kill_once(args, run, WAYS[len(where) % len(WAYS)], steps, rng)
         if spot is None:

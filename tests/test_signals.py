@@ -82,6 +82,9 @@ class SignalInEvaluation:
     def send_signal_if_due(self, step: int) -> None:
         pass
 
+    def kill_saving(self, step: int | None, where: str) -> None:
+        pass
+
     def in_forward(self, step: int, training: bool) -> None:
         if not training and step == self.step and not self.sent:
             self.sent = True
