@@ -1,6 +1,6 @@
 """Predicted vs measured peak training memory, for several configurations.
 
-    python benchmarks/memory_accuracy.py [--json] [--device cpu|cuda] [--only NAME]
+    python benchmarks/memory_accuracy.py [--json] [--device cpu|cuda] [--only NAME] [--mixed-precision no|bf16]
 
 Each configuration runs in a fresh subprocess: build a small random model of a
 real architecture locally (no download), set up llmcustoms' own `FineTuner`
@@ -100,7 +100,7 @@ def _rss(key: str) -> int:
     return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-def measure(config: Config, model_dir: Path, device: str) -> dict:
+def measure(config: Config, model_dir: Path, device: str, precision: str) -> dict:
     """Runs inside the child process: real FineTuner set-up and steps, then the peak."""
     import torch
 
@@ -114,7 +114,6 @@ def measure(config: Config, model_dir: Path, device: str) -> dict:
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     if config.arch.model_type == "phi3":
         targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    precision = "bf16" if device == "cuda" else "no"
     plan = Plan(model=str(model_dir), family="bench", model_type=config.arch.model_type, preset="quality",
                 method=config.method, micro_batch_size=config.micro_batch, grad_accum=1,
                 effective_batch_size=config.micro_batch, max_seq_len=config.seq_len,
@@ -150,12 +149,12 @@ def measure(config: Config, model_dir: Path, device: str) -> dict:
     return {"measured_bytes": measured, "loaded_bytes": after_load - before}
 
 
-def predict(config: Config, device: str) -> dict:
+def predict(config: Config, device: str, precision: str) -> dict:
     from llmcustoms.memory import MemoryOptimizer
 
     targets = ("all-linear",)
     estimate = MemoryOptimizer(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
-        config.method, config.micro_batch, config.seq_len, "bf16" if device == "cuda" else "no",
+        config.method, config.micro_batch, config.seq_len, precision,
         config.gradient_checkpointing, lora_rank=config.lora_rank, lora_targets=targets)
     data = estimate.to_json()
     if device == "cuda":
@@ -170,15 +169,15 @@ def predict(config: Config, device: str) -> dict:
     return data
 
 
-def run_one(name: str, device: str) -> dict:
+def run_one(name: str, device: str, precision: str) -> dict:
     config = next(c for c in CONFIGS if c.name == name)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(config.arch, model_dir)
-        result = measure(config, model_dir, device)
+        result = measure(config, model_dir, device, precision)
     return {"name": name, "fitted": config.fitted, "method": config.method, "micro_batch": config.micro_batch, "seq_len": config.seq_len,
             "gradient_checkpointing": config.gradient_checkpointing, "arch": config.arch.hub_id,
-            **result, "predicted": predict(config, device)}
+            "mixed_precision": precision, **result, "predicted": predict(config, device, precision)}
 
 
 def main() -> None:
@@ -187,17 +186,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", help="run one configuration by name")
     parser.add_argument("--held-out", action="store_true", help="run only the configurations the fit never saw")
+    parser.add_argument("--mixed-precision", choices=["no", "bf16"], help="default: bf16 on cuda, no (fp32) on cpu")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
     if args.child:
-        print("RESULT " + json.dumps(run_one(args.child, args.device)))
+        print("RESULT " + json.dumps(run_one(args.child, args.device, precision)))
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = []
     for config in CONFIGS:
         if (args.only and config.name != args.only) or (args.held_out and config.fitted):
             continue
-        out = subprocess.run([sys.executable, __file__, "--child", config.name, "--device", args.device],
+        out = subprocess.run([sys.executable, __file__, "--child", config.name, "--device", args.device,
+                              "--mixed-precision", precision],
                              capture_output=True, text=True, env=env)
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
@@ -216,7 +218,8 @@ def main() -> None:
                                                      and not (args.held_out and c.fitted)]) \
         and all(0.8 <= r["ratio"] <= 1.25 for r in results)
     if args.json:
-        print(json.dumps({"device": args.device, "results": results, "all_within_0.8_1.25": within}))
+        print(json.dumps({"device": args.device, "mixed_precision": precision, "results": results,
+                          "all_within_0.8_1.25": within}))
     else:
         print(f"all within 0.8-1.25x: {within}")
 

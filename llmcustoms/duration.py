@@ -21,6 +21,10 @@ GPU_MFU = 0.35
 # on the reference machine (2 AVX-512 cores; LoRA and full fine-tuning of a
 # 45M-parameter Llama at 512 tokens). Rounded down for smaller machines.
 CPU_FLOPS_PER_CORE = 40e9
+# bf16 autocast on a CPU with native bf16 (AVX512-BF16, AMX) against fp32: 1.58x
+# measured for a LoRA step of SmolLM2-135M on the reference machine (frozen weights
+# in bf16; benchmarks/NOTES.md). Full fine-tuning keeps fp32 weights and gains less.
+CPU_BF16_SPEEDUP = {"lora": 1.5, "qlora": 1.5, "full": 1.2}
 # Extra time QLoRA spends dequantising 4-bit weights in every forward and backward.
 QLORA_SLOWDOWN = 1.3
 # Without a GPU the preset's CPU models are planned best first and the first
@@ -54,7 +58,7 @@ def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool,
     if hardware.has_gpu:
         rate = hardware.peak_tflops * 1e12 * GPU_MFU
     else:
-        rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores
+        rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores * (CPU_BF16_SPEEDUP[method] if hardware.cpu_bf16 else 1.0)
     seconds = work * per_token / rate
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 

@@ -53,7 +53,11 @@ def learned_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     head = model.get_output_embeddings()
     head.logit_selection = selection
     try:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        # No attention mask: rows are right-padded (`batching.collate`), so in a causal model
+        # no real token attends to padding, and what padding computes is neither selected nor
+        # learned. The loss and its gradients are the same; attention then takes its plain
+        # causal path, which made a SmolLM2 LoRA step about 17% faster on a CPU (benchmarks/NOTES.md).
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
     finally:
         head.logit_selection = None
     return logits, labels[:, 1:][selection[:, :-1]], selection

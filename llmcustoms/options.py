@@ -198,7 +198,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("gradient_checkpointing", bool, "Recompute activations to save memory (slower). Default: only when needed.",
            flag="--gradient-checkpointing", env="GRADIENT_CHECKPOINTING", plan="gradient_checkpointing"),
     Option("mixed_precision", str, "Autocast precision; no means fp32 throughout. Default: bf16 or fp16 on a GPU, "
-           "fp32 on CPU.",
+           "bf16 on a CPU with AVX512-BF16 or AMX, else fp32.",
            flag="--mixed-precision", env="MIXED_PRECISION", plan="mixed_precision", choices=("no", "bf16", "fp16")),
     # What the run learns: replies (sft), or to prefer the chosen reply of a pair (dpo).
     Option("objective", str, "sft (learn the replies) or dpo (learn to prefer the chosen reply of preference "

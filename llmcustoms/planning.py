@@ -173,10 +173,9 @@ def _precision_and_length(r: _Resolver, hardware: Hardware, stats: DataStats, mo
     r.warnings += [hardware.torch_note] if hardware.torch_note else []  # GPUs found that torch cannot use
     precision = r.get("mixed_precision", hardware.mixed_precision)
     if not r.given("mixed_precision"):
-        r.chose("mixed_precision", precision,  # "no" is fp32 to the reader; plan.json keeps "no"
-                {"bf16": "precision bf16: bf16 autocast, supported by this GPU",
-                 "fp16": "precision fp16: fp16 autocast, this GPU has no bf16",
-                 "no": "precision fp32: no GPU found"}[precision])
+        r.chose("mixed_precision", precision, hardware.precision_reason)  # plan.json keeps "no" for fp32
+    elif precision == "bf16" and not hardware.has_gpu and not hardware.cpu_bf16:
+        r.warnings.append("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): slower than --mixed-precision no")
     max_seq_len = _choose_max_seq_len(r, stats, model)
     train_rows = stats.rows_kept(max_seq_len)
     if train_rows == 0:
@@ -422,7 +421,7 @@ class ParameterOptimizer:
         evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0
         # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
         work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
-        seconds = expected_seconds(r.reasons, hardware, stats, model.arch, batch.method, batch.gradient_checkpointing,
+        seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method, batch.gradient_checkpointing,
                                    max_seq_len, train_rows, round(schedule.total_steps * effective * work),
                                    evaluations * evaluation_work)
 

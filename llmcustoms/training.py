@@ -422,7 +422,7 @@ def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
         return
     try:
         # The hardware the run used: a CPU-only torch's speed is not the GPU's.
-        record_speed(cache_dir(cache), usable_hardware(), plan.model, plan.method, run_dir.read_metrics())
+        record_speed(cache_dir(cache), usable_hardware().as_used(plan.mixed_precision), plan.model, plan.method, run_dir.read_metrics())
     except Exception:  # a nicety: never in the way of how the run ended (it runs in a finally)
         return
 

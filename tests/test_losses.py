@@ -1,0 +1,54 @@
+"""The training loss computes logits only where it learns and drops the padding
+mask of right-padded rows: neither changes the loss or its gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from llmcustoms.batching import collate
+from llmcustoms.losses import select_logits, token_cross_entropy
+from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
+
+FAMILIES = ("llama", "mistral", "qwen2", "phi", "phi3")
+
+
+def rows(vocab: int) -> list[TokenizedExample]:
+    """Rows of different lengths (so the batch is padded), each learning its second half."""
+    generator = torch.Generator().manual_seed(0)
+    examples = []
+    for row, length in enumerate((23, 9, 16, 4)):
+        ids = torch.randint(5, vocab, (length,), generator=generator).tolist()
+        labels = [IGNORE_INDEX] * (length // 2) + ids[length // 2:]
+        examples.append(TokenizedExample(row=row, input_ids=ids, labels=labels))
+    return examples
+
+
+def plain_loss(model, batch) -> torch.Tensor:
+    """What a hand-written loop computes: every logit, with the padding mask, summed over learned tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_gradients_equal_the_plain_masked_computation(tiny_models, family):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    batch = collate(rows(base.config.vocab_size), pad_token_id=0)
+    assert (batch["attention_mask"] == 0).any()  # padded: the mask would matter if it were needed
+    normaliser = torch.tensor(float((batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    expected = plain_loss(model, batch) / normaliser
+    expected_grads = torch.autograd.grad(expected, trained)
+    select_logits(model.get_base_model())
+    loss, _ = token_cross_entropy(model, batch, normaliser)
+    grads = torch.autograd.grad(loss, trained)
+
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
