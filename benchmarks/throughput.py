@@ -10,6 +10,7 @@ learning rate and seed, using:
   trainer_dynamic   Trainer + PEFT, each batch padded to its longest row: what users write (fp32 on a CPU)
   trainer_grouped   the same with group_by_length=True (batches of rows of similar length)
   trainer_bf16      Trainer + PEFT, per-batch padding, bf16=True: the stronger by-hand baseline, where the device has bf16
+  trainer_grouped_bf16  both: the strongest Trainer set-up here
   trl_sft           TRL SFTTrainer with its documented defaults (TRL is a
                     benchmark-only dependency: pip install trl)
   llmcustoms        llmcustoms' FineTuner, with the precision its planner picks for this machine
@@ -43,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SYSTEMS = ("trainer_pad_max", "trainer_dynamic", "trainer_grouped", "trainer_bf16", "trl_sft", "llmcustoms")
+SYSTEMS = ("trainer_pad_max", "trainer_dynamic", "trainer_grouped", "trainer_bf16", "trainer_grouped_bf16", "trl_sft",
+           "llmcustoms")
 REAL_MODEL = Path.home() / ".cache" / "llmcustoms-dev" / "smollm2-135m-instruct"
 MAKE_REAL_MODEL = ROOT.parent / "shared" / "tools" / "make_real_model.py"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -301,8 +303,8 @@ def child(name: str, assets: dict) -> dict:
         return run_trainer(assets, pad_to_max=False)
     if name == "trainer_grouped":
         return run_trainer(assets, pad_to_max=False, grouped=True)
-    if name == "trainer_bf16":
-        return run_trainer(assets, pad_to_max=False, bf16=True)
+    if name in ("trainer_bf16", "trainer_grouped_bf16"):
+        return run_trainer(assets, pad_to_max=False, bf16=True, grouped=name == "trainer_grouped_bf16")
     if name == "trl_sft":
         return run_trl(assets)
     return run_llmcustoms(assets)
@@ -330,7 +332,7 @@ def main() -> None:
     assets = build_assets(args.data, workdir, rows, args.device, None if args.toy else real_model(args.model))
     assets["llmcustoms_precision"] = args.mixed_precision or planned_precision(args.device)
     has_bf16 = assets["llmcustoms_precision"] == "bf16" or args.device == "cuda"
-    systems = args.only or [s for s in SYSTEMS if (s != "trainer_pad_max" or args.toy) and (s != "trainer_bf16" or has_bf16)]
+    systems = args.only or [s for s in SYSTEMS if (s != "trainer_pad_max" or args.toy) and ("bf16" not in s or has_bf16)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0") if args.device == "cuda" else ""}
     results = {}

@@ -310,15 +310,15 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     The one place out of memory is caught; the exception is dropped before
     memory is freed, since its traceback holds the step's tensors."""
     import torch
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     from llmcustoms.batching import TrainingRows
     from llmcustoms.losses import select_logits
+    from llmcustoms.processes import accelerator_for
     from llmcustoms.modeling import load_model
     from llmcustoms.optimization import make_optimizer
 
-    accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = accelerator_for(plan.mixed_precision)
     set_seed(plan.seed)  # the LoRA init, and dropout, as `train` would draw them
     model = load_model(plan, 0 if torch.cuda.is_available() else None)
     if plan.method != "qlora" or not torch.cuda.is_available():  # 4-bit models are placed by their device_map

@@ -63,6 +63,20 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
     return grouped
 
 
+def accelerator_for(mixed_precision: str) -> Any:
+    """An Accelerator of `mixed_precision`. accelerate keeps one precision per process and
+    refuses another; a second run in the same process (a fp32 trial after a bf16 one, tests)
+    gets its precision: the precision's state is dropped, the process group kept."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    current = AcceleratorState._shared_state.get("_mixed_precision")  # read without initialising it
+    if current is not None and str(current) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    # cpu=True without CUDA: it is what gives several CPU processes a gloo group.
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+
+
 class Processes:
     def __init__(self, accelerator: Any, fsdp: bool, run_dir: RunDirectory, signals: StopSignals):
         self.accelerator = accelerator
@@ -81,11 +95,7 @@ class Processes:
     @classmethod
     def start(cls, plan: Plan, run_dir: RunDirectory, signals: StopSignals) -> Processes:
         """The accelerator and the process group: once per run."""
-        from accelerate import Accelerator
-
-        # cpu=True without CUDA: it is what gives several CPU processes a gloo group.
-        processes = cls(Accelerator(mixed_precision=plan.mixed_precision, cpu=not torch.cuda.is_available()),
-                        plan.distributed == "fsdp", run_dir, signals)
+        processes = cls(accelerator_for(plan.mixed_precision), plan.distributed == "fsdp", run_dir, signals)
         processes.use_physical_cores()
         return processes
 

@@ -92,25 +92,17 @@ def test_detect_reads_this_machines_flags(monkeypatch):
     assert hardware_module.detect().mixed_precision == "no" or hardware_module.detect().has_gpu
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    """accelerate keeps one precision per process (the CLI runs one plan a process); these
-    tests train two precisions in one, so its state is reset around each run."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield lambda: AcceleratorState._reset_state(True)
-    AcceleratorState._reset_state(True)
-
-
 @pytest.mark.skipif(not THIS_CPU_HAS_BF16, reason="this CPU has no native bf16: only the planner's choice is checked")
-def test_bf16_training_on_a_cpu_tracks_fp32(tmp_path, tiny_models, fresh_accelerate_state):
+def test_bf16_training_on_a_cpu_tracks_fp32(tmp_path, tiny_models):
     """Same rows, same seed: per-step losses within 2% (relative) of fp32's over 12 steps,
     the loss falls in both, and the trained weights stay fp32 while the frozen base is bf16."""
     settings = dict(max_steps=12, micro_batch_size=4, grad_accum=1, lr=5e-3)
+    # In one process, as tune's trials and tests run: accelerate's one-precision state is switched each time.
     fp32_tuner, _, _, fp32 = train(tmp_path, tiny_models["llama"], name="fp32", mixed_precision="no", **settings)
-    fresh_accelerate_state()
     bf16_tuner, _, _, bf16 = train(tmp_path, tiny_models["llama"], name="bf16", mixed_precision="bf16", **settings)
+    assert bf16_tuner.accelerator.mixed_precision == "bf16"
+    again, _, _, _ = train(tmp_path, tiny_models["llama"], name="fp32-again", mixed_precision="no", max_steps=1)
+    assert again.accelerator.mixed_precision == "no"
     assert bf16_tuner.plan.mixed_precision == "bf16" and fp32_tuner.plan.mixed_precision == "no"
     fp32_losses, bf16_losses = [r["loss"] for r in fp32.steps], [r["loss"] for r in bf16.steps]
     assert len(fp32_losses) == len(bf16_losses) == 12
