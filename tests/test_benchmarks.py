@@ -103,3 +103,10 @@ def test_kill_anywhere_kills_resumes_and_ends_with_the_uninterrupted_adapter():
     assert summary["all_identical"] is True and summary["max_difference"] <= 1e-5
     for result in summary["results"]:
         assert result["status"] == "completed" and result["one_row_per_step"]
+
+
+def test_step_profile_measures_each_lever_on_a_given_model(tiny_models):
+    summary = run("step_profile.py", "--model", str(tiny_models["llama"]), "--tokens", "16", "--steps", "1")
+    assert [r["variant"] for r in summary["results"]] == ["fp32", "fp32_selective", "bf16_autocast", "bf16_weights",
+                                                           "no_mask"]
+    assert all(r["tokens_per_s"] > 0 for r in summary["results"])
