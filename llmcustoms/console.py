@@ -242,7 +242,8 @@ def machine_table(hardware: Any) -> Table:
                                   f"bf16 {'yes' if gpu.supports_bf16 else 'no'}")
     if not hardware.gpus:
         table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
-    table.add_row("CPU cores", str(hardware.cpu_cores) + (f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""))
+    bf16 = f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""
+    table.add_row("CPU cores", f"{hardware.cpu_cores}{bf16}")
     table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
     table.add_row("precision", PRECISION_LABELS.get(hardware.mixed_precision, hardware.mixed_precision))
     return table

@@ -314,9 +314,9 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
 
     from llmcustoms.batching import TrainingRows
     from llmcustoms.losses import select_logits
-    from llmcustoms.processes import accelerator_for
     from llmcustoms.modeling import load_model
     from llmcustoms.optimization import make_optimizer
+    from llmcustoms.processes import accelerator_for
 
     accelerator = accelerator_for(plan.mixed_precision)
     set_seed(plan.seed)  # the LoRA init, and dropout, as `train` would draw them

@@ -421,9 +421,9 @@ class ParameterOptimizer:
         evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0
         # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
         work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
-        seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method, batch.gradient_checkpointing,
-                                   max_seq_len, train_rows, round(schedule.total_steps * effective * work),
-                                   evaluations * evaluation_work)
+        seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
+                                   batch.gradient_checkpointing, max_seq_len, train_rows,
+                                   round(schedule.total_steps * effective * work), evaluations * evaluation_work)
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source

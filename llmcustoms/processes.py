@@ -65,7 +65,7 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
 
 def accelerator_for(mixed_precision: str) -> Any:
     """An Accelerator of `mixed_precision`. accelerate keeps one precision per process and
-    refuses another; a second run in the same process (a fp32 trial after a bf16 one, tests)
+    refuses another; a second run in the same process (an fp32 trial after a bf16 one, tests)
     gets its precision: the precision's state is dropped, the process group kept."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
