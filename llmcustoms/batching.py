@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from llmcustoms.packing import pack
 from llmcustoms.pairrows import PairRows
 from llmcustoms.reference import ReferenceLogps
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
@@ -101,7 +102,8 @@ class TrainingRows:
     holds its chosen and rejected sequences in turn, and the loss is
     normalised by pairs rather than tokens."""
 
-    def __init__(self, train: Rows, evaluation: Rows, pad_token_id: int, pad_to_multiple_of: int = 1):
+    def __init__(self, train: Rows, evaluation: Rows, pad_token_id: int, pad_to_multiple_of: int = 1,
+                 packing: bool = False):
         self.train = as_token_rows(train)
         self.evaluation = as_token_rows(evaluation)
         self.pairs = isinstance(self.train, PairRows)
@@ -111,12 +113,15 @@ class TrainingRows:
         self.current_lengths = self.train.lengths  # after any cut: what a step computes
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.packing = packing and not self.pairs  # training batches as one sequence (`packing.py`)
 
     def cut(self, max_len: int) -> None:
         self.train, self.evaluation = self.train.cut(max_len), self.evaluation.cut(max_len)
         self.current_lengths = self.train.lengths
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        if self.packing:
+            return pack(self.train.examples(rows), self.pad_token_id)
         return self._batch(self.train, rows, 0)
 
     def collate_examples(self, examples: list[TokenizedExample]) -> dict[str, torch.Tensor]:

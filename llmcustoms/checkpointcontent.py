@@ -284,8 +284,27 @@ def optimizer_fit_problem(tensors: dict[str, TensorInfo], groups: list[dict[str,
         if match.group(2) == "step":
             if have.shape != ():
                 return f"optimizer.safetensors: {name} is {have.describe()}, not a scalar"
+        elif match.group(2).startswith(BNB_STATE + "."):
+            problem = _bnb_state_problem(name, match.group(2).split(".", 1)[1], have, want)
+            if problem:
+                return problem
         elif have != want:
             return f"optimizer.safetensors: {name} is {have.describe()}, its parameter's is {want.describe()}"
+    return None
+
+
+# Where bitsandbytes' optimizers nest their per-parameter tensors in a state_dict.
+BNB_STATE = "__bnb_optimizer_quant_state__"
+
+
+def _bnb_state_problem(name: str, key: str, have: TensorInfo, want: TensorInfo) -> str | None:
+    """bitsandbytes' moments (state1, state2) have their parameter's shape (8-bit or
+    fp32 values); its quantization maps and block scales are 1-D."""
+    if key in ("state1", "state2"):
+        if have.shape != want.shape:
+            return f"optimizer.safetensors: {name} is {have.describe()}, its parameter's is {want.describe()}"
+    elif len(have.shape) != 1:
+        return f"optimizer.safetensors: {name} is {have.describe()}, not a list of scales"
     return None
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.checkpointcontent import Unusable, manifest_problem, read_json, safetensors_header, state_problem
+from llmcustoms.checkpointcontent import BNB_STATE, Unusable, manifest_problem, read_json, safetensors_header, state_problem
 from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
 
@@ -387,7 +387,11 @@ def flatten_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any],
 
     tensors = {}
     for index, values in state_dict["state"].items():
-        for key, value in values.items():
+        # bitsandbytes nests its quantized moments and block scales one level down (BNB_STATE).
+        flat = {f"{key}.{sub}" if isinstance(value, dict) else key: inner
+                for key, value in values.items()
+                for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)])}
+        for key, value in flat.items():
             tensors[f"state.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     groups = []
     for group in state_dict["param_groups"]:
@@ -399,7 +403,14 @@ def unflatten_optimizer_state(tensors: dict[str, Any], groups: list[dict[str, An
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = value
+        values = state.setdefault(int(index), {})
+        if key.startswith(BNB_STATE + "."):
+            values.setdefault(BNB_STATE, {})[key.split(".", 1)[1]] = value
+        else:
+            values[key] = value
+    for values in state.values():
+        if BNB_STATE in values:  # bitsandbytes counts steps in a Python int
+            values["step"] = int(values["step"])
     restored = [{k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in groups]
     return {"state": state, "param_groups": restored}
 

@@ -83,6 +83,8 @@ DISTRIBUTED_LABELS = {"ddp": "data-parallel (each holds the whole model)",
                       "fsdp": "FSDP (weights, gradients and optimizer state sharded)"}
 # plan.json and --mixed-precision keep accelerate's "no"; what it means is fp32.
 PRECISION_LABELS = {"no": "fp32"}
+OPTIMIZER_LABELS = {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)",
+                    "paged_adamw": "paged AdamW (bitsandbytes)", "paged_adamw_8bit": "paged 8-bit AdamW (bitsandbytes)"}
 
 
 def plan_table(plan: Any) -> Table:
@@ -105,6 +107,9 @@ def plan_table(plan: Any) -> Table:
         ("steps", f"{plan.total_steps} ({plan.steps_per_epoch}/epoch)", "total_steps"),
         ("precision", PRECISION_LABELS.get(plan.mixed_precision, plan.mixed_precision), "mixed_precision"),
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off", "gradient_checkpointing"),
+        ("optimizer", OPTIMIZER_LABELS.get(plan.optimizer, plan.optimizer), "optimizer"),
+        ("packing", "on (padding-free)" if plan.packing else "off", "packing"),
+        ("torch.compile", "on" if plan.compile else "off", "compile"),
         ("evaluate every", f"{plan.eval_every} steps" if plan.eval_every else "never (no eval rows)", "eval_every"),
         ("checkpoint every", f"{plan.save_every} steps", "save_every"),
         ("seed", str(plan.seed), "seed"),

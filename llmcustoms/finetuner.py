@@ -72,7 +72,8 @@ class FineTuner:
         self.on_evaluate, self.save_artifacts, self.samples, self.baseline = on_evaluate, save_artifacts, samples, baseline
         self.loss, self.steps, self.schedule = loss or loss_for(plan), steps, schedule
         # Tensor cores work on multiples of 8; on CPU padding more only costs.
-        self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
+        self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1,
+                                 packing=plan.packing)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
         self.recovery = TrainingRecoverySystem()
         self.stability = StabilityCheck()
@@ -263,8 +264,9 @@ class FineTuner:
     def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int, int]:
         """Local gradients of this rank's share of a step; ([summed loss, its sums...], the step's input
         tokens, its largest micro-batch in padded tokens: what memory grows with)."""
-        batches = [(self.data.collate(b), weight)
-                   for b, weight in self.processes.micro_batches(rows, self.data.lengths, self.plan.micro_batch_size)]
+        packed_to = self.plan.max_seq_len if self.data.packing else 0
+        batches = [(self.data.collate(b), weight) for b, weight in
+                   self.processes.micro_batches(rows, self.data.lengths, self.plan.micro_batch_size, packed_to)]
         # The whole step's trained tokens (pairs, for DPO), over every rank: each rank knows all rows.
         loss_units, input_tokens = self.data.token_counts(rows)
         normaliser = torch.tensor(max(1, loss_units), device=self.device)
@@ -273,7 +275,7 @@ class FineTuner:
         for mb, weight in batches:
             if self.processes.stop_now():
                 raise StopRequested
-            mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+            mb = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
             # Summed over tokens and divided by the step's token count, not
             # averaged per micro-batch: any split, over micro-batches or ranks,
             # gives the same update.

@@ -10,6 +10,8 @@ running layer reads (`preflight.usable_hardware`).
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -55,6 +57,9 @@ class Hardware:
     torch_note: str = ""
     # The CPU's native bf16 instructions ("AMX", "AVX512-BF16"); "" when it has none (`cpu_bf16`).
     cpu_bf16: str = ""
+    # What runs attention over packed rows on this machine's GPUs: "flash-attn" (the
+    # package), "torch" (torch's own varlen FlashAttention, torch >= 2.10), "" for none.
+    varlen_attention: str = ""
 
     def measured_speed(self, model: str, method: str) -> float | None:
         return dict(self.speeds).get(f"{model}|{method}")
@@ -227,9 +232,22 @@ def _read_cpuinfo() -> str:
         return ""  # not Linux: no bf16 assumed (fp32 is always right, only slower)
 
 
+def varlen_attention() -> str:
+    """Which varlen attention is installed, read from package metadata (no import of
+    torch): "flash-attn", "torch" (torch >= 2.10 has `torch.nn.attention.varlen`), or ""."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash-attn"
+    try:
+        major, minor = (int(part) for part in importlib.metadata.version("torch").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ""
+    return "torch" if (major, minor) >= (2, 10) else ""
+
+
 def detect() -> Hardware:
     gpus, note = _detect_gpus()
     memory = psutil.virtual_memory()
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     return Hardware(gpus=gpus, cpu_cores=cores, ram_bytes=int(memory.total),
-                    ram_free_bytes=int(memory.available), driver_note=note, cpu_bf16=cpu_bf16(_read_cpuinfo()))
+                    ram_free_bytes=int(memory.available), driver_note=note, cpu_bf16=cpu_bf16(_read_cpuinfo()),
+                    varlen_attention=varlen_attention() if gpus else "")

@@ -70,6 +70,11 @@ ACTIVATION_COEFFICIENTS = {
 # Copies of the fp32 logits alive at the peak (logits, log-softmax kept for
 # backward, their gradient, partly overlapping): fitted 2.85.
 LOGIT_COPIES = 2.85
+# The loss holds at most this many logits (positions x vocabulary) at once:
+# it runs the head and cross-entropy chunk by chunk (`losses.head_cross_entropy`;
+# 2^26 fp32 logits are 256 MiB: 441 positions of Qwen2.5's 151,936 words).
+# Under FSDP the head computes all its logits itself.
+CHUNK_LOGITS = 2 ** 26
 # Optimizer state per trained parameter: AdamW keeps two fp32 moments; the
 # bitsandbytes 8-bit variants keep two 8-bit ones (plus small block scales).
 # Paged variants hold the same bytes but can spill them to CPU RAM under
@@ -221,7 +226,10 @@ class MemoryOptimizer:
         tokens = micro_batch * sequences_per_row * seq_len
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing,
                                                                     lora_dropout, lora_targets))
-        logits = int(tokens * trained_fraction * self.arch.vocab_size * 4 * LOGIT_COPIES)
+        positions = tokens * trained_fraction
+        if shards == 1:
+            positions = min(positions, max(1, CHUNK_LOGITS // self.arch.vocab_size))
+        logits = int(positions * self.arch.vocab_size * 4 * LOGIT_COPIES)
         heap = 0 if self.on_gpu else int((activations + logits) * CPU_HEAP_SHARE)
         overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
         gathered = 0

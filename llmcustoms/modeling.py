@@ -286,6 +286,10 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
             kwargs["device_map"] = {"": device_index}
     model = from_pretrained(AutoModelForCausalLM, plan.model, **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory here
+    if plan.packing:
+        from llmcustoms.packing import use_varlen_attention
+
+        use_varlen_attention(model)
     if plan.method == "qlora":
         _keep_4bit_layout_trainable(model)
     checkpointing_kwargs = {"use_reentrant": False}
@@ -298,8 +302,28 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
         model.enable_input_require_grads()
     if plan.method == "full":
-        return model if model.dtype == torch.float32 else model.float()
-    return continue_adapter(model, plan.from_run) if plan.from_run else attach_lora(model, plan)
+        model = model if model.dtype == torch.float32 else model.float()
+    else:
+        model = continue_adapter(model, plan.from_run) if plan.from_run else attach_lora(model, plan)
+    if plan.compile:
+        compile_layers(model)
+    return model
+
+
+def compile_layers(model: Any) -> None:
+    """torch.compile each decoder layer in place, as torchtune does: the layers are
+    where the time goes, one compiled layer serves all of them, and the state
+    dict, the LM head's patch (`losses.select_logits`) and checkpoints stay as
+    they are. Lengths vary from batch to batch, so shapes are dynamic."""
+    import torch
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    layers = base.get_decoder().layers
+    # Each layer's own attributes (its index) are guarded on: one compiled graph per layer, not per step.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers) + 8)
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def continue_adapter(model: Any, adapter: str) -> Any:

@@ -1,6 +1,9 @@
 """The optimizer and its learning-rate schedule.
 
-AdamW, with weight decay on matrices only. The learning rate of optimizer step
+AdamW, with weight decay on matrices only: torch's (fused on a GPU), or
+bitsandbytes' 8-bit and paged versions (`plan.optimizer`), which keep the two
+moments in 8 bits with a scale per block of 256 (a quarter of the memory), or
+in memory that moves to CPU RAM when the GPU runs short (paged). The learning rate of optimizer step
 `step` is the plan's peak times a factor; `FineTuner` takes the function that
 gives it as an argument, `lr_multiplier` by default (linear warmup, then
 constant, linear or cosine decay).
@@ -44,9 +47,17 @@ def parameter_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def make_optimizer(model: Any, plan: Plan) -> torch.optim.Optimizer:
-    """AdamW over the trainable weights of `model` (under FSDP, made after
-    sharding, so it holds the shards)."""
-    return torch.optim.AdamW(parameter_groups(model, plan.weight_decay), lr=plan.lr, fused=torch.cuda.is_available())
+    """The plan's optimizer over the trainable weights of `model` (under FSDP,
+    made after sharding, so it holds the shards)."""
+    groups = parameter_groups(model, plan.weight_decay)
+    if plan.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=plan.lr, fused=torch.cuda.is_available())
+    import bitsandbytes as bnb
+
+    kinds = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+             "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
+    # torch's AdamW defaults (betas, eps), so switching optimizer changes only how the moments are stored.
+    return kinds[plan.optimizer](groups, lr=plan.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
 def set_learning_rate(optimizer: Any, scheduler: Any, peak: float, factor: float) -> None:

@@ -200,6 +200,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("mixed_precision", str, "Autocast precision; no means fp32 throughout. Default: bf16 or fp16 on a GPU, "
            "bf16 on a CPU with AVX512-BF16 or AMX, else fp32.",
            flag="--mixed-precision", env="MIXED_PRECISION", plan="mixed_precision", choices=("no", "bf16", "fp16")),
+    Option("optimizer", str, "adamw (32-bit moments), adamw_8bit (bitsandbytes, a quarter of the state), or their "
+           "paged versions, whose state moves to CPU RAM when the GPU runs short. Default: adamw_8bit where it lets "
+           "a larger micro-batch fit on a GPU, else adamw.", flag="--optimizer", env="OPTIMIZER", plan="optimizer",
+           choices=("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")),
+    Option("packing", bool, "Run each micro-batch's rows as one padding-free sequence (per-row positions, no "
+           "attention across rows; same loss). Default: on with a GPU and varlen attention, else off.",
+           flag="--packing", env="PACKING", plan="packing"),
+    Option("compile", bool, "torch.compile the model: slower first steps, faster later ones. Default: off.",
+           flag="--compile", env="COMPILE", plan="compile"),
     # What the run learns: replies (sft), or to prefer the chosen reply of a pair (dpo).
     Option("objective", str, "sft (learn the replies) or dpo (learn to prefer the chosen reply of preference "
            "pairs). Default: dpo for preference data, else sft.", flag="--objective", env="OBJECTIVE",

@@ -122,6 +122,12 @@ class Plan:
     # How the processes share the work: "none" (one process), "ddp" (each holds
     # the whole model) or "fsdp" (weights, gradients and optimizer state sharded).
     distributed: str = "none"
+    # "adamw", or bitsandbytes' "adamw_8bit", "paged_adamw", "paged_adamw_8bit".
+    optimizer: str = "adamw"
+    # A micro-batch's rows as one padding-free sequence (`packing.py`).
+    packing: bool = False
+    # torch.compile of the model.
+    compile: bool = False
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
     data_format: str = ""

@@ -25,7 +25,8 @@ from llmcustoms.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, pa
 from llmcustoms.objectives import DEFAULT_BETA
 from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan, total_steps
 from llmcustoms.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
-from llmcustoms.sizing import best_fit, does_not_fit
+from llmcustoms.sizing import best_fit, does_not_fit, fit_with_optimizer
+from llmcustoms.stepchoices import choose_compile, choose_packing
 
 DEFAULT_SEED = 42
 DEFAULT_KEEP_CHECKPOINTS = 3
@@ -358,7 +359,11 @@ class ParameterOptimizer:
             cap = r.given_value("micro_batch_size")
         memory = self._memory_optimizer(model.arch)
         checkpointing = r.given_value("gradient_checkpointing")
-        fit = best_fit(memory, methods, max_seq_len, precision, cap, checkpointing, shape)
+        r.get("optimizer", "adamw")  # its source; the value is chosen with the batch
+        fit, why_8bit = fit_with_optimizer(memory, methods, max_seq_len, precision, cap, checkpointing, shape,
+                                           r.given_value("optimizer"), self.hardware.has_gpu)
+        if why_8bit:
+            r.chose("optimizer", shape["optimizer"], why_8bit)
         if fit is None and r.given("micro_batch_size"):
             fit = best_fit(memory, methods, max_seq_len, precision, 1, checkpointing, shape)
         if fit is None:
@@ -387,7 +392,7 @@ class ParameterOptimizer:
         """The estimated peak of one process; a warning, not a refusal, over the safe budget (the user may know better)."""
         memory = self._memory_optimizer(model.arch).estimate(
             batch.method, batch.micro_batch_size, max_seq_len, precision, batch.gradient_checkpointing,
-            optimizer="adamw", **batch.memory_shape)
+            **batch.memory_shape)
         if memory.fits:
             r.reasons.append(f"estimated peak memory {memory.summary()}")
         else:
@@ -414,6 +419,7 @@ class ParameterOptimizer:
         micro = batch.micro_batch_size
         accum, effective = _accumulation(r, target, micro, world_size)
         memory = self._memory(r, model, batch, max_seq_len, precision)
+        packing, compiled = choose_packing(r, hardware, objective, precision), choose_compile(r)
         schedule = _schedule(r, train_rows, micro, accum * world_size)
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
@@ -444,5 +450,6 @@ class ParameterOptimizer:
             allow_pickle_weights=bool(r.get("allow_pickle_weights", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
-            distributed=batch.distributed, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
+            distributed=batch.distributed, optimizer=batch.memory_shape["optimizer"], packing=packing,
+            compile=compiled, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
         )

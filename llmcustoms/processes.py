@@ -32,6 +32,7 @@ import torch
 
 from llmcustoms import launching, preflight
 from llmcustoms.batching import micro_batches
+from llmcustoms.packing import packed_micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
 from llmcustoms.checkpointcontent import (TensorInfo, Unusable, fit_problem, optimizer_fit_problem, rng_fit_problem,
@@ -134,12 +135,18 @@ class Processes:
         ordered = sorted(rows, key=lambda i: -lengths[i])
         return ordered[rank::self.world]
 
-    def micro_batches(self, rows: list[int], lengths: list[int], size: int) -> list[tuple[list[int], float]]:
+    def micro_batches(self, rows: list[int], lengths: list[int], size: int,
+                      packed_to: int = 0) -> list[tuple[list[int], float]]:
         """This rank's micro-batches of a step, each with its weight in the loss.
+        Packed (`packed_to`: the rows' length cap), a micro-batch is a budget of
+        `size` x `packed_to` tokens rather than `size` rows.
         Under FSDP every rank runs as many as the busiest one (each forward and
         backward is a collective); the extra ones repeat rows with weight 0."""
         def split(rank: int) -> list[list[int]]:
-            return micro_batches(self.share(rows, lengths, rank), lengths, size)
+            share = self.share(rows, lengths, rank)
+            if packed_to:
+                return packed_micro_batches(share, lengths, size * packed_to, packed_to)
+            return micro_batches(share, lengths, size)
 
         mine = [(batch, 1.0) for batch in split(self.rank)]
         if self.fsdp:

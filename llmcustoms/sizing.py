@@ -105,3 +105,40 @@ def _largest_smaller_model(memory: MemoryOptimizer, seq_len: int, precision: str
             if smaller.estimate("qlora", 1, length, precision, True).fits:
                 return spec, length
     return None
+
+
+# The planner's memory-saving optimizer: bitsandbytes' 8-bit AdamW.
+EIGHT_BIT_OPTIMIZER = "adamw_8bit"
+
+
+def fit_with_optimizer(memory: MemoryOptimizer, methods: list[str], seq_len: int, precision: str, cap: int,
+                       checkpointing: bool | None, shape: dict[str, Any], given: str | None,
+                       on_gpu: bool) -> tuple[tuple[str, int, bool, dict[str, int]] | None, str | None]:
+    """`best_fit` with the optimizer given, else with AdamW, or with 8-bit AdamW
+    where, on a GPU, its smaller state lets a larger micro-batch fit (or the
+    preferred method, or no gradient checkpointing); and the reason for 8-bit.
+    Sets `shape["optimizer"]` to the one chosen."""
+    shape["optimizer"] = given or "adamw"
+    fit = best_fit(memory, methods, seq_len, precision, cap, checkpointing, shape)
+    if given or not on_gpu:
+        return fit, None
+    cheaper = {**shape, "optimizer": EIGHT_BIT_OPTIMIZER}
+    fit8 = best_fit(memory, methods, seq_len, precision, cap, checkpointing, cheaper)
+    if fit8 is None or (fit is not None and _goodness(fit8, methods[0]) <= _goodness(fit, methods[0])):
+        return fit, None
+    shape["optimizer"] = EIGHT_BIT_OPTIMIZER
+    return fit8, (f"optimizer adamw_8bit (bitsandbytes): 2 bytes of state per trained weight instead of AdamW's 8, "
+                  f"so {_described(fit8)} fits where AdamW allows {_described(fit)} "
+                  "(--optimizer adamw keeps 32-bit moments)")
+
+
+def _goodness(fit: tuple[str, int, bool, dict[str, int]], preferred: str) -> tuple[int, bool, bool]:
+    method, micro, checkpointing, _ = fit
+    return micro, not checkpointing, method == preferred
+
+
+def _described(fit: tuple[str, int, bool, dict[str, int]] | None) -> str:
+    if fit is None:
+        return "nothing"
+    method, micro, checkpointing, _ = fit
+    return f"{method} micro-batch {micro}" + (" with gradient checkpointing" if checkpointing else "")

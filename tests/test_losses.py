@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from llmcustoms import losses
 from llmcustoms.batching import collate
 from llmcustoms.losses import select_logits, token_cross_entropy
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
@@ -52,3 +53,45 @@ def test_loss_and_gradients_equal_the_plain_masked_computation(tiny_models, fami
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
     for got, want in zip(grads, expected_grads):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ("llama", "phi"))  # phi's head has a bias
+def test_chunked_loss_equals_one_pass(tiny_models, family, monkeypatch):
+    """The head and cross-entropy over chunks of positions, each chunk's logits
+    recomputed in backward, give the loss and gradients of one plain pass."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    select_logits(model.get_base_model())
+    batch = collate(rows(base.config.vocab_size), pad_token_id=0)
+    normaliser = torch.tensor(float((batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    one_pass, _ = token_cross_entropy(model, batch, normaliser)
+    one_pass_grads = torch.autograd.grad(one_pass, trained)
+
+    chunks = []
+    original = losses._chunk_loss
+    monkeypatch.setattr(losses, "_chunk_loss", lambda h, *rest: chunks.append(len(h)) or original(h, *rest))
+    monkeypatch.setattr(losses, "CHUNK_LOGITS", 5 * base.config.vocab_size)  # 5 positions a chunk
+    chunked, _ = token_cross_entropy(model, batch, normaliser)
+    grads = torch.autograd.grad(chunked, trained)
+
+    assert int(normaliser) > 10 and max(chunks) == 5  # several chunks, none over the limit
+    assert float(chunked.detach()) == pytest.approx(float(one_pass.detach()), rel=1e-6)
+    for got, want in zip(grads, one_pass_grads):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_bounds_the_logits_in_the_memory_estimate():
+    from llmcustoms.memory import CHUNK_LOGITS, MemoryOptimizer
+    from llmcustoms.presets import ModelSpec
+
+    qwen = ModelSpec(hub_id="q", family="qwen", model_type="qwen2", params=0, hidden_size=896, num_layers=24,
+                     num_attention_heads=14, num_kv_heads=2, intermediate_size=4864, vocab_size=151936,
+                     tie_word_embeddings=True, max_context=4096)
+    memory = MemoryOptimizer(qwen, on_gpu=True, budget_bytes=80 * 2 ** 30)
+    small, large = (memory.estimate("lora", micro, 1024, "bf16", False).logits_bytes for micro in (1, 16))
+    assert small == large  # a chunk's logits, whatever the batch
+    assert small <= CHUNK_LOGITS * 4 * 3
+    sharded = memory.estimate("full", 16, 1024, "bf16", False, shards=2).logits_bytes
+    assert sharded > 16 * small  # under FSDP the head computes every position's logits

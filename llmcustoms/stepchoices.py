@@ -1,0 +1,41 @@
+"""How the steps run, beyond their shape: padding-free packing and torch.compile.
+
+Planning, so pure like the rest (no torch). Neither changes what is learned:
+packing gives the same loss as padded rows (`packing.py`), and compiling the
+model gives the same function. The optimizer is chosen with the batch it lets
+fit (`sizing.fit_with_optimizer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmcustoms.hardware import Hardware
+
+KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
+
+
+def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -> bool:
+    """On with a GPU, varlen attention and half precision (the kernels' dtypes), for
+    SFT; preference pairs are never packed. `r`: the planner's resolver."""
+    if objective == "dpo":
+        if r.given_value("packing"):
+            r.reasons.append("--packing ignored: preference pairs run as padded pairs")
+        r.sources.pop("packing", None)
+        return False
+    if r.given("packing"):
+        return bool(r.get("packing"))
+    if hardware.has_gpu and hardware.varlen_attention and precision != "no":
+        return r.chose("packing", True, f"packing on: each micro-batch's rows run as one sequence with per-row "
+                                        f"positions ({KERNELS[hardware.varlen_attention]}), so no compute goes to "
+                                        "padding and short rows share a forward pass; same loss (--no-packing: off)")
+    r.sources["packing"] = "default"
+    return False
+
+
+def choose_compile(r: Any) -> bool:
+    """Off unless asked for: compiling costs minutes up front and is measured to pay off only on long GPU runs."""
+    compiled = bool(r.get("compile", False))
+    if compiled:
+        r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")
+    return compiled

@@ -1,0 +1,176 @@
+"""Issue 21's CPU-testable parts: padding-free packing gives the same loss and
+gradients as padded rows, and trains the same weights; the planner chooses 8-bit
+AdamW where it lets more fit and says why; a run with 8-bit AdamW resumes exactly;
+--compile trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import DATA_FILES
+from llmcustoms.batching import collate
+from llmcustoms.hardware import Hardware
+from llmcustoms.losses import select_logits, token_cross_entropy
+from llmcustoms.packing import pack, packed_micro_batches, use_varlen_attention
+from llmcustoms.planning import ParameterOptimizer
+from llmcustoms.presets import load_preset
+from llmcustoms.tokenization import IGNORE_INDEX
+from test_losses import FAMILIES, rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_rows_give_the_loss_and_gradients_of_padded_rows(tiny_models, family):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    select_logits(model.get_base_model())
+    examples = rows(base.config.vocab_size)
+    padded = collate(examples, pad_token_id=0)
+    normaliser = torch.tensor(float((padded["labels"][:, 1:] != IGNORE_INDEX).sum()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    expected, _ = token_cross_entropy(model, padded, normaliser)
+    expected_grads = torch.autograd.grad(expected, trained)
+
+    use_varlen_attention(model.get_base_model())
+    packed = pack(examples, pad_token_id=0)
+    assert packed["input_ids"].shape == (1, sum(len(e.input_ids) for e in examples))  # no padding at all
+    assert packed["position_ids"][0, :23].tolist() == list(range(23)) and packed["position_ids"][0, 23] == 0
+    assert int((packed["labels"][:, 1:] != IGNORE_INDEX).sum()) == int(normaliser)  # the same tokens learned
+    loss, _ = token_cross_entropy(model, packed, normaliser)
+    grads = torch.autograd.grad(loss, trained)
+
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_do_not_see_each_other(tiny_models):
+    """A row's logits do not depend on the row packed before it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    use_varlen_attention(model)
+    examples = rows(model.config.vocab_size)
+    alone = model(**{k: v for k, v in pack(examples[1:2], 0).items() if k != "labels"}).logits
+    after = model(**{k: v for k, v in pack(examples[:2], 0).items() if k != "labels"}).logits
+    assert torch.allclose(after[0, 23:], alone[0], atol=1e-5)
+
+
+def test_packed_micro_batches_fill_a_token_budget():
+    lengths = [500, 300, 200, 120, 100, 80, 60, 40]
+    batches = packed_micro_batches(list(range(8)), lengths, token_budget=512, cap=512)
+    assert sorted(i for b in batches for i in b) == list(range(8))  # every row once
+    assert all(sum(lengths[i] for i in b) <= 512 for b in batches)
+    assert len(batches) == 3  # 1400 tokens in three passes of at most 512, not eight rows one by one
+    assert packed_micro_batches([0], [900], token_budget=512, cap=512) == [[0]]  # cut to 512: fits alone
+
+
+def train_args(model: Path, output: Path, name: str, *extra: str) -> list[str]:
+    return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--max-steps", "6", "--save-every", "3",
+            "--batch-size", "2", "--grad-accum", "2", "--lr", "1e-2", "--lora-dropout", "0", "--mixed-precision", "no",
+            "--output-dir", str(output), "--run-name", name, "--yes", "--quiet", *extra]
+
+
+def adapter(run: Path) -> dict:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_a_packed_run_trains_the_weights_of_a_padded_run(tmp_path, tiny_models, cli):
+    for name, flag in (("padded", "--no-packing"), ("packed", "--packing")):
+        result = cli(*train_args(tiny_models["llama"], tmp_path, name, flag))
+        assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "packed" / "plan.json").read_text())["packing"] is True
+    losses = {name: [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                     if "loss" in r] for name in ("padded", "packed")}
+    assert len(losses["packed"]) == 6
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
+    # Packed, a step's rows share fewer forward passes: the sums run in another order,
+    # and AdamW's normalised updates carry that float noise (a few 1e-5 after 6 steps at lr 1e-2).
+    assert max_difference(adapter(tmp_path / "packed"), adapter(tmp_path / "padded")) <= 2e-4
+
+
+@pytest.mark.slow
+def test_a_run_with_8bit_adamw_interrupted_then_resumed_equals_the_uninterrupted_one(tmp_path, tiny_models, cli):
+    # Rank 64: bitsandbytes keeps moments of matrices under 4,096 entries in 32 bits.
+    args = lambda name: train_args(tiny_models["llama"], tmp_path, name, "--optimizer", "adamw_8bit",  # noqa: E731
+                                   "--lora-r", "64")
+    whole = cli(*args("whole"))
+    assert whole.returncode == 0, whole.stderr
+    stopped = cli(*args("split"), env={"LLMCUSTOMS_FAULT_INJECT": "sigint@4"})
+    assert stopped.returncode == 130
+    saved = load_file(str(tmp_path / "split" / "checkpoints" / "step-000003" / "optimizer.safetensors"))
+    assert any(v.dtype == torch.uint8 for v in saved.values())  # 8-bit moments, in safetensors
+    resumed = cli("resume", str(tmp_path / "split"), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert max_difference(adapter(tmp_path / "split"), adapter(tmp_path / "whole")) == 0.0
+
+
+@pytest.mark.slow
+def test_compile_trains_the_weights_of_an_uncompiled_run(tmp_path, tiny_models, cli):
+    for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
+        result = cli(*train_args(tiny_models["llama"], tmp_path, name, flag), timeout=600)
+        assert result.returncode == 0, result.stderr
+    assert max_difference(adapter(tmp_path / "compiled"), adapter(tmp_path / "eager")) <= 1e-4
+
+
+# ------------------------------------------------------------------ planning
+
+def plan_on(hardware: Hardware, method: str = "full", hub_id: str = "Qwen/Qwen2.5-1.5B-Instruct", **overrides):
+    from test_planning import model, stats
+
+    given = {"method": (method, "flag"), **{k: (v, "flag") for k, v in overrides.items()}}
+    return ParameterOptimizer(hardware, load_preset("quality")).plan(model(hub_id), stats(), given)
+
+
+def test_the_planner_picks_8bit_adamw_where_it_lets_a_larger_micro_batch_fit_and_says_why():
+    gpu = Hardware.with_gpu(48, name="L40S")  # full fine-tuning of 1.5B parameters
+    plan = plan_on(gpu)
+    assert plan.optimizer == "adamw_8bit" and plan.sources["optimizer"] == "optimizer"
+    reason = next(r for r in plan.reasons if r.startswith("optimizer adamw_8bit"))
+    assert "instead of AdamW's 8" in reason and "--optimizer adamw" in reason
+    assert "without gradient checkpointing" not in reason and "with gradient checkpointing" in reason
+    fixed = plan_on(gpu, optimizer="adamw")
+    assert plan.memory["optimizer_bytes"] * 4 == fixed.memory["optimizer_bytes"]
+    assert fixed.optimizer == "adamw" and fixed.sources["optimizer"] == "flag"
+    assert (fixed.micro_batch_size, not fixed.gradient_checkpointing) < (plan.micro_batch_size,
+                                                                          not plan.gradient_checkpointing)
+
+
+def test_8bit_adamw_lets_a_model_fit_that_adamw_cannot_train():
+    from llmcustoms.errors import ConfigError
+
+    plan = plan_on(Hardware.with_gpu(24, name="RTX 4090"))  # full fine-tuning of 1.5B parameters
+    assert plan.optimizer == "adamw_8bit"
+    assert any("where AdamW allows nothing" in r for r in plan.reasons)
+    with pytest.raises(ConfigError):
+        plan_on(Hardware.with_gpu(24, name="RTX 4090"), optimizer="adamw")
+
+
+def test_the_planner_keeps_adamw_where_8bit_gains_nothing():
+    roomy = plan_on(Hardware.with_gpu(80, name="H100"), method="lora")
+    assert roomy.optimizer == "adamw"
+    assert not any(r.startswith("optimizer") for r in roomy.reasons)
+    assert plan_on(Hardware.cpu_only(), method="lora").optimizer == "adamw"  # CPUs: time, not memory, is short
+
+
+def test_packing_is_planned_on_a_gpu_with_varlen_attention_and_said():
+    from dataclasses import replace
+
+    gpu = replace(Hardware.with_gpu(80, name="H100"), varlen_attention="torch")
+    plan = plan_on(gpu, method="lora")
+    assert plan.packing and any(r.startswith("packing on") and "varlen" in r for r in plan.reasons)
+    assert not plan_on(replace(gpu, varlen_attention=""), method="lora").packing  # nothing to run it
+    assert not plan_on(Hardware.cpu_only(), method="lora").packing
+    assert not plan_on(gpu, method="lora", packing=False).packing
+    assert not plan_on(gpu, method="lora", compile=False).compile
