@@ -26,7 +26,7 @@ from llmcustoms.objectives import DEFAULT_BETA
 from llmcustoms.plan import DataStats, LoraSettings, ModelChoice, Plan, total_steps
 from llmcustoms.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.sizing import best_fit, does_not_fit, fit_with_optimizer
-from llmcustoms.stepchoices import choose_compile, choose_packing
+from llmcustoms.stepchoices import choose_compile, choose_distributed, choose_packing
 
 DEFAULT_SEED = 42
 DEFAULT_KEEP_CHECKPOINTS = 3
@@ -320,32 +320,12 @@ class ParameterOptimizer:
         name, why = cpu_choice(list(estimates.items()), smallest.name)
         return next(c for c in candidates if c.name == name), f"model {name}: no GPU found; {why}"
 
-    @staticmethod
-    def _distributed(r: _Resolver, world_size: int) -> str:
-        """"none", "ddp" or "fsdp"; FSDP means full fine-tuning (it sets the method
-        when none was given; an adapter method was refused with the given values,
-        since its few trained weights gain nothing from sharding while every layer
-        would pay for gathering)."""
-        if world_size == 1:
-            if r.given("distributed"):
-                r.reasons.append(f"--distributed {r.get('distributed')} ignored: one process")
-                r.sources.pop("distributed", None)
-            return "none"
-        if not r.given("distributed"):
-            r.sources["distributed"] = "optimizer"
-            return "ddp"
-        choice = r.get("distributed")
-        if choice == "fsdp" and not r.given("method"):
-            r.overrides["method"] = ("full", r.sources["distributed"])
-            r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")
-        return choice
-
     def _method_and_batch(self, r: _Resolver, model: ModelChoice, stats: DataStats, precision: str, max_seq_len: int,
                           target: int, world_size: int) -> _Batch:
         """The method and micro-batch (per process) with the most rows per step,
         and gradient checkpointing only where the micro-batch needs it."""
         trained_share = 1.0 if r.get("train_on_prompt", False) else stats.trained_fraction(max_seq_len)
-        distributed = self._distributed(r, world_size)
+        distributed = choose_distributed(r, world_size)
         shape = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share,
                  "lora_dropout": r.get("lora_dropout") or 0.0}
         if r.given_value("objective") == "dpo":  # a row is a pair: chosen and rejected in one forward

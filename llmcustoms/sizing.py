@@ -120,7 +120,7 @@ def fit_with_optimizer(memory: MemoryOptimizer, methods: list[str], seq_len: int
     Sets `shape["optimizer"]` to the one chosen."""
     shape["optimizer"] = given or "adamw"
     fit = best_fit(memory, methods, seq_len, precision, cap, checkpointing, shape)
-    if given or not on_gpu:
+    if given or not on_gpu or shape.get("shards", 1) > 1:  # bitsandbytes' optimizers take no FSDP shards
         return fit, None
     cheaper = {**shape, "optimizer": EIGHT_BIT_OPTIMIZER}
     fit8 = best_fit(memory, methods, seq_len, precision, cap, checkpointing, cheaper)

@@ -1,4 +1,5 @@
-"""How the steps run, beyond their shape: padding-free packing and torch.compile.
+"""How the steps run, beyond their shape: how processes share them, padding-free
+packing and torch.compile.
 
 Planning, so pure like the rest (no torch). Neither changes what is learned:
 packing gives the same loss as padded rows (`packing.py`), and compiling the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.hardware import Hardware
 
 KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
@@ -39,3 +41,26 @@ def choose_compile(r: Any) -> bool:
     if compiled:
         r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")
     return compiled
+
+
+def choose_distributed(r: Any, world_size: int) -> str:
+    """"none", "ddp" or "fsdp"; FSDP means full fine-tuning (it sets the method
+    when none was given; an adapter method was refused with the given values,
+    since its few trained weights gain nothing from sharding while every layer
+    would pay for gathering)."""
+    if world_size == 1:
+        if r.given("distributed"):
+            r.reasons.append(f"--distributed {r.get('distributed')} ignored: one process")
+            r.sources.pop("distributed", None)
+        return "none"
+    if not r.given("distributed"):
+        r.sources["distributed"] = "optimizer"
+        return "ddp"
+    choice = r.get("distributed")
+    if choice == "fsdp" and r.given_value("optimizer") not in (None, "adamw"):
+        raise ConfigError(f"--optimizer {r.given_value('optimizer')} cannot work on FSDP's shards.",
+                          "Use --optimizer adamw with --distributed fsdp.")
+    if choice == "fsdp" and not r.given("method"):
+        r.overrides["method"] = ("full", r.sources["distributed"])
+        r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")
+    return choice

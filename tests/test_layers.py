@@ -17,7 +17,7 @@ MODULES = sorted(PACKAGE.glob("*.py"))
 UI_MODULES = {"console.py", "dataview.py", "dialog.py", "tuneview.py", "trainview.py"}
 # The planning layer: pure, and importing nothing from running or the UI.
 PLANNING = ("errors", "options", "settings", "presets", "hardware", "memory", "sizing", "duration", "fitting", "plan",
-            "planning", "dataadvice", "objectives", "diskspace")
+            "planning", "dataadvice", "objectives", "diskspace", "stepchoices")
 # Planning and everything `--help` touches: importable without torch.
 WITHOUT_TORCH = tuple(f"llmcustoms.{name}" for name in PLANNING) + (
     "llmcustoms.cli", "llmcustoms.flags", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")

@@ -289,9 +289,17 @@ def test_more_processes_keep_the_effective_batch_by_lowering_accumulation():
 
 def test_fsdp_shards_full_fine_tuning_so_a_7b_model_fits_on_80gb_cards():
     with pytest.raises(ConfigError, match="does not fit"):
-        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1, {"method": "full"})
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1,
+                            {"method": "full", "optimizer": "adamw"})
     with pytest.raises(ConfigError, match="does not fit"):  # data-parallel: each card holds everything
-        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"method": "full"})
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8,
+                            {"method": "full", "optimizer": "adamw"})
+    # On one card only 8-bit AdamW's quarter-size moments let it fit at all.
+    single = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1, {"method": "full"})
+    assert single.optimizer == "adamw_8bit" and single.gradient_checkpointing
+    with pytest.raises(ConfigError, match="FSDP's shards"):
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8,
+                            {"distributed": "fsdp", "optimizer": "adamw_8bit"})
     plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
     assert (plan.method, plan.distributed, plan.world_size) == ("full", "fsdp", 8)
     assert any("method full: --distributed fsdp" in r for r in plan.reasons)
@@ -321,8 +329,9 @@ def test_distributed_is_ignored_with_one_process():
 
 
 def test_full_fine_tuning_that_does_not_fit_suggests_sharding_over_more_gpus():
-    with pytest.raises(ConfigError) as info:
-        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1, {"method": "full"})
+    with pytest.raises(ConfigError) as info:  # with 32-bit moments (8-bit ones would fit: see above)
+        plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 1,
+                            {"method": "full", "optimizer": "adamw"})
     suggested = int(info.value.hint.split("--num-processes ")[1].split()[0])
     assert "--distributed fsdp" in info.value.hint
     # The suggestion really fits.
