@@ -70,6 +70,7 @@ class Config:
     lora_rank: int = 16
     # False: not used when the constants in llmcustoms/memory.py were fitted.
     fitted: bool = True
+    optimizer: str = "adamw"
 
 
 CONFIGS = [
@@ -88,6 +89,10 @@ CONFIGS = [
     Config("phi3-qlora-ckpt-s1024", PHI3, "qlora", 2, 1024, gradient_checkpointing=True, fitted=False),
     Config("qwen-full-s256", QWEN, "full", 1, 256, fitted=False),
     Config("mistral-full-ckpt-s512", MISTRAL_DEEP, "full", 2, 512, gradient_checkpointing=True, fitted=False),
+    # Issue 21's memory savers: a batch of Qwen's 152k-word logits (chunked by the loss;
+    # --full-logits measures it without), and bitsandbytes' 8-bit AdamW.
+    Config("qwen-lora-b8-s512", QWEN, "lora", 8, 512, fitted=False),
+    Config("llama-full-8bit-s256", LLAMA, "full", 2, 256, fitted=False, optimizer="adamw_8bit"),
 ]
 
 
@@ -151,7 +156,7 @@ def measure(config: Config, model_dir: Path, device: str, precision: str) -> dic
     if config.arch.model_type == "phi3":
         targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     plan = Plan(model=str(model_dir), family="bench", model_type=config.arch.model_type, preset="quality",
-                method=config.method, micro_batch_size=config.micro_batch, grad_accum=1,
+                method=config.method, optimizer=config.optimizer, micro_batch_size=config.micro_batch, grad_accum=1,
                 effective_batch_size=config.micro_batch, max_seq_len=config.seq_len,
                 gradient_checkpointing=config.gradient_checkpointing, mixed_precision=precision, lr=1e-4,
                 lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, epochs=1.0,
@@ -191,7 +196,7 @@ def predict(config: Config, device: str, precision: str) -> dict:
     targets = ("all-linear",)
     estimate = MemoryOptimizer(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
         config.method, config.micro_batch, config.seq_len, precision,
-        config.gradient_checkpointing, lora_rank=config.lora_rank, lora_targets=targets)
+        config.gradient_checkpointing, lora_rank=config.lora_rank, lora_targets=targets, optimizer=config.optimizer)
     data = estimate.to_json()
     if device == "cuda":
         # max_memory_allocated does not see the CUDA context; compare like with like.
@@ -205,8 +210,12 @@ def predict(config: Config, device: str, precision: str) -> dict:
     return data
 
 
-def run_one(name: str, device: str, precision: str) -> dict:
+def run_one(name: str, device: str, precision: str, full_logits: bool = False) -> dict:
     config = next(c for c in CONFIGS + REAL_CONFIGS if c.name == name)
+    if full_logits:  # the loss as before issue 21: every trained position's logits at once
+        from llmcustoms import losses, memory
+
+        losses.CHUNK_LOGITS = memory.CHUNK_LOGITS = 2 ** 62
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(config.arch, model_dir, device)
@@ -225,11 +234,13 @@ def main() -> None:
                         help="the configurations at TinyLlama-1.1B's and Qwen2.5-0.5B's real sizes (for --device cuda)")
     parser.add_argument("--held-out", action="store_true", help="run only the configurations the fit never saw")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], help="default: bf16 on cuda, no (fp32) on cpu")
+    parser.add_argument("--full-logits", action="store_true",
+                        help="the loss without chunks (all trained positions' logits at once), for comparison")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
     if args.child:
-        print("RESULT " + json.dumps(run_one(args.child, args.device, precision)))
+        print("RESULT " + json.dumps(run_one(args.child, args.device, precision, args.full_logits)))
         return
     if args.real_shapes and args.device == "cpu" and not args.only:
         parser.error("--real-shapes is for --device cuda (1.1B parameters at 2,048 tokens); on a CPU pick one with --only")
@@ -241,7 +252,7 @@ def main() -> None:
     results = []
     for config in configs:
         out = subprocess.run([sys.executable, __file__, "--child", config.name, "--device", args.device,
-                              "--mixed-precision", precision],
+                              "--mixed-precision", precision] + (["--full-logits"] if args.full_logits else []),
                              capture_output=True, text=True, env=env)
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:

@@ -124,6 +124,11 @@ def parameter_counts(arch: ModelSpec) -> tuple[int, int]:
     return linear, embeddings + norms
 
 
+def largest_matrix(arch: ModelSpec) -> int:
+    """Entries of the model's largest weight: the embedding (or head), or a block linear."""
+    return max([arch.vocab_size * arch.hidden_size] + [l.params for l in block_linears(arch)])
+
+
 def lora_parameters(arch: ModelSpec, rank: int, targets: tuple[str, ...]) -> int:
     linears = block_linears(arch)
     chosen = linears if targets == ("all-linear",) else [l for l in linears if l.name in targets]
@@ -194,6 +199,14 @@ class MemoryOptimizer:
             return int(linear * NF4_BITS_PER_WEIGHT / 8) + other * per_param
         return (linear + other) * per_param
 
+    def _update_buffer(self, method: str, optimizer: str) -> int:
+        """On a CPU, bitsandbytes' 8-bit update dequantizes one weight's two moments
+        to fp32 while it updates that weight (its GPU kernel does it in registers):
+        the largest weight's, for full fine-tuning (LoRA's weights are small)."""
+        if self.on_gpu or method != "full" or not optimizer.endswith("8bit"):
+            return 0
+        return largest_matrix(self.arch) * 8
+
     def activation_bytes_per_token(self, method: str, mixed_precision: str, gradient_checkpointing: bool,
                                    lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = ("all-linear",)) -> float:
         arch = self.arch
@@ -244,7 +257,7 @@ class MemoryOptimizer:
             weights_bytes=self.weights(method, mixed_precision) // shards,
             trainable_bytes=0 if method == "full" else trained * 4 // shards,
             gradients_bytes=trained * 4 // shards,
-            optimizer_bytes=trained * OPTIMIZER_STATE_BYTES[optimizer] // shards,
+            optimizer_bytes=trained * OPTIMIZER_STATE_BYTES[optimizer] // shards + self._update_buffer(method, optimizer),
             activations_bytes=activations,
             logits_bytes=logits,
             overhead_bytes=overhead,

@@ -128,8 +128,7 @@ def fit_with_optimizer(memory: MemoryOptimizer, methods: list[str], seq_len: int
         return fit, None
     shape["optimizer"] = EIGHT_BIT_OPTIMIZER
     return fit8, (f"optimizer adamw_8bit (bitsandbytes): 2 bytes of state per trained weight instead of AdamW's 8, "
-                  f"so {_described(fit8)} fits where AdamW allows {_described(fit)} "
-                  "(--optimizer adamw keeps 32-bit moments)")
+                  f"so {_described(fit8)} fits (with AdamW: {_described(fit)}; --optimizer adamw keeps it)")
 
 
 def _goodness(fit: tuple[str, int, bool, dict[str, int]], preferred: str) -> tuple[int, bool, bool]:
@@ -139,6 +138,6 @@ def _goodness(fit: tuple[str, int, bool, dict[str, int]], preferred: str) -> tup
 
 def _described(fit: tuple[str, int, bool, dict[str, int]] | None) -> str:
     if fit is None:
-        return "nothing"
+        return "nothing fits"
     method, micro, checkpointing, _ = fit
     return f"{method} micro-batch {micro}" + (" with gradient checkpointing" if checkpointing else "")
