@@ -117,7 +117,7 @@ def timed(train_fn, model, assets: dict, train: list, evaluation: list, tokenize
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM") - rss_before
-    trained = model() if callable(model) and not hasattr(model, "forward") else model
+    trained = model if isinstance(model, torch.nn.Module) else model()  # a model, or what gives it after training
     tokens = sum(len(e.input_ids) for e in train)
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "train_tokens": tokens, "peak_mem_bytes": peak,
             "eval_loss": eval_loss(trained, assets, evaluation, tokenizer.pad_token_id)}

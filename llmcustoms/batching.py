@@ -121,7 +121,7 @@ class TrainingRows:
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         if self.packing:
-            return pack(self.train.examples(rows), self.pad_token_id)
+            return pack(self.train.examples(rows))
         return self._batch(self.train, rows, 0)
 
     def collate_examples(self, examples: list[TokenizedExample]) -> dict[str, torch.Tensor]:

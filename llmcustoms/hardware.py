@@ -58,7 +58,7 @@ class Hardware:
     # The CPU's native bf16 instructions ("AMX", "AVX512-BF16"); "" when it has none (`cpu_bf16`).
     cpu_bf16: str = ""
     # What runs attention over packed rows on this machine's GPUs: "flash-attn" (the
-    # package), "torch" (torch's own varlen FlashAttention, torch >= 2.10), "" for none.
+    # package), "torch" (torch's own varlen FlashAttention, torch >= 2.11), "" for none.
     varlen_attention: str = ""
 
     def measured_speed(self, model: str, method: str) -> float | None:
@@ -234,14 +234,15 @@ def _read_cpuinfo() -> str:
 
 def varlen_attention() -> str:
     """Which varlen attention is installed, read from package metadata (no import of
-    torch): "flash-attn", "torch" (torch >= 2.10 has `torch.nn.attention.varlen`), or ""."""
+    torch): "flash-attn", "torch" (torch >= 2.11: `torch.nn.attention.varlen` with
+    `window_size`, which 2.10's lacks), or ""."""
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash-attn"
     try:
         major, minor = (int(part) for part in importlib.metadata.version("torch").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return ""
-    return "torch" if (major, minor) >= (2, 10) else ""
+    return "torch" if (major, minor) >= (2, 11) else ""
 
 
 def detect() -> Hardware:

@@ -32,7 +32,6 @@ from llmcustoms.tokenization import IGNORE_INDEX
 Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-
 def select_logits(model: Any) -> None:
     """Let the LM head compute logits only at `head.logit_selection` (a boolean
     mask over batch and position; None: every position, as an unpatched head),
@@ -97,7 +96,7 @@ def head_cross_entropy(hidden: torch.Tensor, head: Any, targets: torch.Tensor) -
     `CHUNK_LOGITS` logits at once: each chunk's logits are recomputed in the
     backward pass instead of kept. The same loss and gradients as the plain
     computation, up to float summation order."""
-    fused = _liger_loss(hidden, head, targets)
+    fused = _liger_loss(hidden, head, targets) if targets.numel() else None  # Liger divides by the count
     if fused is not None:
         return fused
     chunk = max(1, CHUNK_LOGITS // head.weight.shape[0])
@@ -121,9 +120,12 @@ def _liger_loss(hidden: torch.Tensor, head: Any, targets: torch.Tensor) -> torch
     except ImportError:
         return None
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else head.weight.dtype
+    if dtype == torch.float16:  # Liger computes gradients in the forward pass, before fp16's loss scaling
+        return None
     bias = head.bias.to(dtype) if head.bias is not None else None
+    # fp32 accumulation of the head's gradient over chunks (full fine-tuning trains it).
     return liger_fused_linear_cross_entropy(hidden.to(dtype), head.weight.to(dtype), targets, bias,
-                                            reduction="sum").float()
+                                            reduction="sum", accum_dtype=torch.float32).float()
 
 
 def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor],
@@ -133,16 +135,26 @@ def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor],
 
     The head runs only at positions whose next token is trained, chunk by
     chunk (`head_cross_entropy`). Under FSDP the head's weight is a shard
-    outside its own forward, so there it computes its logits itself."""
+    outside its own forward, and some models change the head's logits in
+    their forward (`LOGIT_TRANSFORMS`): there the head computes them itself."""
     labels = batch["labels"]
     selection = _selection(labels)
     targets = labels[:, 1:][selection[:, :-1]]
     head = model.get_output_embeddings()
-    if _is_sharded(head.weight):
+    if _is_sharded(head.weight) or _changes_logits(model.config):
         logits = _head_output(model, batch, selection, hidden_only=False)
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser, None
     hidden = _head_output(model, batch, selection, hidden_only=True)
     return head_cross_entropy(hidden, head, targets) / normaliser, None
+
+
+# Config fields of models whose forward changes the head's logits (Gemma's softcap,
+# Cohere's and Granite's scales): the loss must see the logits the model makes.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _changes_logits(config: Any) -> bool:
+    return any(getattr(config, name, None) not in (None, 1.0) for name in LOGIT_TRANSFORMS)
 
 
 def _is_sharded(weight: torch.Tensor) -> bool:

@@ -73,7 +73,7 @@ LOGIT_COPIES = 2.85
 # The loss holds at most this many logits (positions x vocabulary) at once:
 # it runs the head and cross-entropy chunk by chunk (`losses.head_cross_entropy`;
 # 2^26 fp32 logits are 256 MiB: 441 positions of Qwen2.5's 151,936 words).
-# Under FSDP the head computes all its logits itself.
+# Under FSDP, and for DPO's log-probabilities, the head computes all its logits.
 CHUNK_LOGITS = 2 ** 26
 # Optimizer state per trained parameter: AdamW keeps two fp32 moments; the
 # bitsandbytes 8-bit variants keep two 8-bit ones (plus small block scales).
@@ -240,7 +240,7 @@ class MemoryOptimizer:
         activations = int(tokens * self.activation_bytes_per_token(method, mixed_precision, gradient_checkpointing,
                                                                     lora_dropout, lora_targets))
         positions = tokens * trained_fraction
-        if shards == 1:
+        if shards == 1 and sequences_per_row == 1:  # DPO's log-probabilities take every logit at once
             positions = min(positions, max(1, CHUNK_LOGITS // self.arch.vocab_size))
         logits = int(positions * self.arch.vocab_size * 4 * LOGIT_COPIES)
         heap = 0 if self.on_gpu else int((activations + logits) * CPU_HEAP_SHARE)

@@ -13,16 +13,19 @@ memory the plan sized), not a row count: a step's rows are split into as few
 forward passes as fit, which keeps a GPU busy on short rows.
 
 Attention, by what is installed: FlashAttention-2's varlen kernel
-(`flash-attn`), else torch's own (`torch.nn.attention.varlen`, torch >= 2.10,
-CUDA, bf16/fp16), else plain SDPA per row (CPUs, fp32: correct, not faster).
+(`flash-attn`), else torch's own (`torch.nn.attention.varlen`, torch >= 2.11),
+both on an Ampere or newer GPU in bf16/fp16; else plain SDPA per row (CPUs,
+fp32: correct, not faster). A sliding window (Mistral, Phi-3) is kept.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
+from llmcustoms.errors import ModelError
 from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
 
 # The attention implementation name models are switched to (`use_varlen_attention`).
@@ -31,7 +34,7 @@ ATTENTION = "llmcustoms_varlen"
 MODEL_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def pack(examples: list[TokenizedExample], pad_token_id: int) -> dict[str, Any]:
+def pack(examples: list[TokenizedExample]) -> dict[str, Any]:
     """The rows as one [1, total] sequence, with what varlen attention needs."""
     lengths = [len(e.input_ids) for e in examples]
     input_ids = torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.long).unsqueeze(0)
@@ -70,41 +73,59 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [1, heads, total, dim], key and
     value [1, kv_heads, total, dim]; returns [1, total, heads, dim]. A batch that
-    is not packed (evaluation, generation) takes transformers' SDPA."""
+    is not packed (evaluation, generation) takes transformers' SDPA.
+    `sliding_window` W: a token sees itself and the W - 1 before it (transformers' rule)."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+                                      sliding_window=sliding_window, **kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
-    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        # Full fine-tuning and QLoRA keep fp32 rotary embeddings, so q and k arrive in fp32 under autocast.
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _ampere_or_newer(q.device.index or 0)
+    window = (sliding_window - 1 if sliding_window else -1, 0)
     if fast and _flash_attn() is not None:
         out = _flash_attn()(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, dropout_p=dropout,
-                            softmax_scale=scaling, causal=True)
+                            softmax_scale=scaling, causal=True, window_size=window)
     elif fast and _torch_varlen() is not None:
         groups = q.shape[1] // k.shape[1]  # torch's kernel wants as many key/value heads as query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = _torch_varlen()(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                              window_size=(-1, 0))
+                              window_size=window)
     else:
-        out = _per_row(query, key, value, cu_seq_lens_q.tolist(), scaling)
+        out = _per_row(query, key, value, cu_seq_lens_q.tolist(), scaling, sliding_window)
     return out.unsqueeze(0), None
 
 
 def _per_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
-             scaling: float | None) -> torch.Tensor:
+             scaling: float | None, sliding_window: int | None) -> torch.Tensor:
     """Causal SDPA on each row's slice: what varlen attention computes, without its kernel."""
     rows = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         q, k, v = (t[:, :, start:end] for t in (query, key, value))
-        rows.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                                                     enable_gqa=q.shape[1] != k.shape[1]))
+        mask = None
+        if sliding_window and end - start > sliding_window:
+            offsets = torch.arange(end - start, device=q.device)
+            distance = offsets[:, None] - offsets[None, :]
+            mask = (distance >= 0) & (distance < sliding_window)
+        rows.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]))
     return torch.cat(rows, dim=2)[0].transpose(0, 1)
 
 
+@functools.cache
+def _ampere_or_newer(device: int) -> bool:
+    """FlashAttention's kernels need compute capability 8.0 (Ampere) or newer."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
 def _flash_attn() -> Any:
     try:
         from flash_attn import flash_attn_varlen_func
@@ -113,6 +134,7 @@ def _flash_attn() -> Any:
     return flash_attn_varlen_func
 
 
+@functools.cache
 def _torch_varlen() -> Any:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -121,15 +143,16 @@ def _torch_varlen() -> Any:
     return varlen_attn
 
 
-def _no_mask_for_packed(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-    """The mask for `ATTENTION`: none for rows without padding in their mask
-    (packed rows, right-padded rows: attention is causal, within each row),
-    SDPA's for a batch with a padding mask (generation)."""
-    if attention_mask is None:
+def _no_mask_for_packed(*args: Any, attention_mask: torch.Tensor | None = None, config: Any = None,
+                        **kwargs: Any) -> Any:
+    """The mask for `ATTENTION`: none for rows without a padding mask in a model
+    without a sliding window (packed rows, right-padded rows: attention is causal,
+    within each row), else SDPA's (generation; a window to keep)."""
+    if attention_mask is None and getattr(config, "sliding_window", None) is None:
         return None
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(*args, attention_mask=attention_mask, config=config, **kwargs)
 
 
 def use_varlen_attention(model: Any) -> None:
@@ -140,3 +163,6 @@ def use_varlen_attention(model: Any) -> None:
     AttentionInterface.register(ATTENTION, varlen_attention)
     AttentionMaskInterface.register(ATTENTION, _no_mask_for_packed)
     model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation != ATTENTION:  # transformers only warns
+        raise ModelError("This model's code does not use transformers' attention functions, so its rows cannot be "
+                         "packed: they would attend to each other.", "Train it with --no-packing.")

@@ -32,12 +32,12 @@ import torch
 
 from llmcustoms import launching, preflight
 from llmcustoms.batching import micro_batches
-from llmcustoms.packing import packed_micro_batches
 from llmcustoms.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
 from llmcustoms.checkpointcontent import (TensorInfo, Unusable, fit_problem, optimizer_fit_problem, rng_fit_problem,
                                           safetensors_header, torch_dtype_name)
 from llmcustoms.modeling import save_trained
+from llmcustoms.packing import packed_micro_batches
 from llmcustoms.plan import Plan
 from llmcustoms.recovery import RestartNeeded, TrainingFailed, create_failure_report
 from llmcustoms.rundir import RunDirectory

@@ -127,8 +127,9 @@ def fit_with_optimizer(memory: MemoryOptimizer, methods: list[str], seq_len: int
     if fit8 is None or (fit is not None and _goodness(fit8, methods[0]) <= _goodness(fit, methods[0])):
         return fit, None
     shape["optimizer"] = EIGHT_BIT_OPTIMIZER
+    instead = "with AdamW nothing fits" if fit is None else f"with AdamW: {_described(fit)}; --optimizer adamw keeps it"
     return fit8, (f"optimizer adamw_8bit (bitsandbytes): 2 bytes of state per trained weight instead of AdamW's 8, "
-                  f"so {_described(fit8)} fits (with AdamW: {_described(fit)}; --optimizer adamw keeps it)")
+                  f"so {_described(fit8)} fits ({instead})")
 
 
 def _goodness(fit: tuple[str, int, bool, dict[str, int]], preferred: str) -> tuple[int, bool, bool]:
@@ -136,8 +137,6 @@ def _goodness(fit: tuple[str, int, bool, dict[str, int]], preferred: str) -> tup
     return micro, not checkpointing, method == preferred
 
 
-def _described(fit: tuple[str, int, bool, dict[str, int]] | None) -> str:
-    if fit is None:
-        return "nothing fits"
+def _described(fit: tuple[str, int, bool, dict[str, int]]) -> str:
     method, micro, checkpointing, _ = fit
     return f"{method} micro-batch {micro}" + (" with gradient checkpointing" if checkpointing else "")

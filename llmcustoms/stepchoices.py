@@ -18,8 +18,9 @@ KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's v
 
 
 def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -> bool:
-    """On with a GPU, varlen attention and half precision (the kernels' dtypes), for
-    SFT; preference pairs are never packed. `r`: the planner's resolver."""
+    """On with Ampere or newer GPUs, varlen attention and half precision (what the
+    kernels need), for SFT; preference pairs are never packed, and a model with
+    its own code may not use transformers' attention functions. `r`: the planner's resolver."""
     if objective == "dpo":
         if r.given_value("packing"):
             r.reasons.append("--packing ignored: preference pairs run as padded pairs")
@@ -27,7 +28,8 @@ def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -
         return False
     if r.given("packing"):
         return bool(r.get("packing"))
-    if hardware.has_gpu and hardware.varlen_attention and precision != "no":
+    if hardware.supports_bf16 and hardware.varlen_attention and precision != "no" \
+            and not r.given_value("trust_remote_code"):
         return r.chose("packing", True, f"packing on: each micro-batch's rows run as one sequence with per-row "
                                         f"positions ({KERNELS[hardware.varlen_attention]}), so no compute goes to "
                                         "padding and short rows share a forward pass; same loss (--no-packing: off)")
@@ -36,7 +38,7 @@ def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -
 
 
 def choose_compile(r: Any) -> bool:
-    """Off unless asked for: compiling costs minutes up front and is measured to pay off only on long GPU runs."""
+    """Off unless asked for: compiling costs minutes up front, and where it pays off (long GPU runs) is not measured yet."""
     compiled = bool(r.get("compile", False))
     if compiled:
         r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")

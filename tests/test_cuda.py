@@ -47,7 +47,7 @@ def test_packed_rows_on_the_gpu_kernel_match_padded_rows(tiny_models, family, mo
     use_varlen_attention(model.get_base_model())
     per_row = []
     monkeypatch.setattr(packing, "_per_row", lambda *a: per_row.append(1) or pytest.fail("not the GPU kernel"))
-    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack(examples, 0).items()}
+    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in pack(examples).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss, _ = token_cross_entropy(model, packed, normaliser)
     grads = torch.autograd.grad(loss, trained)
