@@ -21,9 +21,9 @@ from test_losses import rows
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def lora_model(directory):
+def lora_model(directory, dtype=torch.bfloat16):
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda()
+    base = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda()
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     select_logits(model.get_base_model())
     return model
@@ -33,9 +33,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("family", ("llama", "qwen2"))
-def test_packed_rows_on_the_gpu_kernel_match_padded_rows(tiny_models, family, monkeypatch):
-    model = lora_model(tiny_models[family])
+@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("qwen2", torch.bfloat16),
+                                          ("llama", torch.float32)])  # fp32 weights: q and k arrive in fp32
+def test_packed_rows_on_the_gpu_kernel_match_padded_rows(tiny_models, family, dtype, monkeypatch):
+    model = lora_model(tiny_models[family], dtype)
     examples = rows(model.config.vocab_size)
     padded = {k: v.cuda() for k, v in collate(examples, 0).items()}
     normaliser = torch.tensor(float((padded["labels"][:, 1:] != IGNORE_INDEX).sum()), device="cuda")
@@ -88,9 +89,11 @@ def test_bitsandbytes_optimizers_save_and_restore_exactly_on_the_gpu(kind):
                 p.grad = torch.randn(p.shape, device="cuda", generator=generator)
             optimizer.step()
 
-    params = [torch.nn.Parameter(torch.randn(256, 64, device="cuda")), torch.nn.Parameter(torch.randn(64, device="cuda"))]
+    # 512 x 256 entries: over bitsandbytes' thresholds for 8-bit moments (4,096) and paging (100,000).
+    params = [torch.nn.Parameter(torch.randn(512, 256, device="cuda")), torch.nn.Parameter(torch.randn(64, device="cuda"))]
     optimizer = getattr(bnb.optim, kind)(params, lr=1e-3)
     steps(params, optimizer, 0, 3)
+    assert getattr(optimizer.state[params[0]]["state1"], "is_paged", False) == kind.startswith("Paged")
     tensors, groups = flatten_optimizer_state(optimizer.state_dict())
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     restored = getattr(bnb.optim, kind)(copies, lr=1e-3)

@@ -90,6 +90,11 @@ def test_a_packed_run_trains_the_weights_of_a_padded_run(tmp_path, tiny_models, 
     for name, flag in (("padded", "--no-packing"), ("packed", "--packing")):
         result = cli(*train_args(tiny_models["llama"], tmp_path, name, flag))
         assert result.returncode == 0, result.stderr
+    recovered = cli(*train_args(tiny_models["llama"], tmp_path, "recovered", "--packing"),
+                    env={"LLMCUSTOMS_FAULT_INJECT": "oom@2"})
+    assert recovered.returncode == 0, recovered.stderr
+    assert json.loads((tmp_path / "recovered" / "plan.json").read_text())["micro_batch_size"] == 1  # budget halved
+    assert max_difference(adapter(tmp_path / "recovered"), adapter(tmp_path / "packed")) <= 2e-4
     assert json.loads((tmp_path / "packed" / "plan.json").read_text())["packing"] is True
     losses = {name: [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
                      if "loss" in r] for name in ("padded", "packed")}
