@@ -61,12 +61,15 @@ class FittingModel:
 
 
 def _method_fit(memory: MemoryOptimizer, method: str, seq_len: int, precision: str) -> MethodFit:
-    batch = memory.largest_micro_batch(method, seq_len, precision, False, MICRO_BATCH_CAP)
+    # On a GPU full fine-tuning can take 8-bit AdamW, as the planner would where it helps
+    # (`sizing.fit_with_optimizer`); for adapters the optimizer's state is too small to matter.
+    optimizer = "adamw_8bit" if memory.on_gpu and method == "full" else "adamw"
+    batch = memory.largest_micro_batch(method, seq_len, precision, False, MICRO_BATCH_CAP, optimizer=optimizer)
     if batch:
         return MethodFit(batch, False, 0)
-    if memory.largest_micro_batch(method, seq_len, precision, True, MICRO_BATCH_CAP):
+    if memory.largest_micro_batch(method, seq_len, precision, True, MICRO_BATCH_CAP, optimizer=optimizer):
         return MethodFit(0, True, 0)
-    return MethodFit(0, False, memory.estimate(method, 1, seq_len, precision, True).total_bytes)
+    return MethodFit(0, False, memory.estimate(method, 1, seq_len, precision, True, optimizer=optimizer).total_bytes)
 
 
 def fit_table(hardware: Hardware, families: dict[str, Family], seq_len: int = TABLE_SEQ_LEN) -> FitTable:

@@ -21,6 +21,13 @@ def test_the_fit_table_says_how_each_method_fits():
     assert not too_big.fits and too_big.need_bytes > table.budget_bytes
 
 
+def test_the_fit_table_agrees_with_the_planner_on_8bit_adamw():
+    """Qwen2.5-1.5B full fine-tuning on 24 GiB fits only with 8-bit AdamW: the table says
+    it fits, as `train` plans it (tests/test_gpu_speedups.py)."""
+    rows = {m.hub_id: m.methods for m in fit_table(Hardware.with_gpu(24), load_families(), seq_len=576).models}
+    assert rows["Qwen/Qwen2.5-1.5B-Instruct"]["full"].fits
+
+
 def test_setup_offers_the_models_that_fit_smallest_first():
     choices = fitting_models(Hardware.cpu_only(8), load_families(), 256)
     shown = [round(c.params / 1e9, 1) for c in choices]  # 7.2B and 7.2B keep catalog order
