@@ -387,12 +387,12 @@ def flatten_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any],
 
     tensors = {}
     for index, values in state_dict["state"].items():
-        # bitsandbytes nests its quantized moments and block scales one level down (BNB_STATE).
-        flat = {f"{key}.{sub}" if isinstance(value, dict) else key: inner
-                for key, value in values.items()
-                for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)])}
-        for key, value in flat.items():
-            tensors[f"state.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        for key, value in values.items():
+            # bitsandbytes nests its quantized moments and block scales one level down (BNB_STATE).
+            nested = value if isinstance(value, dict) else {None: value}
+            for sub, item in nested.items():
+                name = f"state.{index}.{key}" if sub is None else f"state.{index}.{key}.{sub}"
+                tensors[name] = item if torch.is_tensor(item) else torch.tensor(item)
     groups = []
     for group in state_dict["param_groups"]:
         groups.append({k: list(v) if isinstance(v, tuple) else v for k, v in group.items()})

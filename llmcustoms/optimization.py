@@ -3,10 +3,11 @@
 AdamW, with weight decay on matrices only: torch's (fused on a GPU), or
 bitsandbytes' 8-bit and paged versions (`plan.optimizer`), which keep the two
 moments in 8 bits with a scale per block of 256 (a quarter of the memory), or
-in memory that moves to CPU RAM when the GPU runs short (paged). The learning rate of optimizer step
-`step` is the plan's peak times a factor; `FineTuner` takes the function that
-gives it as an argument, `lr_multiplier` by default (linear warmup, then
-constant, linear or cosine decay).
+in memory that moves to CPU RAM when the GPU runs short (paged).
+
+The learning rate of optimizer step `step` is the plan's peak times a factor;
+`FineTuner` takes the function that gives it as an argument, `lr_multiplier`
+by default (linear warmup, then constant, linear or cosine decay).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ OPTIONS: tuple[Option, ...] = (
            "a larger micro-batch fit on a GPU, else adamw.", flag="--optimizer", env="OPTIMIZER", plan="optimizer",
            choices=("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")),
     Option("packing", bool, "Run each micro-batch's rows as one padding-free sequence (per-row positions, no "
-           "attention across rows; same loss). Default: on with a GPU and varlen attention, else off.",
+           "attention across rows; same loss). Default: on with an Ampere or newer GPU and varlen attention, else off.",
            flag="--packing", env="PACKING", plan="packing"),
     Option("compile", bool, "torch.compile the model: slower first steps, faster later ones. Default: off.",
            flag="--compile", env="COMPILE", plan="compile"),
