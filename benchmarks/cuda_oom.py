@@ -1,7 +1,7 @@
 """A real CUDA out-of-memory, recovered: the run halves its micro-batch and ends with the
 adapter an uncapped run of the same steps ends with.
 
-    python benchmarks/cuda_oom.py [--shape qwen2.5-0.5b] [--tokenizer DIR] [--data FILE]
+    python benchmarks/cuda_oom.py [--shape qwen2.5-0.5b] [--tokenizer DIR | --model DIR] [--data FILE]
                                   [--mixed-precision no|bf16] [--json]
 
 Builds a random model at a real model's shape (benchmarks/shapes.py) and a JSONL of
@@ -121,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(shapes.SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
+    parser.add_argument("--model", type=Path, help="a model directory built already (instead of building --shape)")
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "code_alpaca_2k.json")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)
@@ -141,7 +142,7 @@ def main() -> None:
         raise SystemExit(2)
     tolerance = args.tolerance or (1e-4 if args.mixed_precision == "no" else 2e-2)
     work = args.work or Path(tempfile.mkdtemp(prefix="llmcustoms-oom-"))
-    model = shapes.build(args.shape, work / "model", args.tokenizer)
+    model = args.model or shapes.build(args.shape, work / "model", args.tokenizer)
     data = work / "rows.jsonl"
     rows = write_rows(args.data, data, args.rows)
     total = torch.cuda.get_device_properties(0).total_memory

@@ -113,7 +113,14 @@ REAL_CONFIGS = [
     Config("qwen0.5b-qlora-b8-s512", QWEN_05B, "qlora", 8, 512, fitted=False),
     Config("qwen0.5b-full-b4-s512", QWEN_05B, "full", 4, 512, fitted=False),
     Config("qwen0.5b-lora-ckpt-b4-s2048", QWEN_05B, "lora", 4, 2048, gradient_checkpointing=True, fitted=False),
+    # The GPU kit's 7B step (benchmarks/gpu/): the largest model a 24 GB card trains, in 4-bit.
+    Config("mistral7b-qlora-b4-s512", real_arch("mistral-7b"), "qlora", 4, 512, fitted=False),
 ]
+# The GPU kit's dry run on a CPU: the kit's memory step, on a two-layer model.
+TINY = small_arch("tiny-llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
+DRY_RUN_CONFIGS = [Config(f"tiny-{method}-b4-s128", TINY, method, 4, 128, fitted=False)
+                   for method in ("lora", "qlora", "full")]
+ALL_CONFIGS = CONFIGS + REAL_CONFIGS + DRY_RUN_CONFIGS
 
 
 def build_model(arch: ModelSpec, directory: Path, device: str = "cpu") -> None:
@@ -211,7 +218,7 @@ def predict(config: Config, device: str, precision: str) -> dict:
 
 
 def run_one(name: str, device: str, precision: str, full_logits: bool = False) -> dict:
-    config = next(c for c in CONFIGS + REAL_CONFIGS if c.name == name)
+    config = next(c for c in ALL_CONFIGS if c.name == name)
     if full_logits:  # the loss as before issue 21: every trained position's logits at once
         from llmcustoms import losses, memory
 
@@ -244,10 +251,10 @@ def main() -> None:
         return
     if args.real_shapes and args.device == "cpu" and not args.only:
         parser.error("--real-shapes is for --device cuda (1.1B parameters at 2,048 tokens); on a CPU pick one with --only")
-    configs = [c for c in (REAL_CONFIGS if args.real_shapes or any(c.name == args.only for c in REAL_CONFIGS) else CONFIGS)
+    configs = [c for c in (ALL_CONFIGS if args.only else REAL_CONFIGS if args.real_shapes else CONFIGS)
                if (not args.only or c.name == args.only) and not (args.held_out and c.fitted)]
     if not configs:
-        parser.error(f"no configuration {args.only!r}: {', '.join(c.name for c in CONFIGS + REAL_CONFIGS)}")
+        parser.error(f"no configuration {args.only!r}: {', '.join(c.name for c in ALL_CONFIGS)}")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = []
     for config in configs:

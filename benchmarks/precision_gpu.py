@@ -1,6 +1,6 @@
 """bf16 against fp32 on the same steps: does llmcustoms' bf16 train like fp32?
 
-    python benchmarks/precision_gpu.py [--shape qwen2.5-0.5b|tinyllama-1.1b|tiny] [--steps 20]
+    python benchmarks/precision_gpu.py [--shape qwen2.5-0.5b|tinyllama-1.1b|tiny | --model DIR] [--steps 20]
                                        [--micro-batch 8] [--grad-accum 2] [--tokenizer DIR] [--data FILE] [--json]
 
 Trains the same rows, in the same order, at the same settings (throughput.py's: LoRA r=16 on
@@ -80,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(shapes.SHAPES) + ["tiny"], default="qwen2.5-0.5b")
     parser.add_argument("--tokenizer", type=Path, default=throughput.REAL_MODEL, help="the tokenizer --shape uses")
+    parser.add_argument("--model", type=Path, help="a model directory built already (instead of --shape)")
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "code_alpaca_2k.json")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -98,14 +99,15 @@ def main() -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    if args.shape != "tiny" and not cuda:
+    if args.shape != "tiny" and not cuda and args.model is None:
         print(f"precision_gpu.py --shape {args.shape} needs a CUDA GPU (none here); --shape tiny is a CPU smoke check",
               file=sys.stderr)
         raise SystemExit(2)
     workdir = Path(tempfile.mkdtemp(prefix="llmcustoms-precision-"))
     rows = args.steps * args.micro_batch * args.grad_accum
     overrides = {"initializer_range": args.init_range} if args.init_range else {}
-    model = None if args.shape == "tiny" else shapes.build(args.shape, workdir / "model", args.tokenizer, **overrides)
+    model = args.model or (None if args.shape == "tiny" else
+                           shapes.build(args.shape, workdir / "model", args.tokenizer, **overrides))
     assets = throughput.build_assets(args.data, workdir, rows, "cuda" if cuda else "cpu", model, toy_layers=2)
     assets.update(method="lora", steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                   max_len=args.max_seq_len)

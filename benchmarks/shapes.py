@@ -28,6 +28,19 @@ SHAPES = {
                      "num_attention_heads": 14, "num_key_value_heads": 2, "rope_theta": 1000000.0,
                      "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                      "vocab_size": 151936},
+    # mistralai/Mistral-7B-v0.1's config.json: for memory only (the kit's 7B QLoRA step).
+    "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 10000.0,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                   "sliding_window": None, "vocab_size": 32000},
+    # The GPU kit's dry run on a CPU (benchmarks/gpu/run.sh --dry-run): the same architectures,
+    # two layers, the vocabulary of whatever tokenizer is given (vocab_size None).
+    "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False, "initializer_range": 0.1, "vocab_size": None},
+    "tiny-qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": True, "initializer_range": 0.1, "vocab_size": None},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -44,6 +57,8 @@ def build(shape: str, out: Path, tokenizer_dir: Path, **overrides: object) -> Pa
             shutil.copy(tokenizer_dir / name, out / name)
     tokenizer = AutoTokenizer.from_pretrained(out)
     fields = {**SHAPES[shape], **overrides}
+    if fields["vocab_size"] is None:
+        fields["vocab_size"] = len(tokenizer)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

@@ -111,22 +111,29 @@ def build_assets(data: Path, workdir: Path, rows: int | None, device: str, model
     return {"model": str(model_dir), "rows": str(rows_file), "device": device, "train_rows": len(train)}
 
 
-def build_toy_model(examples: list, workdir: Path, layers: int = 4) -> Path:
-    """A random Llama (4 layers unless said) and a BPE tokenizer trained on the data (no download)."""
-    import torch
+def toy_tokenizer(texts: list[str]):
+    """A byte-level BPE tokenizer of 8k words trained on `texts`, with ChatML as its chat template (no download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend.train_from_iterator([m.content for e in examples for m in e.messages],
-                                trainers.BpeTrainer(vocab_size=8000, special_tokens=special, show_progress=False,
-                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8000, special_tokens=special, show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         unk_token="<unk>")
     tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def build_toy_model(examples: list, workdir: Path, layers: int = 4) -> Path:
+    """A random Llama (4 layers unless said) and a BPE tokenizer trained on the data (no download)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = toy_tokenizer([m.content for e in examples for m in e.messages])
     model_dir = workdir / "model"
     tokenizer.save_pretrained(model_dir)
     torch.manual_seed(0)
@@ -347,6 +354,8 @@ def main() -> None:
             print(f"{name} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
             continue
         results[name] = json.loads(line[len("RESULT "):])
+        # One line per finished system, so that a run stopped part-way (the GPU kit's time cap) keeps them.
+        print(f"done {name} {json.dumps(results[name])}", file=sys.stderr, flush=True)
         if not args.json:
             r = results[name]
             print(f"{name:20} {r['tokens_per_s']:9,.0f} tokens/s  {r['seconds']:7.1f} s  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB"

@@ -1,0 +1,277 @@
+"""The kit's steps, in the order they run: the most telling first, so that a budget cut short
+loses the least. Each step is a function `(kit, deadline) -> dict` that runs the project's own
+benchmark scripts (or the CLI) in processes of their own and returns what they measured, with
+"status": "passed" when the step's own checks held and "failed" when they did not. It raises
+StepFailed when nothing usable came back. Each cap is for one H100 at the default budget
+(kit.DEFAULT_BUDGET_S); they add up to it. On the dry run the same steps run on two-layer
+models and a few rows (SIZES).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import screen
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = HERE.parent
+
+# The work each step does, on a GPU and in the dry run.
+SIZES = {
+    "gpu": {"llama": "tinyllama-1.1b", "qwen": "qwen2.5-0.5b", "user_steps": 20, "lora_rows": 384, "qlora_rows": 256,
+            "batch": "16x1", "memory": ["qwen0.5b-lora-b8-s512", "qwen0.5b-qlora-b8-s512", "qwen0.5b-full-b4-s512",
+                                        "mistral7b-qlora-b4-s512"],
+            "oom": ["--rows", "128", "--steps", "4", "--batch-size", "32"], "precision_steps": 10},
+    "dry": {"llama": "tiny-llama", "qwen": "tiny-qwen2", "user_steps": 3, "lora_rows": 16, "qlora_rows": 8,
+            "batch": "4x1", "memory": ["tiny-lora-b4-s128", "tiny-qlora-b4-s128", "tiny-full-b4-s128"],
+            "oom": [], "precision_steps": 2},
+}
+THROUGHPUT_SYSTEMS = ("llmcustoms", "trainer_grouped_bf16", "trainer_liger", "trl_padding_free")
+NEEDS_CUDA = ("trainer_liger",)  # Liger's kernels are Triton: left out of the dry run
+
+
+class StepFailed(Exception):
+    def __init__(self, message: str, timed_out: bool = False, partial: dict | None = None):
+        super().__init__(message)
+        self.message, self.timed_out, self.partial = message, timed_out, partial or {}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    cap_s: float
+    what: str
+    run: Callable[[Any, float], dict] = field(repr=False)
+    cuda_only: bool = False
+
+
+def sizes(kit) -> dict:
+    return SIZES["dry" if kit.dry_run else "gpu"]
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of `text` that is a JSON object: the benchmarks print their result so, last."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def result_line(text: str) -> dict | None:
+    line = next((l for l in reversed(text.splitlines()) if l.startswith("RESULT ")), None)
+    return json.loads(line[len("RESULT "):]) if line else None
+
+
+def python(kit, *args: str) -> list[str]:
+    return [kit.python, *args]
+
+
+def model(kit, key: str) -> str:
+    if key not in kit.models:
+        raise StepFailed("no model to train: the models step did not build it")
+    return kit.models[key]
+
+
+# ----------------------------------------------------------------- the steps
+
+def check_environment(kit, deadline: float) -> dict:
+    ran = kit.command("env", python(kit, str(HERE / "envcheck.py"), *(["--dry-run"] if kit.dry_run else [])), deadline)
+    facts = result_line(ran.output(20000))
+    if facts is None:
+        raise StepFailed(f"envcheck printed nothing (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    return {"status": "passed" if ran.returncode == 0 else "failed", "result": facts,
+            **({"error": f"missing: {', '.join(facts['missing'])}"} if facts.get("missing") else {})}
+
+
+def build_models(kit, deadline: float) -> dict:
+    wanted = {key: sizes(kit)[key] for key in ("llama", "qwen")}
+    ran = kit.command("models", python(kit, str(HERE / "buildmodels.py"), str(kit.work / "models"), str(kit.tokenizer),
+                                       str(kit.data), json.dumps(wanted)), deadline)
+    built = result_line(ran.output(20000))
+    if built is None:
+        raise StepFailed(f"no models built (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    kit.models.update(built)
+    return {"status": "passed", "result": {"shapes": wanted, "directories": built}}
+
+
+def cuda_tests(kit, deadline: float) -> dict:
+    report = kit.work / "test_cuda.xml"
+    ran = kit.command("test_cuda", python(kit, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
+                                         f"--junitxml={report}"), deadline)
+    if not report.exists():
+        raise StepFailed(f"pytest wrote no report (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    suite = ElementTree.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    problems = [{"test": case.get("name"), "message": (bad.get("message") or bad.text or "")[:600]}
+                for case in suite.iter("testcase") for bad in case if bad.tag in ("failure", "error")]
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    ok = ran.returncode == 0 and (passed > 0 or kit.dry_run)
+    return {"status": "passed" if ok else "failed", "result": {**counts, "passed": passed, "problems": problems}}
+
+
+def user_run(kit, deadline: float) -> dict:
+    """`llmcustoms plan`, then `llmcustoms train` in an 80-column terminal, as a person runs them;
+    the plan's memory and time against what the run measured."""
+    steps = str(sizes(kit)["user_steps"])
+    common = [str(kit.data), "--model", model(kit, "qwen"), "--max-steps", steps]
+    plan_log = kit.command("user_plan", python(kit, "-m", "llmcustoms", "plan", *common, "--json"), deadline)
+    plan = _json_block(plan_log.output(200000))
+    if plan is None:
+        raise StepFailed(f"`llmcustoms plan --json` gave no plan (exit {plan_log.returncode}): {plan_log.output(1500)}",
+                         plan_log.timed_out)
+    runs = kit.work / "runs"
+    argv = python(kit, "-m", "llmcustoms", "train", *common, "--output-dir", str(runs), "--run-name", "user-run",
+                  "--overwrite", "--yes")  # --yes: the "Start training?" a person answers
+    transcript = kit.out / "logs" / "user_train.ansi"
+    started = time.time()
+    code, timed_out = screen.run_in_terminal(argv, kit.env(), BENCHMARKS.parent, deadline, transcript)
+    wall = time.time() - started
+    shown = screen.render(transcript.read_bytes().decode(errors="replace"))
+    (kit.out / "logs" / "user_train.txt").write_text(shown)
+    run = runs / "user-run"
+    measured = _run_measures(run)
+    result = {"plan": _plan_facts(plan), "measured": {**measured, "wall_s": round(wall, 1), "exit": code},
+              "display": shown.splitlines()[-45:]}
+    if timed_out or code != 0:
+        raise StepFailed(f"`llmcustoms train` {'timed out' if timed_out else f'exited {code}'}", timed_out,
+                         {"result": result})
+    return {"status": "passed" if measured.get("status") == "completed" else "failed", "result": result}
+
+
+def throughput(method: str) -> Callable[[Any, float], dict]:
+    def run(kit, deadline: float) -> dict:
+        size = sizes(kit)
+        rows = size["lora_rows" if method == "lora" else "qlora_rows"]
+        systems = [s for s in THROUGHPUT_SYSTEMS if not (kit.dry_run and s in NEEDS_CUDA)]
+        argv = python(kit, str(BENCHMARKS / "throughput.py"), "--model", model(kit, "llama"), "--data", str(kit.data),
+                      "--device", "cpu" if kit.dry_run else "cuda", "--method", method, "--rows", str(rows),
+                      "--batch", size["batch"], "--json", *[a for s in systems for a in ("--only", s)])
+        name = f"throughput_{method}"
+        ran = kit.command(name, argv, deadline)
+        summary = last_json(ran.output(200000))
+        if summary is None:  # stopped part-way: the systems that finished said so one line each
+            done = {l.split(" ", 2)[1]: json.loads(l.split(" ", 2)[2]) for l in ran.output(400000).splitlines()
+                    if l.startswith("done ")}
+            raise StepFailed(f"throughput.py ended without a summary (exit {ran.returncode}); "
+                             f"finished: {', '.join(done) or 'none'}", ran.timed_out,
+                             {"result": {"llmcustoms": done.pop("llmcustoms", None), "baselines": done}})
+        missing = [s for s in systems if s != "llmcustoms" and s not in summary["baselines"]]
+        complete = summary.get("llmcustoms") is not None and not missing
+        return {"status": "passed" if complete else "failed", "result": summary,
+                **({"error": f"no result for {', '.join(missing)} (see the log)"} if missing else {})}
+    return run
+
+
+def memory(kit, deadline: float) -> dict:
+    """The memory estimate against the measured peak, one configuration per process."""
+    rows, problems = [], []
+    for name in sizes(kit)["memory"]:
+        ran = kit.command("memory", python(kit, str(BENCHMARKS / "memory_accuracy.py"), "--only", name,
+                                           "--device", "cpu" if kit.dry_run else "cuda", "--json"), deadline)
+        result = last_json(ran.output(50000))
+        if result and result.get("results"):
+            rows.extend(result["results"])
+        else:
+            problems.append(f"{name}: {'timed out' if ran.timed_out else f'exit {ran.returncode}'}")
+        if ran.timed_out:
+            break
+    if not rows:
+        raise StepFailed("; ".join(problems) or "no configuration measured", False)
+    # The 0.8-1.25 target is for real shapes on a GPU; a two-layer model's peak is mostly fixed overhead.
+    within = kit.dry_run or all(0.8 <= r["ratio"] <= 1.25 for r in rows)
+    return {"status": "passed" if within and not problems else "failed", "result": {"rows": rows},
+            **({"error": "; ".join(problems)} if problems else {})}
+
+
+def cuda_out_of_memory(kit, deadline: float) -> dict:
+    argv = python(kit, str(BENCHMARKS / "cuda_oom.py"), "--model", model(kit, "qwen"), "--data", str(kit.data),
+                  *sizes(kit)["oom"], "--work", str(kit.work / "oom"), "--json")
+    ran = kit.command("cuda_oom", argv, deadline)
+    summary = last_json(ran.output(400000))
+    if summary is None:
+        raise StepFailed(f"cuda_oom.py gave no result (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    summary.pop("adapter_diff_per_tensor", None)
+    return {"status": "passed" if summary.get("passed") else "failed", "result": summary}
+
+
+def precision(kit, deadline: float) -> dict:
+    argv = python(kit, str(BENCHMARKS / "precision_gpu.py"), "--model", model(kit, "qwen"), "--data", str(kit.data),
+                  "--steps", str(sizes(kit)["precision_steps"]), "--json")
+    ran = kit.command("precision", argv, deadline)
+    summary = last_json(ran.output(200000))
+    if summary is None:
+        raise StepFailed(f"precision_gpu.py gave no result (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    return {"status": "passed" if summary.get("passed") else "failed", "result": summary}
+
+
+# ------------------------------------------------------------- what they read
+
+def _json_block(text: str) -> dict | None:
+    """`llmcustoms plan --json` prints one indented JSON object: from its first "{" line to its last "}"."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l == "{"), None)
+    end = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == "}"), None)
+    if start is None or end is None:
+        return None
+    try:
+        return json.loads("\n".join(lines[start:end + 1]))
+    except json.JSONDecodeError:
+        return None
+
+
+def _plan_facts(plan: dict) -> dict:
+    keys = ("model", "method", "micro_batch_size", "grad_accum", "max_seq_len", "gradient_checkpointing",
+            "mixed_precision", "optimizer", "packing", "total_steps", "estimated_seconds")
+    return {**{k: plan.get(k) for k in keys}, "estimated_peak_bytes": (plan.get("memory") or {}).get("total_bytes")}
+
+
+def _run_measures(run: Path) -> dict:
+    """What the run directory says it measured: status, peak memory, step times, tokens/s."""
+    if not (run / "status.json").exists():
+        return {"status": "no run directory"}
+    status = json.loads((run / "status.json").read_text())
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()] \
+        if (run / "metrics.jsonl").exists() else []
+    steps = [r for r in rows if "loss" in r and "seconds" in r]
+    memory = status.get("memory") or {}
+    return {"status": status.get("status"), "steps": status.get("step"), "peak_bytes": memory.get("peak_bytes"),
+            "predicted_bytes": memory.get("predicted_bytes"), "memory_ratio": memory.get("ratio"),
+            "train_seconds": round(sum(r["seconds"] for r in steps), 2),
+            "tokens_per_s_median": sorted(r["tokens_per_s"] for r in steps)[len(steps) // 2] if steps else None,
+            "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+            "recoveries": status.get("recoveries", [])}
+
+
+STEPS = [
+    Step("env", 15, "card, driver, torch/CUDA, every package imported", check_environment),
+    Step("models", 30, "random models at TinyLlama-1.1B's and Qwen2.5-0.5B's shapes", build_models),
+    Step("test_cuda", 40, "tests/test_cuda.py: varlen kernel, Liger loss, 8-bit/paged AdamW", cuda_tests),
+    Step("user_run", 55, "llmcustoms plan, then train in an 80-column terminal: estimates vs measured", user_run),
+    Step("throughput_lora", 75, "LoRA tokens/s, peak, eval loss: llmcustoms vs Trainer, Liger, TRL", throughput("lora")),
+    Step("memory", 70, "memory estimate vs max_memory_allocated: LoRA, QLoRA, full, 7B QLoRA", memory),
+    Step("throughput_qlora", 55, "QLoRA tokens/s, peak, eval loss: the same systems", throughput("qlora")),
+    Step("cuda_oom", 45, "a real CUDA out-of-memory recovered; adapter vs an uncapped run", cuda_out_of_memory,
+         cuda_only=True),
+    Step("precision", 35, "bf16 vs fp32 losses on the same steps", precision),
+]
+
+
+def chosen(only: list[str] | None) -> list[Step]:
+    """The steps to run: all, or those named (with models and env, which the others need or explain)."""
+    if not only:
+        return list(STEPS)
+    return [s for s in STEPS if s.name in only or s.name in ("env", "models")]
+
+
+if __name__ == "__main__":
+    sys.exit("run benchmarks/gpu/run.sh, not this module")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU kit, part 2 (on the GPU machine): every GPU claim measured in one call, inside a budget.
+#
+#   bash benchmarks/gpu/run.sh OUT_DIR [--budget SECONDS] [--only STEP ...]   on a GPU, after prepare.sh here
+#   bash benchmarks/gpu/run.sh --dry-run OUT_DIR                              here, on a CPU, tiny shapes
+#
+# Installs the wheels prepare.sh put in .gpukit/wheels into a temporary site (the machine has no
+# registry; --no-deps: wheels.txt names every package), then runs benchmarks/gpu/kit.py, which
+# prints its plan (each step's time cap, the budget: 420 s by default), writes OUT_DIR/steps/STEP.json,
+# OUT_DIR/logs/STEP.log, OUT_DIR/kit.json and OUT_DIR/summary.md after every step, and ends
+# inside the budget. A step that fails is recorded and the next one runs. The dry run installs
+# nothing: it uses this machine's environment (the project's own venv).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+started=$(date +%s.%N)
+dry_run=no
+for arg in "$@"; do [ "$arg" = "--dry-run" ] && dry_run=yes; done
+
+if [ $dry_run = yes ]; then
+    PYTHON=${PYTHON:-python}
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+    PYTHON=${PYTHON:-python3}
+    if ! ls .gpukit/wheels/*.whl >/dev/null 2>&1; then
+        echo "run.sh: no wheels in .gpukit/wheels: run 'bash benchmarks/gpu/prepare.sh' on the machine with a registry, and carry .gpukit" >&2
+        exit 2
+    fi
+    SITE=${KIT_SITE:-/tmp/llmcustoms-kit-site}
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .gpukit/wheels/*.whl 2>&1 | grep -v -e '^WARNING: Running pip as' -e 'WARNING: Target directory' || true
+    # The carried wheels first (transformers 5.24 over the image's), then the project itself from this tree.
+    export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export KIT_STARTED=$started PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "$PYTHON" benchmarks/gpu/kit.py "$@"
