@@ -4,6 +4,7 @@ preset on 8, 16, 24, 48 and 80 GB NVIDIA cards, from the planner itself.
     python benchmarks/gpu_plans.py                  # print the tables (markdown)
     python benchmarks/gpu_plans.py --check FILE     # exit 1 with a diff if FILE's copy is stale
     python benchmarks/gpu_plans.py --write FILE     # replace FILE's copy
+    python benchmarks/gpu_plans.py --preset quality --write README.md   # one preset's table (the README's)
 
 FILE's copy lies between `<!-- gpu-plans:start -->` and `<!-- gpu-plans:end -->`;
 without both markers --check and --write exit 2 and change nothing.
@@ -187,9 +188,9 @@ def intro() -> str:
     ])
 
 
-def render(rows: tuple[Row, ...]) -> str:
+def render(rows: tuple[Row, ...], presets: tuple[str, ...] = PRESETS) -> str:
     parts = [intro()]
-    for name in PRESETS:
+    for name in presets:
         ours = [row for row in rows if row.preset == name]
         parts += [preset_heading(name, ours), "\n".join([HEADER] + [render_row(row) for row in ours])]
     return "\n\n".join(parts) + "\n"
@@ -235,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--check", type=Path, metavar="FILE", help="exit 1 with a diff if FILE's copy is stale")
     group.add_argument("--write", type=Path, metavar="FILE", help="replace FILE's copy between the markers")
+    parser.add_argument("--preset", action="append", choices=PRESETS,
+                        help="only this preset's table (repeatable; default: all three)")
     args = parser.parse_args(argv)
-    generated = render(plan_rows())
+    generated = render(plan_rows(), tuple(args.preset or PRESETS))
     path = args.check or args.write
     try:
         if args.check:

@@ -10,6 +10,7 @@ models and a few rows (SIZES).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
@@ -175,9 +176,11 @@ def throughput(method: str) -> Callable[[Any, float], dict]:
 def memory(kit, deadline: float) -> dict:
     """The memory estimate against the measured peak, one configuration per process."""
     rows, problems = [], []
+    # Each configuration saves its random model before training it: 14.5 GB for the 7B, quicker in memory.
+    env = kit.env(TMPDIR="/dev/shm") if not kit.dry_run and _free_bytes("/dev/shm") > 40e9 else kit.env()
     for name in sizes(kit)["memory"]:
         ran = kit.command("memory", python(kit, str(BENCHMARKS / "memory_accuracy.py"), "--only", name,
-                                           "--device", "cpu" if kit.dry_run else "cuda", "--json"), deadline)
+                                           "--device", "cpu" if kit.dry_run else "cuda", "--json"), deadline, env)
         result = last_json(ran.output(50000))
         if result and result.get("results"):
             rows.extend(result["results"])
@@ -215,6 +218,13 @@ def precision(kit, deadline: float) -> dict:
 
 
 # ------------------------------------------------------------- what they read
+
+def _free_bytes(path: str) -> float:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0.0
+
 
 def _json_block(text: str) -> dict | None:
     """`llmcustoms plan --json` prints one indented JSON object: from its first "{" line to its last "}"."""

@@ -47,6 +47,16 @@ for wheel in "$KIT"/wheels/bitsandbytes-*.whl; do
     "$PYTHON" benchmarks/gpu/slim_wheel.py "$wheel" 'bitsandbytes/libbitsandbytes_*' --keep '*cuda13*' --keep '*_cpu.so'
 done
 
+# The install run.sh does there, tried here for that Python and platform: a wheel of the wrong tag fails now.
+check=$(mktemp -d)
+if ! "$PYTHON" -m pip install --quiet --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp "${platforms[@]}" --target "$check" "$KIT"/wheels/*.whl >"$check.log" 2>&1; then
+    grep -v '^WARNING: Location' "$check.log" >&2
+    echo "prepare.sh: the wheels would not install on Python 3.12 x86_64 (above)" >&2
+    exit 1
+fi
+rm -rf "$check" "$check.log"
+
 # 2. The tokenizer of the real model the benchmarks use (built once, offline, by the shared script).
 REAL_MODEL=${REAL_MODEL:-$HOME/.cache/llmcustoms-dev/smollm2-135m-instruct}
 if [ ! -f "$REAL_MODEL/tokenizer.json" ]; then

@@ -26,8 +26,13 @@ else
         exit 2
     fi
     SITE=${KIT_SITE:-/tmp/llmcustoms-kit-site}
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        .gpukit/wheels/*.whl 2>&1 | grep -v -e '^WARNING: Running pip as' -e 'WARNING: Target directory' || true
+    log=$(mktemp)
+    if ! "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            .gpukit/wheels/*.whl >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "run.sh: the carried wheels did not install (above); nothing was measured" >&2
+        exit 1
+    fi
     # The carried wheels first (transformers 5.24 over the image's), then the project itself from this tree.
     export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
