@@ -1,32 +1,28 @@
-"""A training step's peak GPU memory, simulated on fake tensors at real shapes (issue 31).
+"""A training step's peak GPU memory, simulated on fake tensors at real model sizes (issue 31).
 
     python benchmarks/cuda_simulation.py [--only NAME] [--json]
     python benchmarks/memory_accuracy.py --simulate-cuda [--only NAME] [--json]   (the same)
 
-No GPU needed. Each configuration runs in a fresh subprocess: the model is built
-on the meta device, llmcustoms' own `modeling.load_model` sets it up (frozen
-base in `weights_dtype`, use_cache off, gradient checkpointing, `attach_lora`
-with all-linear targets at rank 16), and then every weight becomes a fake
-tensor (`FakeTensorMode`: shapes, dtypes and storage sizes, no data). Two
-optimizer steps run as `FineTuner` runs them on a GPU: rows of exactly seq_len
-random tokens collated by `batching.collate`, `losses.select_logits`, the
-plan's loss (`preferenceloss.loss_for`) under bf16 autocast, backward, clip,
-torch's fused AdamW (what `make_optimizer` picks on a GPU), zero_grad(set_to_none).
-torch's `MemTracker` follows every tensor storage the step creates and frees;
-its peak is compared with the planner's on_gpu estimate less the CUDA context
-(`memory_accuracy.predict`: max_memory_allocated does not see the context).
+No GPU needed. In a subprocess per configuration, the model is built on the meta
+device and set up by llmcustoms' own `modeling.load_model` (frozen base in
+`weights_dtype`, use_cache off, gradient checkpointing, `attach_lora` all-linear
+r16; for QLoRA NF4 weights and `prepare_model_for_kbit_training`); then every
+weight becomes a fake tensor (FakeTensorMode: shape, dtype, storage size, no
+data). Two optimizer steps run as `FineTuner` runs them on a GPU: rows of exactly
+seq_len random tokens (`batching.collate`), `losses.select_logits`, the plan's
+loss under bf16 autocast, backward, clipping, fused AdamW (`make_optimizer`'s GPU
+choice), zero_grad(set_to_none). The batch, and what is computed from it alone
+(labels, the loss's mask), stay real and small, so data-dependent steps work.
+torch's MemTracker follows every storage created and freed; its peak is compared
+with the on_gpu estimate less the CUDA context (`memory_accuracy.predict`).
 
-Why not a fake CUDA device: on torch's CPU-only build the first autograd op on
-a fake cuda tensor aborts the process ("PyTorch is not linked with support for
-cuda devices"); the fake device here is "cpu", so autocast is CPU autocast.
-
-Limits: it measures the tensors the step holds, not a GPU. The kernels are the
-CPU build's choices (which SDPA kernel runs, and what it saves for backward),
-the loss is the chunked one, not Liger's fused kernel, and there is no caching
-allocator (block rounding, fragmentation), no cuBLAS workspace, no CUDA
-context. QLoRA is left out (benchmarks/gpu/SIMULATION.md says why).
-A tiny model's simulated peak equals the tracked peak of the same step on real
-tensors, to the byte (tests/test_cuda_simulation.py).
+The fake device is "cpu": on torch's CPU-only build the first autograd op on a
+fake "cuda" tensor aborts ("PyTorch is not linked with support for cuda devices").
+So it measures the tensors a step holds, with CPU kernels' choices (which SDPA
+kernel runs and what it saves), the chunked loss instead of Liger's, padded rows
+(no packing: varlen attention is CUDA-only), and no caching allocator rounding
+or fragmentation, cuBLAS workspace or CUDA context. On a tiny model the fake
+step's peak equals the real step's, to the byte (tests/test_cuda_simulation.py).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from memory_accuracy import LLAMA, Config, predict, small_arch  # noqa: E402
 
-# Real config.json values (vocabularies included); `extra` holds fields that change memory.
+# The real models' config.json sizes; EXTRA: other fields that change memory.
 TINYLLAMA = small_arch("TinyLlama-1.1B", hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632)
 QWEN_15B = small_arch("Qwen2.5-1.5B", model_type="qwen2", hidden=1536, layers=28, heads=12, kv_heads=2,
                       intermediate=8960, vocab=151936, tied=True)
@@ -60,16 +56,20 @@ EXTRA = {"Phi-3-mini-4k": {"sliding_window": 2047}, "Mistral-7B-v0.1": {"sliding
 
 CONFIGS = [
     Config("small-llama-lora-b4-s256", LLAMA, "lora", 4, 256),  # memory_accuracy's llama-lora-s256, on a "GPU"
-    Config("tinyllama-lora-b8-s512", TINYLLAMA, "lora", 8, 512, fitted=False),
-    Config("tinyllama-lora-ckpt-b4-s2048", TINYLLAMA, "lora", 4, 2048, gradient_checkpointing=True, fitted=False),
-    Config("tinyllama-full-b4-s512", TINYLLAMA, "full", 4, 512, fitted=False),
-    Config("qwen1.5b-lora-b8-s512", QWEN_15B, "lora", 8, 512, fitted=False),
-    Config("qwen1.5b-lora-ckpt-b4-s2048", QWEN_15B, "lora", 4, 2048, gradient_checkpointing=True, fitted=False),
-    Config("qwen1.5b-full-b4-s512", QWEN_15B, "full", 4, 512, fitted=False),
-    Config("phi3-mini-lora-b8-s512", PHI3_MINI, "lora", 8, 512, fitted=False),
-    Config("phi3-mini-full-b4-s512", PHI3_MINI, "full", 4, 512, fitted=False),
-    Config("mistral7b-lora-b8-s512", MISTRAL_7B, "lora", 8, 512, fitted=False),
-    Config("mistral7b-full-ckpt-b4-s512", MISTRAL_7B, "full", 4, 512, gradient_checkpointing=True, fitted=False),
+    Config("tinyllama-lora-b8-s512", TINYLLAMA, "lora", 8, 512),
+    Config("tinyllama-lora-ckpt-b4-s2048", TINYLLAMA, "lora", 4, 2048, gradient_checkpointing=True),
+    Config("tinyllama-qlora-b8-s512", TINYLLAMA, "qlora", 8, 512),
+    Config("tinyllama-full-b4-s512", TINYLLAMA, "full", 4, 512),
+    Config("qwen1.5b-lora-b8-s512", QWEN_15B, "lora", 8, 512),
+    Config("qwen1.5b-lora-ckpt-b4-s2048", QWEN_15B, "lora", 4, 2048, gradient_checkpointing=True),
+    Config("qwen1.5b-qlora-b8-s512", QWEN_15B, "qlora", 8, 512),
+    Config("qwen1.5b-full-b4-s512", QWEN_15B, "full", 4, 512),
+    Config("phi3-mini-lora-b8-s512", PHI3_MINI, "lora", 8, 512),
+    Config("phi3-mini-full-b4-s512", PHI3_MINI, "full", 4, 512),
+    Config("mistral7b-lora-b8-s512", MISTRAL_7B, "lora", 8, 512),
+    Config("mistral7b-qlora-b8-s512", MISTRAL_7B, "qlora", 8, 512),
+    Config("mistral7b-qlora-ckpt-b2-s1024", MISTRAL_7B, "qlora", 2, 1024, gradient_checkpointing=True),  # 8 GB plan
+    Config("mistral7b-full-ckpt-b4-s512", MISTRAL_7B, "full", 4, 512, gradient_checkpointing=True),
 ]
 STEPS = 2  # the second step runs with the optimizer's state in memory
 CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_state",
@@ -113,7 +113,8 @@ def fake_tensors() -> Iterator[Any]:
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode, unset_fake_temporarily
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    converter, convert = mode.fake_tensor_converter, mode.fake_tensor_converter.from_real_tensor
+    converter = mode.fake_tensor_converter
+    convert = converter.from_real_tensor
 
     def from_real_tensor(fake_mode: Any, real: Any, *args: Any, **kwargs: Any) -> Any:
         fake = convert(fake_mode, real, *args, **kwargs)
@@ -129,8 +130,7 @@ def fake_tensors() -> Iterator[Any]:
         return arg.new_empty_strided((count, arg.dim()), (1, count), dtype=torch.int64)
 
     op, impls = torch.ops.aten.nonzero.default, fake_impls.op_implementations_dict
-    original = impls[op]
-    converter.from_real_tensor, impls[op] = from_real_tensor, nonzero
+    original, converter.from_real_tensor, impls[op] = impls[op], from_real_tensor, nonzero
     try:
         yield mode
     finally:
@@ -138,10 +138,9 @@ def fake_tensors() -> Iterator[Any]:
 
 
 def tracker() -> Any:
-    """torch's MemTracker, with two changes: frozen weights get no gradient hook (it
-    would raise), and only the global peak is kept (per-module peaks cost minutes
-    with LoRA's thousands of modules). It also notes when the peak was reached and
-    which attention kernels ran."""
+    """torch's MemTracker, but frozen weights get no gradient hook (it would raise) and
+    only the global peak is kept (per-module peaks cost minutes with LoRA's thousands
+    of modules); it notes when the peak came and which attention kernels ran."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class Tracker(MemTracker):
@@ -175,19 +174,61 @@ def tracker() -> Any:
     return Tracker()
 
 
-def materialize(model: Any, mode: Any) -> Any:
-    """The meta model's weights as fake CPU tensors, tied weights kept tied."""
-    places: dict[int, list[tuple[Any, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((module, name))
-    with mode:
-        model.to_empty(device="cpu")
-    for (module, name), *others in places.values():
-        for other, other_name in others:
-            other._parameters[other_name] = module._parameters[name]
+def materialize(model: Any, mode: Any | None) -> Any:
+    """Every weight and buffer on the meta device (all but 4-bit weights, already
+    fake) as a fake CPU tensor, or an empty real one without `mode`; a tensor shared
+    by several modules (tied embeddings) stays shared."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made: dict[int, tuple[Any, Any]] = {}  # id -> (original, fake): the originals stay alive, so ids stay unique
+    with mode if mode is not None else nullcontext():
+        for module in model.modules():
+            for tensors in (module._parameters, module._buffers):
+                for name, t in tensors.items():
+                    if t is not None and (t.is_meta or mode is not None and not isinstance(t, FakeTensor)):
+                        if id(t) not in made:
+                            fake = torch.empty_like(t, device="cpu")
+                            made[id(t)] = (t, torch.nn.Parameter(fake, t.requires_grad)
+                                           if isinstance(t, torch.nn.Parameter) else fake)
+                        tensors[name] = made[id(t)][1]
     return model
+
+
+def quantize(model: Any, quantization: Any, mode: Any | None) -> Any:
+    """What from_pretrained does with `quantization` (NF4, double quantization): each
+    block linear becomes bitsandbytes' Linear4bit holding packed 4-bit weights. A
+    Params4bit cannot wrap a fake tensor, so the weight is a plain Parameter with the
+    attributes Linear4bit and PEFT read."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    model = replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quantization)
+    # Computed with real tensors (it calls .tolist()), before any fake one needs it.
+    bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+    with mode if mode is not None else nullcontext():
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                w = module.weight
+                layout = {n: getattr(w, n) for n in ("blocksize", "compress_statistics", "quant_type", "quant_storage")}
+                packed, module.quant_state = bnb.functional.quantize_4bit(
+                    torch.randn(w.shape, dtype=quantization.bnb_4bit_compute_dtype), **layout)
+                module.weight = torch.nn.Parameter(packed, requires_grad=False)
+                for name, value in {**layout, "quant_state": module.quant_state, "bnb_quantized": True,
+                                    "module": module}.items():
+                    setattr(module.weight, name, value)
+    model.is_loaded_in_4bit = True  # what PEFT reads (prepare_model_for_kbit_training, its LoRA layers)
+    return model
+
+
+def quant_states(model: Any) -> list[Any]:
+    """The 4-bit weights' scales and codes: attributes, which the tracker would not see."""
+    import torch
+
+    states = [m.quant_state for m in model.modules() if getattr(m, "quant_state", None) is not None]
+    states += [s.state2 for s in states if s.state2 is not None]
+    return [v for state in states for v in vars(state).values() if isinstance(v, torch.Tensor)]
 
 
 def load(config: Config, plan: Any, mode: Any | None) -> Any:
@@ -200,11 +241,12 @@ def load(config: Config, plan: Any, mode: Any | None) -> Any:
 
     def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         with torch.device("meta") if mode is not None else nullcontext():
-            return AutoModelForCausalLM.from_config(hf_config(config.arch), dtype=kwargs["dtype"])
+            model = AutoModelForCausalLM.from_config(hf_config(config.arch), dtype=kwargs["dtype"])
+        return quantize(model, kwargs["quantization_config"], mode) if "quantization_config" in kwargs else model
 
     with mock.patch.object(modeling, "from_pretrained", from_pretrained):
         model = modeling.load_model(plan)
-    return materialize(model, mode) if mode is not None else model
+    return materialize(model, mode)
 
 
 def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
@@ -215,10 +257,10 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
     from llmcustoms.preferenceloss import loss_for
     from llmcustoms.tokenization import TokenizedExample
 
-    warnings.filterwarnings("ignore")
     started = time.perf_counter()
     plan = sim_plan(config)
-    with fake_tensors() if fake else nullcontext() as mode:
+    with warnings.catch_warnings(), fake_tensors() if fake else nullcontext() as mode:
+        warnings.simplefilter("ignore")
         model = load(config, plan, mode)
         losses.select_logits(model)
         with mock.patch("torch.cuda.is_available", return_value=True):  # make_optimizer's GPU choice: fused AdamW
@@ -226,7 +268,7 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
         trainable = [p for p in model.parameters() if p.requires_grad]
         loss_fn, generator = loss_for(plan), torch.Generator().manual_seed(0)
         mt = tracker()
-        mt.track_external(model, optimizer)
+        mt.track_external(model, optimizer, *quant_states(model))
         with mt:
             for step in range(1, STEPS + 1):
                 mt.step = step
@@ -276,9 +318,10 @@ def main(only: str | None = None, as_json: bool = False) -> int:
         results.append(result)
         if not as_json:
             b, mib = result["breakdown"], 2 ** 20
+            weights = b["parameters"] + b["buffers"] + b["other"]  # other: 4-bit scales
             print(f"{config.name:29} predicted {result['predicted']['total_bytes'] / mib:7.0f} MiB  simulated "
-                  f"{result['simulated_bytes'] / mib:7.0f} MiB  ratio {result['ratio']:.2f}  (params "
-                  f"{b['parameters'] / mib:.0f}, grads {b['gradients'] / mib:.0f}, optimizer "
+                  f"{result['simulated_bytes'] / mib:7.0f} MiB  ratio {result['ratio']:.2f}  (weights "
+                  f"{weights / mib:.0f}, grads {b['gradients'] / mib:.0f}, optimizer "
                   f"{b['optimizer_state'] / mib:.0f}, activations {b['activations'] / mib:.0f}, backward temps "
                   f"{b['backward_temporaries'] / mib:.0f}; peak at {result['peak_at']}; {result['seconds']:.0f} s)",
                   flush=True)

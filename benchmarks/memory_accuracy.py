@@ -2,6 +2,7 @@
 
     python benchmarks/memory_accuracy.py [--json] [--device cpu|cuda] [--only NAME] [--mixed-precision no|bf16]
     python benchmarks/memory_accuracy.py --device cuda --real-shapes [--json]
+    python benchmarks/memory_accuracy.py --simulate-cuda [--only NAME] [--json]
 
 Each configuration runs in a fresh subprocess: build a small random model of a
 real architecture locally (no download), set up llmcustoms' own `FineTuner`
@@ -23,6 +24,11 @@ and Qwen2.5-0.5B (benchmarks/shapes.py; TinyLlama with its 49,152-token vocabula
 there): LoRA and QLoRA at 8 x 512, full fine-tuning at 4 x 512 (Qwen only), LoRA with
 gradient checkpointing at 4 x 2048. They are for a GPU: with --device cuda every model
 is built in bf16 on the GPU, so even 1.1B builds in seconds. None was used in the fit.
+
+--simulate-cuda needs no GPU: it runs benchmarks/cuda_simulation.py's configurations
+(TinyLlama-1.1B, Qwen2.5-1.5B, Phi-3-mini, Mistral-7B at their real sizes) on fake
+tensors and compares the tracked peak with the on_gpu estimate less the CUDA context
+(benchmarks/gpu/SIMULATION.md).
 """
 
 from __future__ import annotations
@@ -243,8 +249,14 @@ def main() -> None:
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], help="default: bf16 on cuda, no (fp32) on cpu")
     parser.add_argument("--full-logits", action="store_true",
                         help="the loss without chunks (all trained positions' logits at once), for comparison")
+    parser.add_argument("--simulate-cuda", action="store_true",
+                        help="a GPU's peak at real model sizes, simulated on fake tensors (benchmarks/cuda_simulation.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.simulate_cuda:
+        import cuda_simulation  # beside this file; it imports this module for Config and predict
+
+        sys.exit(cuda_simulation.main(args.only, args.json))
     precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
     if args.child:
         print("RESULT " + json.dumps(run_one(args.child, args.device, precision, args.full_logits)))

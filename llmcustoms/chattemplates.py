@@ -125,6 +125,23 @@ def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[di
     return [(prefix, False), (full[len(prefix):], True)]
 
 
+# What a template's refusal is about, from the words templates use (Gemma's "System role
+# not supported", Llama 2's "roles must alternate"), told in ours: a template's own
+# text may quote the row (raise_exception('bad role: ' + message['content'])), so it is never shown.
+_REFUSALS = (("system", "it does not accept a system turn"),
+             ("alternate", "it needs user and assistant turns to alternate"),
+             ("tool", "it does not accept tool calls or tool results"),
+             ("role", "it does not accept one of the turns' roles"))
+
+
+def template_refused(what: str, error: Exception, hint: str) -> ModelError:
+    """The error for a chat template that raised while rendering `what` ("row 12",
+    "the conversation"): what it refused, never its text."""
+    said = str(error).lower()
+    reason = next((why for word, why in _REFUSALS if word in said), f"it raised an error ({type(error).__name__})")
+    return ModelError(f"This model's chat template refused {what}: {reason}.", hint)
+
+
 def raw_segments(tokenizer, example: Example) -> list[tuple[str, bool]]:
     """prompt/completion and text rows: no template, BOS if the model uses one."""
     bos = tokenizer.bos_token if starts_with_bos(tokenizer) else ""

@@ -37,7 +37,7 @@ def exit_code(error: BaseException) -> int | None:
     except for user errors, shown here.
 
     The exits that are not exceptions: Ctrl-C anywhere else is 130 (`main`,
-    `setup`, an interrupted `tune`); a process that asks every process of an
+    `setup`), an interrupted `tune` 128 + the signal; a process that asks every process of an
     FSDP run to restart leaves with 75 at once (`training._exit_for_restart`),
     and a second Ctrl-C during training quits at once with 128 + the signal
     (`stopsignals.StopSignals`): both skip the interpreter's shutdown on purpose."""
@@ -46,7 +46,7 @@ def exit_code(error: BaseException) -> int | None:
     if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2
         print_error(error.message, error.hint)
         return error.exit_code
-    if isinstance(error, TrainingInterrupted):  # SIGINT 130, SIGTERM 143, after a checkpoint
+    if isinstance(error, TrainingInterrupted):  # SIGINT 130, SIGTERM 143, SIGHUP 129, after a checkpoint
         return 128 + error.signum
     if isinstance(error, TrainingFailed):  # recovery gave up, or a bug inside training
         return 1
@@ -115,7 +115,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
 @takes_options("resume")
 @flags.takes_permissions
 def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, reset_optimizer: flags.ResetOptimizer = False,
-           epochs: flags.ResumeEpochs = None, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
+           epochs: flags.ResumeEpochs = None, model_changed_ok: flags.ModelChangedOk = False, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
            machine_rank: flags.MachineRank = 0, main_process_ip: flags.MainIp = None,
            main_process_port: flags.MainPort = None, allowed: Any = None, **values: Any) -> None:
@@ -126,7 +126,7 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
-        session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs)
+        session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs, model_changed_ok)
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
@@ -195,8 +195,8 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
                                 study.settings, on_update=display.update, warn=display.warn)
     view.show_study_outcome(outcome, options.data, options.model)
-    if outcome.interrupted:
-        raise typer.Exit(130)
+    if outcome.signum is not None:
+        raise typer.Exit(128 + outcome.signum)  # 130 for Ctrl-C, 143 for SIGTERM
 
 
 @app.command("lr-find", cls=flags.Command)
@@ -317,7 +317,7 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
         from llmcustoms.generation import open_trained
 
         trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, allowed=allowed)
-        start = [{"role": "system", "content": system}] if system else []
+        start = trained.conversation_start(system)  # a template that refuses a system turn: said now
         dialog.chat_loop(lambda messages, on_text: trained.reply(messages, max_new_tokens, temperature, on_text),
                          start, str(run), trained.description)
 

@@ -322,7 +322,7 @@ def show_runs(output_dir: Any, runs: list[Any]) -> None:
     console.print(runs_table(output_dir, runs))
 
 
-RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow", "stopped": "yellow", "failed": "red"}
 
 
 def runs_table(output_dir: Any, runs: list[Any]) -> Table:

@@ -87,8 +87,10 @@ def _show_facts(facts: dict[str, Any]) -> None:
 
 def _preparation_time(prepared: Any) -> str:
     read = f"Data read in {prepared.read_seconds:.1f} s"
+    notes = "".join(f"[yellow]Cache:[/] {escape(note)}\n" for note in prepared.cache_notes)
     if prepared.cached:
-        return f"{read}; tokenized rows from the cache."
+        return f"{notes}{read}; tokenized rows from the cache."
     rows = prepared.dataset.rows
     rate = f" ({rows / prepared.tokenize_seconds:,.0f} rows/s)" if prepared.tokenize_seconds > 0 else ""
-    return f"{read}, tokenized in {prepared.tokenize_seconds:.1f} s{rate}; cached for the next run."
+    kept = "cached for the next run" if prepared.kept else "not cached"
+    return f"{notes}{read}, tokenized in {prepared.tokenize_seconds:.1f} s{rate}; {kept}."

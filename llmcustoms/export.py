@@ -9,17 +9,25 @@ message names the dtype it was written in. Either way nothing is written when
 the disk of DIR cannot take it: exit 2 with the sizes (`preflight.py`). A merge
 loads the base as this command's flags allow (`modeling.Allowed`): a copy loads
 nothing, so it needs no flag.
+
+The export is written into a hidden folder beside DIR and renamed into place
+when whole: a crash or a kill mid-export leaves the old DIR as it was (once a
+kill left only config.json, and --overwrite had deleted the old export). DIR
+must be new, empty, or (with --overwrite) an export this command wrote, which
+it recognises by the marker it writes first (`overwriting`): --overwrite once
+deleted whatever DIR was, the run itself or the folder of every run.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms import measures
+from llmcustoms import measures, overwriting
 from llmcustoms.diskspace import TOKENIZER_BYTES
 from llmcustoms.errors import ConfigError
 from llmcustoms.filemodes import make_readable
@@ -90,7 +98,8 @@ def _no_display(what: str) -> Any:
 def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
                waiting: Waiting = _no_display, allowed: Allowed = Allowed()) -> Exported:
     """Write the export of the run at `path`; `waiting` shows the merge (a
-    minute or more for real models) as it goes."""
+    minute or more for real models) as it goes. Everything that can be refused
+    is refused before a byte of it is written."""
     run = RunDirectory.existing(path)
     plan, trained = trained_output(run)
     if merge and dtype not in DTYPES:  # before anything is deleted
@@ -99,20 +108,98 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
         allowed.check(plan)
         check_weight_files(plan.model, allowed.pickle_weights)
         adapter_weights(trained)
+    given = {"the run being exported": run.path, "the run's trained weights": trained, "the training data": plan.data,
+             "the base model": plan.model}
+    _clear_leftovers(output)
+    _check_output(output, overwrite, {what: Path(given_path) for what, given_path in given.items() if given_path})
+    if trained.resolve() in output.absolute().resolve().parents:  # it would be copied into itself
+        raise ConfigError(f"--output {output} is inside the run's trained weights ({trained}).",
+                          "Choose a --output folder outside the run directory.")
+    partial = _start_partial(output)
+    try:
+        if not merge or plan.method == "full":
+            check_export_space(partial, bytes_under(trained), f"a copy of {trained}")
+            shutil.copytree(trained, partial, dirs_exist_ok=True)
+            make_readable(partial)  # runs trained before the weights were written readable
+            what = "the model" if plan.method == "full" else "the adapter"
+        else:
+            with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
+                what = f"a merged model ({_merge(plan, trained, partial, dtype, say, allowed)} weights)"
+        (partial / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
+        _put_in_place(partial, output)
+    except BaseException:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Exported(output, what)
+
+
+def _check_output(output: Path, overwrite: bool, keep: dict[str, Path]) -> None:
+    """Refuse an --output that is not a new folder, an empty one, or (with
+    --overwrite) an earlier export; `keep`: what it must never be or hold."""
+    why = overwriting.refusal(output, keep)
+    if why is None and output.is_dir() and os.path.ismount(output):
+        why = "is a mount point, which cannot be replaced by the folder the export is written into"
+    if why is not None:
+        raise ConfigError(f"--output {output} {why}; export never writes there, even with --overwrite.",
+                          "Choose a --output folder that does not exist yet; nothing was removed.")
     if output.exists() and any(output.iterdir()):
         if not overwrite:
-            raise ConfigError(f"{output} already exists and is not empty.", "Choose another --output, or pass --overwrite.")
-        shutil.rmtree(output)
-    if not merge or plan.method == "full":
-        check_export_space(output, bytes_under(trained), f"a copy of {trained}")
-        shutil.copytree(trained, output, dirs_exist_ok=True)
-        make_readable(output)  # runs trained before the weights were written readable
-        what = "the model" if plan.method == "full" else "the adapter"
-    else:
-        with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
-            what = f"a merged model ({_merge(plan, trained, output, dtype, say, allowed)} weights)"
-    (output / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
-    return Exported(output, what)
+            raise ConfigError(f"{output} already exists and is not empty.",
+                              "Choose another --output, or pass --overwrite to replace an earlier export.")
+        if not overwriting.is_export(output):
+            raise ConfigError(f"{output} is not an export llmcustoms wrote (it has no {overwriting.EXPORT_MARKER}), "
+                              "so --overwrite does not replace it.",
+                              "Choose another --output, or move or delete that folder yourself; nothing was removed.")
+
+
+def _aside(output: Path, what: str) -> Path:
+    """Where an export is written before it is whole ("partial"), or where the
+    one it replaces waits while it is put in place ("old"): hidden, beside it."""
+    return output.parent / f".{output.name}.{what}-export"
+
+
+def _clear_leftovers(output: Path) -> None:
+    """What a killed export left beside `output`: its partial folder is removed,
+    and an export it had moved aside but not yet replaced is put back."""
+    old = _aside(output, "old")
+    for leftover in (old, _aside(output, "partial")):
+        if not (leftover.exists() or leftover.is_symlink()):
+            continue
+        if leftover.is_symlink() or not leftover.is_dir() or not overwriting.is_export(leftover):
+            raise ConfigError(f"{leftover} is in the way of the export to {output}.",
+                              "Move or delete it, or choose another --output.")
+        if leftover == old and not output.exists():
+            os.rename(old, output)
+        else:
+            shutil.rmtree(leftover)
+
+
+def _start_partial(output: Path) -> Path:
+    """An empty folder beside `output`, holding only the marker (first, so a
+    kill leaves a folder the next export knows), to write the export into."""
+    partial = _aside(output, "partial")
+    try:
+        partial.mkdir(parents=True)
+        (partial / overwriting.EXPORT_MARKER).write_text(
+            "Written by `llmcustoms export`. `llmcustoms export --overwrite` replaces only a folder holding this file.\n")
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ConfigError(f"Cannot write the export beside {output}: {exc.strerror}.",
+                          "Check that you can write to that folder, or choose another --output.") from None
+    return partial
+
+
+def _put_in_place(partial: Path, output: Path) -> None:
+    """Rename the whole export to `output`. An earlier one is renamed aside
+    first and removed after: but for the instant between the two renames (which
+    the next export repairs) `output` is always a whole export."""
+    if not output.exists() or not any(output.iterdir()):
+        os.replace(partial, output)  # a new name, or over an empty folder
+        return
+    old = _aside(output, "old")
+    os.rename(output, old)
+    os.rename(partial, output)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> str:
@@ -137,7 +224,7 @@ def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed
     # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
     weights = sum(p.numel() * p.element_size() for p in merged.parameters())
     check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", str(merged.dtype).removeprefix("torch."))
-    say(f"Writing the merged model to {output}")
+    say("Writing the merged model")
     merged.save_pretrained(output, safe_serialization=True)
     # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
     modeling.from_pretrained(AutoTokenizer, str(adapter), trust_remote_code=trust).save_pretrained(output)

@@ -27,6 +27,15 @@ A testing aid, off unless the variable is set. A comma-separated list of
     kill_pruning@5 SIGKILL in the first pruning from step 5's checkpoint on,
                 after the checkpoints to delete were renamed, before they go
 
+Two act on preparing the data, not on a step (`tokencache.py`), in `plan` too:
+
+    edit_data@2       as the first data file this process tokenizes starts to
+                      be tokenized (after its cache key was taken), its lines 2
+                      and 3 change places, once: a file edited while it is
+                      tokenized, with as many rows as before
+    kill_tokenizing@1 SIGKILL once 1 row (or more) of a file has been
+                      tokenized: a temporary store left behind
+
 An optional `:rank=R` suffix limits a fault to one process of a distributed run.
 A fault fires once per run: processes restarted after a failure at step N
 (see launching.relaunch) do not fire the faults of steps up to N again.
@@ -40,12 +49,13 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
 KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow", "slow_eval", "diskfull",
-         "kill_saving", "kill_pruning")
+         "kill_saving", "kill_pruning", "edit_data", "kill_tokenizing")
 # kill_saving@N kills at one of the first KILL_POINTS points from the start of step N's checkpoint write, chosen at
 # random (CheckpointManager's `point`: 7 in a write, then one per checkpoint the pruning after it deletes).
 KILL_POINTS = 8
@@ -55,6 +65,8 @@ SLOW_MICRO_BATCH_S = 4.0
 SPIKE_FACTOR = 100.0
 SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+# The data faults fired in this process (each fires once).
+_fired_data_faults: set[str] = set()
 
 
 @dataclass
@@ -138,7 +150,29 @@ def disk_full_from(spec: str | None = None) -> int | None:
     value), from which the disk reads as full; None without one. Not a
     `FaultInjector`'s: the disk stays full, for the checks of every later
     checkpoint and of `resume` (preflight.py)."""
+    return _first_step("diskfull", spec)
+
+
+def _first_step(kind: str, spec: str | None = None) -> int | None:
     spec = os.environ.get(ENV_VAR) if spec is None else spec
     steps = [int(match["step"]) for match in map(SPEC.match, (p.strip() for p in (spec or "").split(",")))
-             if match and match["kind"] == "diskfull"]
+             if match and match["kind"] == kind]
     return min(steps) if steps else None
+
+
+def edit_data_if_due(path: Path) -> None:
+    """`edit_data@N`: swap lines N and N + 1 of the data file about to be tokenized, once."""
+    line = _first_step("edit_data")
+    if line is None or "edit_data" in _fired_data_faults or not path.is_file():
+        return
+    _fired_data_faults.add("edit_data")
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1:line + 1] = lines[line - 1:line + 1][::-1]
+    path.write_bytes(b"".join(lines))
+
+
+def kill_tokenizing_if_due(rows_done: int) -> None:
+    """`kill_tokenizing@N`: SIGKILL once N rows of a file have been tokenized."""
+    rows = _first_step("kill_tokenizing")
+    if rows is not None and rows_done >= rows:
+        os.kill(os.getpid(), signal.SIGKILL)

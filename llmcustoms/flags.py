@@ -174,13 +174,14 @@ NumProcesses = Annotated[Optional[int], typer.Option("--num-processes", metavar=
 NumMachines = Annotated[Optional[int], typer.Option("--num-machines", metavar="<int>", min=1, help="Machines training together (run the same command on each).")]
 MachineRank = Annotated[int, typer.Option("--machine-rank", metavar="<int>", min=0, help="This machine's index, 0 on the main one.")]
 MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
-MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Port on machine 0 for the processes to meet.")]
+MainPort = Annotated[Optional[int], typer.Option("--main-process-port", metavar="<int>", min=1, max=65535, help="Port on machine 0 for the processes to meet.")]
 Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", parser=_finite(0.5, 100_000), help="Plan for a GPU with this many GB instead of this machine's.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
 ResumeRun = Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="The run to continue. Default: the newest unfinished run under --output-dir.")]
 
 # `resume`'s own: given once, so none has a variable (LLMCUSTOMS_EPOCHS in a .env would extend a run at every resume).
 FromStep = Annotated[Optional[str], typer.Option("--from", metavar="step-N", help="Go on from this checkpoint (step-N, or N) instead of the newest, e.g. the best one; the checkpoints after it are deleted and their steps trained again.")]
+ModelChangedOk = Annotated[bool, typer.Option("--model-changed-ok", help="Go on although the base model's files differ from those the run began with: the run continues training on the new weights.")]
 ResetOptimizer = Annotated[bool, typer.Option("--reset-optimizer", help="Start the optimizer state afresh (AdamW moments zero); weights, learning-rate schedule, data order and random state are the checkpoint's.")]
 ResumeEpochs = Annotated[Optional[float], typer.Option("--epochs", metavar="<float>", show_default=False, parser=_parser(options.BY_NAME["epochs"]), help="Train to this many epochs in all, more than the run has: extends it, a completed run too. The learning-rate decay is stretched to the new length. Only this flag extends a run, not LLMCUSTOMS_EPOCHS.")]
 
@@ -222,9 +223,10 @@ ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write
 Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone model, in --dtype.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]
 ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, help="Longest reply in tokens.")]
+# A bound that is a number generation can hold; no model's context is near it.
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, max=1_000_000, help="Longest reply in tokens.")]
 Temperature = Annotated[float, typer.Option("--temperature", metavar="<float>", parser=_finite(0.0, 100.0), help="0 for greedy; higher is more varied.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help=options.BY_NAME["seed"].help)]
+Seed = Annotated[Optional[int], typer.Option("--seed", metavar="<int>", parser=_parser(options.BY_NAME["seed"]), help=options.BY_NAME["seed"].help)]
 
 # Loading a run's model (`takes_permissions`): given on the command itself, or not at all.
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Let the run's model repository run its own code, for this command; the run's plan.json alone never does.")]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.chattemplates import prompts_use_template
+from llmcustoms.chattemplates import prompts_use_template, template_refused
 from llmcustoms.errors import ModelError
 from llmcustoms.modeling import Allowed, adapter_weights, check_weight_files
 from llmcustoms.rundir import RunDirectory
@@ -38,6 +38,16 @@ class Trained:
     def reply(self, messages: list[dict[str, str]], max_new_tokens: int, temperature: float,
               on_text: Say = lambda text: None) -> str:
         return generate(self.model, self.tokenizer, self.plan, messages, max_new_tokens, temperature, on_text)
+
+    def conversation_start(self, system: str | None) -> list[dict[str, str]]:
+        """The turns a chat starts with: the system message, if any, refused
+        now if the chat template refuses one (Gemma's), not at the first reply."""
+        start = [{"role": "system", "content": system}] if system else []
+        if start:
+            prompt_ids(self.tokenizer, self.plan, [*start, {"role": "user", "content": "Hello."}],
+                       "a system message (--system)", "Leave out --system, and say what it would have said in your "
+                       "first message instead.")
+        return start
 
 
 def open_trained(run: Path, checkpoint: str | None, waiting: Waiting, warn: Say, seed: int | None = None,
@@ -154,13 +164,20 @@ def put_in(model: Any, path: Path) -> None:
             param.copy_(tensors[name].to(param.device, param.dtype))
 
 
-def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]]) -> Any:
-    """Token ids of the prompt, in the format the run trained on."""
+def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]], what: str = "the conversation",
+               hint: str = "Ask without the turn it refused, or use a run of another model.") -> Any:
+    """Token ids of the prompt, in the format the run trained on. A template
+    that refuses the turns is an error saying what it refused (`what`)."""
+    from jinja2 import TemplateError
+
     # A plan without a data report predates templated prompts: its rows were raw.
     if not prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report):
         text = "".join(m["content"] for m in messages if m["role"] == "user")
         return tokenizer(text, return_tensors="pt")["input_ids"]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:
+        raise template_refused(what, error, hint) from None
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 

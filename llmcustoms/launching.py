@@ -126,7 +126,8 @@ def relaunch(argv: list[str], processes: int, machines: int, machine_rank: int, 
         child.append(subprocess.Popen(command + ["-m", "llmcustoms", *arguments], env=env))
         return child[-1].wait()
 
-    forwarded = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM,
+                                                                        signal.SIGHUP)}
     try:
         code = start(argv, 0)
         resume = ["resume", str(run_dir), *(resume_options or [])]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmcustoms import hubaccess
+from llmcustoms import hubaccess, modelfolder
 from llmcustoms.errors import ModelError
 from llmcustoms.filemodes import make_readable
 from llmcustoms.plan import ModelChoice, Plan
@@ -108,6 +108,8 @@ def _explain(name: str, exc: Exception) -> ModelError:
         return remote_code_refused(name)
     if "no file named model.safetensors found" in text or "cannot be loaded with `safetensors`" in text:
         return pickle_refused(name)  # what transformers says when use_safetensors=True finds none
+    if Path(name).expanduser().is_dir():  # a folder here: what is wrong with it, not with the Hub
+        return modelfolder.explain(name, Path(name).expanduser(), exc)
     if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
         return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
                           "Check the spelling, or pass --model PATH to a local model directory.")
@@ -152,7 +154,10 @@ def check_weight_files(name: str, allow_pickle: bool) -> None:
     safetensors, unless pickle weights are allowed. A Hub model is refused when
     it loads (`from_pretrained` with use_safetensors=True)."""
     path = Path(name).expanduser()
-    if allow_pickle or not path.is_dir():
+    if not path.is_dir():
+        return
+    modelfolder.check_weights(name, path)  # whole, and fitting config.json: else a traceback mid-load
+    if allow_pickle:
         return
     try:
         named = json.loads((path / "config.json").read_text()).get("transformers_weights")
@@ -217,7 +222,9 @@ def choice_from_spec(spec: ModelSpec, families: dict[str, Family], source: str) 
 def describe_model(name: str, families: dict[str, Family], source: str, trust_remote_code: bool = False) -> ModelChoice:
     """Family, LoRA targets, context and architecture of a model, from its config.
     A preset model that is not downloaded yet is described from the presets,
-    so planning works offline."""
+    so planning works offline. A local folder is checked whole first."""
+    if Path(name).expanduser().is_dir():
+        modelfolder.check_folder(name, Path(name).expanduser())
     try:
         config = load_config(name, trust_remote_code)
     except ModelError:

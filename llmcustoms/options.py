@@ -145,8 +145,10 @@ OPTIONS: tuple[Option, ...] = (
            "skipped and more stop the run).", flag="--skip-bad-rows", env="SKIP_BAD_ROWS"),
     Option("strict", bool, "Stop at the first row that fails validation.", flag="--strict", env="STRICT"),
     # The length of training.
+    # At most a thousand passes: far more than fine-tuning wants, and a bound that keeps
+    # the step count (epochs x steps per epoch) a number; 1e308 overflowed it.
     Option("epochs", float, "Passes over the training data.", flag="--epochs", env="EPOCHS", preset="epochs",
-           plan="epochs", minimum=0, min_open=True, commands=_BOTH),
+           plan="epochs", minimum=0, min_open=True, maximum=1000, commands=_BOTH),
     Option("max_steps", int, "Stop after this many optimizer steps (overrides --epochs).", flag="--max-steps",
            env="MAX_STEPS", plan="max_steps", minimum=1, commands=_BOTH),
     # Batch shape and sequence length.

@@ -151,9 +151,12 @@ class Plan:
     # the command that loads decides: `resume` sets it from its own flag.
     allow_pickle_weights: bool = False
     data_report: dict[str, Any] = field(default_factory=dict)
-    # What the training rows' token ids depend on (`preparation.tokenization_cache_key`):
+    # What the training rows' token ids depend on (`tokencache.tokenization_cache_key`):
     # resume refuses to go on with ids made another way.
     tokens_key: str = ""
+    # The base model's files when the run began (`modelfiles.py`): resume refuses
+    # other weights unless told. Empty in plans written before it existed.
+    model_fingerprint: dict[str, str] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
     # What is likely to go wrong with this plan (e.g. out of memory), apart from
     # the reasons so a caller can show them as warnings without parsing text.

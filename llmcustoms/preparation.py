@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from llmcustoms import hubaccess, options
-from llmcustoms.data import Dataset, bad_row_policy, read_dataset, usable_examples
+from llmcustoms.data import Dataset, bad_row_policy, read_dataset
 from llmcustoms.dataadvice import data_facts
 from llmcustoms.datafiles import fingerprint
 from llmcustoms.diskspace import disk_need
@@ -33,7 +33,9 @@ from llmcustoms.presets import find_model_spec, load_families, load_preset
 from llmcustoms.settings import Settings
 from llmcustoms.speeds import with_measured_speeds
 from llmcustoms.splits import MAX_EVAL_ROWS, split_rows
-from llmcustoms.tokenstore import MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store, tokenizing_workers
+from llmcustoms.modelfiles import model_fingerprint, with_model_checked
+from llmcustoms.tokencache import cache_dir, stored_rows, tokenization_cache_key
+from llmcustoms.tokenstore import TokenRows
 
 DEFAULT_PRESET = "quality"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
@@ -109,6 +111,8 @@ class PreparedRun:
     read_seconds: float = 0.0  # reading and validating the data files
     tokenize_seconds: float = 0.0  # tokenizing them (0 when the cache had them)
     cached: bool = False  # the tokenized rows came from the cache
+    kept: bool = True  # the tokenized rows are in the cache for the next run
+    cache_notes: tuple[str, ...] = ()  # what to say about the cache: a store rebuilt, or nothing kept and why
     templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
     model_params: int = 0  # every parameter of the model: what `export --merge` writes (0: not known)
 
@@ -126,31 +130,6 @@ def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: 
                      length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
 
 
-def cache_dir(explicit: str | None = None) -> Path:
-    """Where prepared data is cached: `--cache-dir` or LLMCUSTOMS_CACHE_DIR (from the
-    settings), else the process environment's LLMCUSTOMS_CACHE_DIR, else $XDG_CACHE_HOME/llmcustoms."""
-    import os
-
-    explicit = explicit or os.environ.get("LLMCUSTOMS_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmcustoms"
-
-
-def tokenization_cache_key(hf_tokenizer: Any, stop_ids: set[int], train_on_prompt: bool, data_key: str,
-                           raw_prompts: bool = False) -> str:
-    """Everything the token ids and labels depend on: the data, the whole
-    tokenizer definition, its chat template and special tokens, the masking rules."""
-    import hashlib
-
-    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    definition = backend.to_str() if backend is not None else repr(sorted(hf_tokenizer.get_vocab().items()))
-    parts = [STORE_FORMAT, str(MAX_ROW_TOKENS), data_key, definition, str(hf_tokenizer.chat_template),
-             str(hf_tokenizer.eos_token_id), str(hf_tokenizer.bos_token_id), str(sorted(stop_ids)),
-             str(train_on_prompt), str(raw_prompts)]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
-
-
 @dataclass
 class Tokenized:
     tokenizer: Any
@@ -161,36 +140,8 @@ class Tokenized:
     cached: bool
     templated_prompts: bool  # prompt/completion rows go through the model's own chat template
     key: str  # the training data's store key: what its token ids depend on
-
-
-def _store(key: str, cache: str | None, dataset: Dataset, tokenizer: Any, progress: Progress) -> tuple[TokenRows, bool]:
-    """The file's usable rows tokenized: from the cache, or built now. A cache
-    that cannot be written falls back to a temporary directory."""
-    import atexit
-    import shutil
-    import tempfile
-
-    directory = cache_dir(cache) / "tokenized" / key
-    rows = open_store(directory)
-    halves = 2 if is_preference(dataset.format) else 1  # a pair is stored as two rows
-    if rows is not None and len(rows) == dataset.rows * halves:
-        return rows, True
-    # Damaged, unreadable, or not of these rows (the checking rules changed):
-    # it goes, or the new store could not take its place.
-    shutil.rmtree(directory, ignore_errors=True)
-    meta = {"data": dataset.path.name, "rows": dataset.rows}
-    report = lambda done: progress("tokenize", done, dataset.rows)  # noqa: E731
-    workers = tokenizing_workers(dataset.rows)
-    try:
-        return build_store(directory, usable_examples(dataset.path), tokenizer, meta, report, workers=workers), False
-    except OSError:
-        fallback = Path(tempfile.mkdtemp(prefix="llmcustoms-tokens-"))
-        atexit.register(shutil.rmtree, fallback, True)
-    try:
-        return build_store(fallback / key, usable_examples(dataset.path), tokenizer, meta, report, workers=workers), False
-    except OSError as exc:
-        raise DataError(f"Cannot store the tokenized rows of {dataset.path.name}: {exc.strerror or exc}.",
-                        "Free some disk space, or point --cache-dir at a disk with room.") from None
+    kept: bool = True
+    notes: tuple[str, ...] = ()
 
 
 def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset: Dataset,
@@ -206,18 +157,21 @@ def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset
     raw_prompts = bool(options.override("raw_prompts", False))
     tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids, raw_prompts=raw_prompts)
     started = time.perf_counter()
-    stores, keys, all_cached = [], [], True
+    stores, keys, all_cached, kept, notes = [], [], True, True, []
     for data in (dataset, eval_dataset):
         if data is None:
             stores.append(None)
             continue
-        keys.append(tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, fingerprint(data.path), raw_prompts))
-        rows, cached = _store(keys[-1], options.cache_dir, data, tokenizer, progress)
-        stores.append(PairRows(rows) if is_preference(data.format) else rows)
-        all_cached = all_cached and cached
+        data_key = fingerprint(data.path)
+        keys.append(tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, data_key, raw_prompts))
+        stored = stored_rows(keys[-1], data_key, options.cache_dir, data, tokenizer,
+                             lambda done, rows=data.rows: progress("tokenize", done, rows))
+        stores.append(PairRows(stored.rows) if is_preference(data.format) else stored.rows)
+        all_cached, kept = all_cached and stored.cached, kept and stored.kept
+        notes += [stored.note] if stored.note and stored.note not in notes else []  # a reason said once
     return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
                      base_format(dataset.format) == "prompt_completion"
-                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts), keys[0])
+                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts), keys[0], kept, tuple(notes))
 
 
 def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
@@ -306,6 +260,7 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
     need = disk_need(plan)
     reasons += (need.reason(),) if need else ()  # checked against free space when `train` starts (`preflight.py`)
     return replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
+                   model_fingerprint=model_fingerprint(plan.model),
                    data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
                    eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",
                    skip_bad_rows=options.skip_bad_rows, bad_row_policy=options.policy, data_report=dataset.to_json(),
@@ -335,7 +290,8 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                    truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
                    used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,
-                   cached=tokenized.cached, templated_prompts=tokenized.templated_prompts)
+                   cached=tokenized.cached, templated_prompts=tokenized.templated_prompts, kept=tokenized.kept,
+                   cache_notes=tokenized.notes)
 
 
 def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
@@ -358,11 +314,12 @@ def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
             f"--num-processes {plan.world_size} to keep the sharding")
 
 
-def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
+def prepare_resume(plan: Plan, world_size: int = 1, model_changed_ok: bool = False) -> PreparedRun:
     """The same rows, in the same split, tokenized the same way as when the run
     began: everything comes from the run's plan.json. With another number of
     processes, accumulation is recomputed so the effective batch (and so every
-    step's rows) stays the same."""
+    step's rows) stays the same. A base model whose files changed is refused
+    unless `model_changed_ok` (`modelfiles.with_model_checked`)."""
     if world_size != plan.world_size:
         accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
         # Sharding needs several processes; a checkpoint holds whole tensors either way.
@@ -395,8 +352,10 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     split = split_rows(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
     from llmcustoms.modeling import load_tokenizer
 
-    tokenized = _tokenize(plan.model, load_tokenizer(plan.model, plan.trust_remote_code), options, dataset,
-                          split.eval_dataset, plan.train_on_prompt, no_progress)
+    hf_tokenizer = load_tokenizer(plan.model, plan.trust_remote_code)  # before the check: it may fetch a hub revision
+    plan = with_model_checked(plan, model_changed_ok)
+    tokenized = _tokenize(plan.model, hf_tokenizer, options, dataset, split.eval_dataset, plan.train_on_prompt,
+                          no_progress)
     if plan.tokens_key and tokenized.key != plan.tokens_key:
         raise DataError("The rows would be tokenized differently from when the run began (the model's tokenizer or "
                         "chat template, or llmcustoms' reading of the data, has changed), so the resumed run would "
@@ -413,4 +372,5 @@ def prepare_resume(plan: Plan, world_size: int = 1) -> PreparedRun:
     return PreparedRun(plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                        dataset=dataset, eval_source=split.source, truncated=train_cut + eval_cut,
                        dropped=train_dropped + eval_dropped, used_fallback_template=tokenized.used_fallback,
-                       read_seconds=dataset.seconds, tokenize_seconds=tokenized.seconds, cached=tokenized.cached)
+                       read_seconds=dataset.seconds, tokenize_seconds=tokenized.seconds, cached=tokenized.cached,
+                       kept=tokenized.kept, cache_notes=tokenized.notes)

@@ -108,7 +108,10 @@ def _mean(values: list[float]) -> float:
 
 def analyse(run: RunDirectory) -> RunReport:
     plan = run.read_plan()
-    status = run.read_status()
+    try:
+        status = run.read_status()
+    except ConfigError:  # not JSON: the report is drawn from the rest, and says so
+        status, run.skipped["status.json"] = {}, -1
     rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
     evals = _Evaluations.of(rows)
@@ -140,6 +143,7 @@ def analyse(run: RunDirectory) -> RunReport:
     _throughput(report, plan, train)
     _resources(report, plan, status)
     _recoveries(report, plan, status)
+    _damaged(report, run.skipped)
     if status.get("status") in ("failed", "interrupted"):
         report.recommend("resume", f"the run is {status['status']}: continue it with `llmcustoms resume {run.path}`",
                          first=True)
@@ -319,6 +323,16 @@ def _recoveries(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
                                        f"{plan.micro_batch_size} next time, so no step is lost to recovery")
     if any(r["kind"] in ("nan", "divergence") for r in recoveries):
         report.recommend("lower lr", f"the loss diverged: start with --lr {plan.lr:.1e} or lower")
+
+
+def _damaged(report: RunReport, skipped: dict[str, int]) -> None:
+    """What of the run's files could not be read (`runrecords`): the report is
+    drawn from the rest."""
+    said = [f"{name}: not JSON, not read" if count < 0 else
+            f"{name}: {count} field{'s' * (count != 1)} of the wrong type left out" if name == "status.json" else
+            f"{name}: {count} damaged line{'s' * (count != 1)} skipped" for name, count in skipped.items() if count]
+    if said:
+        report.findings.append(Finding("damaged records", "skipped", "; ".join(said)))
 
 
 def plot(run: RunDirectory) -> Path:

@@ -24,8 +24,10 @@ training loop notices the full disk where it matters, at a checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from llmcustoms import runlock
+from llmcustoms import overwriting, runlock, runrecords
 from llmcustoms.diskwrites import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 from llmcustoms.errors import ConfigError
 from llmcustoms.plan import Plan
@@ -46,21 +48,34 @@ ESSENTIAL_STATUS = ("status", "step", "total_steps", "reason", "suggestions", "r
 MAX_RUN_NAME_BYTES = 200
 
 
+def default_run_name(model: str, preset: str) -> str:
+    """MODEL-PRESET-TIME, for a run not named with --run-name. A long model folder
+    or preset file name is cut short, well within MAX_RUN_NAME_BYTES, so the run
+    is never refused for a name the user did not give."""
+    model_part = _name_part(Path(model.rstrip("/")).name, 64) or "model"
+    return f"{model_part}-{_name_part(Path(preset).stem, 32) or 'preset'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _name_part(text: str, limit: int) -> str:
+    """`text` as a plain lower-case name of at most `limit` characters; one cut
+    short keeps its start and a hash of the whole, so two cut alike still differ."""
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()
+    if len(text) <= limit:
+        return text
+    return text[:limit - 9].rstrip("-.") + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace `path` with `data` as JSON, atomically; a write that fails removes its temp file."""
     replace_file(path, json.dumps(data, indent=2))
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path, whole: Any) -> tuple[list[dict[str, Any]], int]:
+    """The lines that are `whole` rows (`runrecords`), and how many were not:
+    a line cut short by a kill, or damaged; the rest are read."""
     if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill; the rest are whole
-    return rows
+        return [], 0
+    return runrecords.read_lines(path.read_text(encoding="utf-8", errors="replace"), whole)
 
 
 class RunDirectory:
@@ -69,6 +84,8 @@ class RunDirectory:
         distributed run reads the run directory; only the main one writes it."""
         self.path = Path(path)
         self.writable = writable
+        # What the last reads skipped, by file name: damaged lines, status.json's unreadable fields.
+        self.skipped: dict[str, int] = {}
 
     @property
     def plan_path(self) -> Path:
@@ -111,17 +128,18 @@ class RunDirectory:
         return self.path / ("model-last" if method == "full" else "adapter-last")
 
     @classmethod
-    def inside(cls, output_dir: Path, run_name: str) -> "RunDirectory":
+    def inside(cls, output_dir: Path, run_name: str, flag: str = "--run-name") -> "RunDirectory":
         """The run directory `output_dir/run_name`; a name that would point anywhere
-        else (".", "..", a path) is refused, since --overwrite deletes the target."""
+        else (".", "..", a path) is refused, since --overwrite deletes the target.
+        `flag`: the option the name came from, for the message (`tune`'s --study-name)."""
         if run_name in ("", ".", "..") or any(sep in run_name for sep in ("/", "\\")) or Path(run_name).is_absolute():
-            raise ConfigError(f"--run-name '{run_name}' is not a plain name.",
+            raise ConfigError(f"{flag} '{run_name}' is not a plain name.",
                               "Use a name without slashes, such as my-run; --output-dir says where it goes.")
         # A file name has at most 255 bytes on most file systems; control characters
         # (a newline) would break every listing and log line that names the run.
         if len(run_name.encode("utf-8", "replace")) > MAX_RUN_NAME_BYTES or not run_name.isprintable():
             shown = run_name[:40].encode("unicode_escape").decode("ascii") + ("..." if len(run_name) > 40 else "")
-            raise ConfigError(f"--run-name '{shown}' is too long or holds control characters.",
+            raise ConfigError(f"{flag} '{shown}' is too long or holds control characters.",
                               f"Use at most {MAX_RUN_NAME_BYTES} printable characters, such as my-run.")
         return cls(Path(output_dir) / run_name)
 
@@ -133,19 +151,34 @@ class RunDirectory:
                               "`llmcustoms runs` lists the runs under ./runs.")
         return cls(Path(path))
 
-    def check_available(self, overwrite: bool = False) -> None:
-        """Refuse to reuse a run directory that holds a run (unless told to), or a
-        path where a file is in the way."""
+    def check_no_file_in_the_way(self) -> None:
         for parent in [self.path, *self.path.parents]:
             if parent.exists() and not parent.is_dir():
                 raise ConfigError(f"{parent} is a file, so the run directory {self.path} cannot be made there.",
                                   "Choose another --output-dir or --run-name.")
-        if self.path.exists() and any(self.path.iterdir()) and not overwrite:
+
+    def check_available(self, overwrite: bool = False, keep: dict[str, Path] | None = None) -> None:
+        """Refuse a path where a file is in the way, a folder that holds a run
+        (unless told to overwrite it), and anything --overwrite must never remove
+        (`overwriting`): a folder llmcustoms did not make, a link, the current
+        directory, a folder holding a path the command was given (`keep`)."""
+        self.check_no_file_in_the_way()
+        why = overwriting.refusal(self.path, keep or {})
+        if why is not None:
+            raise ConfigError(f"{self.path} {why}, so it cannot be the run directory; --overwrite never removes it.",
+                              "Choose another --run-name or --output-dir; nothing was removed.")
+        if not (self.path.exists() and any(self.path.iterdir())):
+            return
+        if not overwriting.is_run_directory(self.path):
+            raise ConfigError(f"{self.path} already exists and is not an llmcustoms run (it has no plan.json or "
+                              "status.json), so it cannot be the run directory; --overwrite never removes it.",
+                              "Choose another --run-name or --output-dir; nothing was removed.")
+        if not overwrite:
             raise ConfigError(f"The run directory {self.path} already exists.",
                               "Continue it with `llmcustoms resume`, pick another --run-name, or pass --overwrite to start over.")
 
-    def create(self, overwrite: bool = False) -> None:
-        self.check_available(overwrite)
+    def create(self, overwrite: bool = False, keep: dict[str, Path] | None = None) -> None:
+        self.check_available(overwrite, keep)
         try:
             if self.path.exists():
                 shutil.rmtree(self.path)
@@ -182,7 +215,8 @@ class RunDirectory:
             return
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
-                rows = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
+                whole = runrecords.metrics_row if path == self.metrics_path else runrecords.samples_row
+                rows = [r for r in _read_jsonl(path, whole)[0] if r["step"] <= step]
                 text = "".join(json.dumps(r) + "\n" for r in rows)
                 try:
                     replace_file(path, text)
@@ -253,10 +287,14 @@ class RunDirectory:
             self.restart_path.unlink(missing_ok=True)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.metrics_path)
+        return self._read_rows(self.metrics_path, runrecords.metrics_row)
 
     def read_samples(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.samples_path)
+        return self._read_rows(self.samples_path, runrecords.samples_row)
+
+    def _read_rows(self, path: Path, whole: Any) -> list[dict[str, Any]]:
+        rows, self.skipped[path.name] = _read_jsonl(path, whole)
+        return rows
 
     def read_status(self) -> dict[str, Any]:
         if not self.status_path.exists():
@@ -266,7 +304,9 @@ class RunDirectory:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{self.status_path} is damaged ({type(exc).__name__}).",
                               "Delete status.json; `llmcustoms resume` works from the checkpoints alone.") from None
-        return status if isinstance(status, dict) else {}
+        readable, left_out = runrecords.readable_status(status)  # a field of the wrong type is left out
+        self.skipped[self.status_path.name] = len(left_out)
+        return readable
 
     def running_pid(self) -> int | None:
         """The pid of another process training this run (holding its lock), if
@@ -314,7 +354,7 @@ class RunSummary:
     name: str
     model: str
     method: str
-    status: str
+    status: str  # status.json's, or "stopped": it says running, but no process owns the run
     step: int
     total_steps: int | None
     best_eval_loss: float | None
@@ -334,20 +374,32 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
         run = RunDirectory(plan_path.parent)
         try:
             plan = json.loads(plan_path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):
             continue
-        status = run.read_status()
+        if not isinstance(plan, dict):
+            continue
+        try:
+            status = run.read_status()
+        except ConfigError:  # not JSON: the run is listed with what plan.json says
+            status = {"status": "damaged"}
         started, updated = status.get("started_at"), status.get("updated_at")
         seconds = None
         if started and updated:
             seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
         memory = status.get("memory") or {}
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
-                               status.get("status", "unknown"), status.get("step", 0), plan.get("total_steps"),
+                               _current_status(run, status), status.get("step", 0), plan.get("total_steps"),
                                status.get("best_eval_loss"), status.get("base_eval_loss"),
                                status.get("kept_step") if status.get("last_output") else None, started, seconds,
                                plan.get("objective", "sft"), memory.get("peak_bytes"), memory.get("ratio")))
     return runs
+
+
+def _current_status(run: RunDirectory, status: dict[str, Any]) -> str:
+    """status.json's word, except `stopped` for a run it says is running that no
+    process owns (killed, or its terminal closed, before it could say so)."""
+    said = status.get("status", "unknown")
+    return "stopped" if said == "running" and run.running_pid() is None else said
 
 
 def _parse_time(text: str) -> datetime:

@@ -33,7 +33,8 @@ _held: dict[Path, tuple[int, int]] = {}
 
 
 def lock_path(run_dir: Path) -> Path:
-    run_dir = Path(run_dir).absolute()
+    # Resolved: through a link (or "..") the same run must find the same lock, or two `resume`s train it at once.
+    run_dir = Path(run_dir).resolve()
     return run_dir.parent / f".{run_dir.name}.lock"
 
 

@@ -1,4 +1,12 @@
-"""`StopSignals`: Ctrl-C (SIGINT) and SIGTERM while training.
+"""`StopSignals`: Ctrl-C (SIGINT), SIGTERM and SIGHUP while training.
+
+SIGHUP is what closing the terminal sends: it once killed the run on the
+spot, with no checkpoint and status.json left saying `running`. It is a stop
+like the others now (exit 129), with two differences: what was written to the
+terminal goes nowhere from then on (a write to a closed terminal fails, and
+ended the run as a bug after its checkpoint; train.log still has it all), and
+a second SIGHUP does not quit at once (the shell and the kernel may each send
+one, and no one is there to press Ctrl-C twice).
 
 The first asks the loop to stop: at the next micro-batch with one process
 (`FineTuner` drops the unfinished step and checkpoints the last whole one),
@@ -22,10 +30,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import threading
 from typing import Any, Callable
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A second signal waits at most this long for status.json to be written: a stuck disk must not keep the process.
 QUIT_WRITE_S = 2.0
 ACKNOWLEDGEMENT = ("stopping: the last finished step is saved as a checkpoint; "
@@ -102,6 +111,10 @@ class StopSignals:
                         self._arrived(signum)
 
     def _arrived(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            _leave_terminal()
+            if self.count:
+                return
         self.count += 1
         if self.count == 1:
             self.received = signum
@@ -112,6 +125,22 @@ class StopSignals:
             return
         if self.checkpoints:
             _quit_at_once(signum, self.quitting)
+
+
+def _leave_terminal() -> None:
+    """Standard output and error, where they are a terminal (a character
+    device: a closed terminal fails even `isatty`), write to /dev/null from now
+    on; a pipe or a file keeps its output."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:
+                continue
+    finally:
+        os.close(null)
 
 
 def _quit_at_once(signum: int, quitting: Callable[[int], None]) -> None:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from llmcustoms.chattemplates import chat_segments, raw_segments, supports_tools, tool_support_error
+from llmcustoms.chattemplates import chat_segments, raw_segments, supports_tools, template_refused, tool_support_error
 from llmcustoms.chattemplates import has_own_template as template_is_own
 from llmcustoms.errors import ModelError
 from llmcustoms.rowformats import Example
@@ -79,10 +79,10 @@ class Tokenizer:
             if example.prompt and self.templated_prompts:
                 return chat_segments(self.hf, example.as_conversation().messages)
         except TemplateError as error:
-            # The template's own words (e.g. "roles must alternate"), never the row's.
-            raise ModelError(f"This model's chat template refused row {example.row}: {error}.",
-                             "Check that row's turns against what the template accepts (some refuse a system turn, or "
-                             "need user and assistant turns to alternate), or fix the row or use another model.") from None
+            # What it refused, never the template's text: that may quote the row.
+            raise template_refused(f"row {example.row}", error,
+                                   "Check that row's turns against what the template accepts (some refuse a system turn, or "
+                                   "need user and assistant turns to alternate), or fix the row or use another model.") from None
         return raw_segments(self.hf, example)
 
     def _end_with_stop_token(self, ids: list[int]) -> list[int]:

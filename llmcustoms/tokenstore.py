@@ -7,20 +7,30 @@ index of its first learned label (`first_loss`). Training reads a micro-batch
 at a time from them; the operating system pages in only what is read.
 
 Stores are written once, under a key naming everything the ids depend on
-(`preparation.tokenization_cache_key`), into a temporary directory renamed
+(`tokencache.tokenization_cache_key`), into a temporary directory renamed
 into place when complete, so a killed run never leaves half a store that
 looks whole. `TokenRows` is a view: a selection of a store's rows (the
 training split, say), optionally cut to a length.
+
+meta.json, written last, holds a checksum of every other file: a store whose
+files were changed since (by hand, a bad disk, another program) is not used
+but rebuilt, so it can neither train on ids the data never gave nor stop a run
+on ids outside the vocabulary. A temporary directory whose writer is gone (a
+killed run) is removed by the next run that opens the cache
+(`remove_abandoned`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import time
 from array import array
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -48,6 +58,13 @@ PARALLEL_MIN_ROWS = 20_000
 CHUNK_CHARS = 4_000_000
 PARALLEL_MIN_CORES = 4
 MAX_WORKERS = 8
+# Files of a store covered by meta.json's checksums.
+STORE_FILES = ("ids.bin", "learned.bin", "offsets.npy", "rows.npy", "first_loss.npy")
+# Who is writing a temporary store: its process and machine, so the next run can tell a killed writer's leftovers.
+WRITER_FILE = "writer.json"
+# A temporary store none of whose files changed for this long is abandoned even if
+# its writer cannot be checked (another machine sharing the cache, or no writer.json).
+ABANDONED_AFTER_S = 3600
 
 
 @dataclass(frozen=True)
@@ -166,13 +183,18 @@ class StoreWriter:
         directory.parent.mkdir(parents=True, exist_ok=True)
         # A name of its own: processes on several machines may share a cache (and a pid).
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+        (self.tmp / WRITER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self.ids_file = open(self.tmp / "ids.bin", "wb")
         self.learned_file = open(self.tmp / "learned.bin", "wb")
+        # Hashed as written: the checksum costs no second read of the biggest files.
+        self.ids_hash, self.learned_hash = hashlib.blake2b(), hashlib.blake2b()
         self.offsets, self.rows, self.first = array("q", [0]), array("q"), array("i")
 
     def add(self, row: int, ids: np.ndarray, learned: np.ndarray) -> None:
-        ids.astype(np.int32).tofile(self.ids_file)
-        learned.astype(np.uint8).tofile(self.learned_file)
+        for data, file, digest in ((ids.astype(np.int32).tobytes(), self.ids_file, self.ids_hash),
+                                   (learned.astype(np.uint8).tobytes(), self.learned_file, self.learned_hash)):
+            file.write(data)
+            digest.update(data)
         self.offsets.append(self.offsets[-1] + len(ids))
         self.rows.append(row)
         self.first.append(_first_loss(learned))
@@ -185,7 +207,11 @@ class StoreWriter:
         np.save(self.tmp / "offsets.npy", np.frombuffer(self.offsets, np.int64))
         np.save(self.tmp / "rows.npy", np.frombuffer(self.rows, np.int64))
         np.save(self.tmp / "first_loss.npy", np.frombuffer(self.first, np.int32))
-        (self.tmp / "meta.json").write_text(json.dumps({"format": STORE_FORMAT, "tokens": self.offsets[-1], **meta}))
+        checksums = {"ids.bin": self.ids_hash.hexdigest(), "learned.bin": self.learned_hash.hexdigest(),
+                     **{name: _checksum(self.tmp / name) for name in STORE_FILES[2:]}}
+        (self.tmp / WRITER_FILE).unlink()
+        (self.tmp / "meta.json").write_text(json.dumps({"format": STORE_FORMAT, "tokens": self.offsets[-1], **meta,
+                                                        "checksums": checksums}))
         try:
             os.rename(self.tmp, self.directory)
         except OSError:
@@ -211,11 +237,22 @@ def _saved(path: Path) -> np.ndarray:
     return np.lib.format.open_memmap(path, mode="r")
 
 
-def open_store(directory: Path) -> TokenRows | None:
-    """The rows of a complete store, memory-mapped; None if missing or damaged."""
+def _checksum(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "blake2b").hexdigest()
+
+
+def open_store(directory: Path, verify: bool = True) -> TokenRows | None:
+    """The rows of a complete store, memory-mapped; None if missing, damaged,
+    or (`verify`) not what was written: a file's checksum differs, or the store
+    is from before checksums were kept."""
     try:
         meta = json.loads((directory / "meta.json").read_text())
         if meta.get("format") != STORE_FORMAT:
+            return None
+        checksums = meta.get("checksums")
+        if verify and (not isinstance(checksums, dict)
+                       or any(_checksum(directory / name) != checksums.get(name) for name in STORE_FILES)):
             return None
         tokens = int(meta["tokens"])
         offsets = _saved(directory / "offsets.npy")
@@ -328,7 +365,40 @@ def build_store(directory: Path, examples: Iterator, tokenizer, meta: dict,
     except BaseException:
         writer.abandon()
         raise
-    rows = open_store(directory)
+    rows = open_store(directory, verify=False)  # the checksums were just taken of what was written
     if rows is None:
         raise OSError(f"the tokenized rows written to {directory} cannot be read back")
     return rows
+
+
+def _writer_gone(tmp: Path, now: float) -> bool:
+    """Whether nobody is writing the temporary store `tmp` any more: its writer
+    on this machine has exited, or none of its files changed for ABANDONED_AFTER_S."""
+    try:
+        writer = json.loads((tmp / WRITER_FILE).read_text())
+        if writer.get("host") == socket.gethostname():
+            os.kill(int(writer["pid"]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # alive but not ours, or no readable writer.json
+        pass
+    try:
+        changed = max([tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.iterdir()])
+    except OSError:  # removed meanwhile, or unreadable
+        return False
+    return now - changed > ABANDONED_AFTER_S
+
+
+def remove_abandoned(parent: Path) -> int:
+    """Remove the temporary stores under `parent` that no process is writing
+    (left by a run killed while tokenizing); how many went. Never a complete store."""
+    removed, now = 0, time.time()
+    try:
+        leftovers = [p for p in parent.glob(".*.tmp") if p.is_dir()]
+    except OSError:
+        return 0
+    for tmp in leftovers:
+        if _writer_gone(tmp, now):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed += not tmp.exists()
+    return removed

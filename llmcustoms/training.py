@@ -13,15 +13,13 @@ run directory is known, and re-raised: `cli.py` maps it to the exit code.
 from __future__ import annotations
 
 import os
-import re
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms import launching, runlock
+from llmcustoms import launching, overwriting, runlock
 from llmcustoms.checkpoints import ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.modeling import Allowed
@@ -57,6 +55,7 @@ class Session:
     report_to: str | None = None  # as a flag, for the processes a relaunch starts
     start: ResumeFrom = ResumeFrom()  # `resume`'s --from, --reset-optimizer and --epochs
     allowed: Allowed = Allowed()  # remote code, pickle weights: `resume`'s own flags, never its plan.json
+    model_changed_ok: bool = False  # `resume --model-changed-ok`: go on although the base model's files changed
 
     @classmethod
     def load(cls, given: dict[str, Any], env_file: Path | None, quiet: bool = False,
@@ -90,11 +89,12 @@ class Session:
         return ((["--quiet"] if self.quiet else []) + (["--env-file", str(self.env_file)] if self.env_file else [])
                 + (["--report-to", self.report_to] if self.report_to else []) + self.allowed.flags())
 
-    def resuming(self, from_step: str | None, reset_optimizer: bool, epochs: float | None) -> "Session":
+    def resuming(self, from_step: str | None, reset_optimizer: bool, epochs: float | None,
+                 model_changed_ok: bool = False) -> "Session":
         """This session with `resume`'s own flags. `epochs` is the flag's value
         only: LLMCUSTOMS_EPOCHS, set for `train`, must not extend a run at every resume."""
         step = step_named(from_step) if from_step is not None else None
-        return replace(self, start=ResumeFrom(step, reset_optimizer, epochs))
+        return replace(self, start=ResumeFrom(step, reset_optimizer, epochs), model_changed_ok=model_changed_ok)
 
     def start_options(self) -> list[str]:
         """`resume`'s own flags, for the processes a relaunch starts: not for a
@@ -102,12 +102,8 @@ class Session:
         start = self.start
         return ((["--from", str(start.step)] if start.step is not None else [])
                 + (["--reset-optimizer"] if start.reset_optimizer else [])
-                + (["--epochs", repr(start.epochs)] if start.epochs is not None else []))
-
-
-def default_run_name(model: str, preset: str) -> str:
-    short = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name).strip("-").lower() or "model"
-    return f"{short}-{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+                + (["--epochs", repr(start.epochs)] if start.epochs is not None else [])
+                + (["--model-changed-ok"] if self.model_changed_ok else []))
 
 
 def launch_train(options: Any, session: Session, launch: Launch, run_name: str | None, overwrite: bool,
@@ -115,7 +111,7 @@ def launch_train(options: Any, session: Session, launch: Launch, run_name: str |
     """Check what can be checked once, then start every process of the run."""
     from llmcustoms.data import read_dataset
     from llmcustoms.planning import check_distributed_method
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.rundir import RunDirectory, default_run_name
 
     # Refused here, once (exit 2), rather than by every process behind the
     # launcher, whose own report would bury the message.
@@ -129,7 +125,7 @@ def launch_train(options: Any, session: Session, launch: Launch, run_name: str |
     argv += [] if yes else ["--yes"]  # the processes cannot ask
     # The launcher owns the run for all its processes (and their restarts); they do not lock it.
     with runlock.owning(target.path, "starting another run in it"):
-        target.check_available(overwrite)
+        target.check_available(overwrite, overwriting.given_paths(options))
         return launch.relaunch(argv, target.path, session.resume_options())
 
 
@@ -155,16 +151,17 @@ def _train(options: Any, session: Session, run_name: str | None, overwrite: bool
     from llmcustoms.dataview import PreparationProgress, show_prepared
     from llmcustoms.preflight import check_disk_space, usable_hardware
     from llmcustoms.preparation import no_progress, prepare_run
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.rundir import RunDirectory, default_run_name
 
     tracker = session.tracker()
     world = launching.world_size()
     quiet = session.quiet or not launching.is_main_process()  # one display, from the main process
+    keep = overwriting.given_paths(options)  # what --overwrite must never remove
     # Fail before any slow work, not after it.
     if run_name:
-        RunDirectory.inside(session.output_dir, run_name).check_available(overwrite or world > 1)
+        RunDirectory.inside(session.output_dir, run_name).check_available(overwrite or world > 1, keep)
     else:
-        RunDirectory(session.output_dir).check_available(overwrite=True)
+        RunDirectory(session.output_dir).check_no_file_in_the_way()
     hardware = usable_hardware()  # without GPUs the installed torch cannot use: the plan says so
     with PreparationProgress() if not quiet else nullcontext(no_progress) as progress:
         prepared = prepare_run(options, hardware, world_size=world, progress=progress)
@@ -182,7 +179,7 @@ def _train(options: Any, session: Session, run_name: str | None, overwrite: bool
     # Re-entrant: a named run is held already; a run named just now is locked here, before it is made.
     with nullcontext() if launching.inside_launch() else runlock.owning(run_dir.path, "starting another run in it"):
         if launching.is_main_process():
-            run_dir.create(overwrite=overwrite or world > 1)  # the launching process already checked
+            run_dir.create(overwrite or world > 1, keep)  # the launching process already checked
             run_dir.write_plan(plan)
             run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: from the start
         wait_for_all_processes(world)
@@ -238,7 +235,7 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
     directory = _resumable(run_dir, session)
     plan = session.allowed.applied_to(directory.read_plan())
     world = launching.world_size()
-    prepared = prepare_resume(plan, world_size=world)
+    prepared = prepare_resume(plan, world_size=world, model_changed_ok=session.model_changed_ok)
     if session.start.epochs is not None:
         prepared = replace(prepared, plan=prepared.plan.extended_to(session.start.epochs))
     check_disk_space(prepared.plan, directory.path, resuming=True)  # exit 2 if the rest of the run cannot fit

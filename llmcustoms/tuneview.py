@@ -16,6 +16,8 @@ from llmcustoms.console import console, escape
 
 
 def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> None:
+    if settings.note:  # the study of the name asked for was started on other data or another budget
+        console.print(f"[yellow]note:[/] {escape(settings.note)}")
     table = Table(title=f"Search space (study {escape(settings.study_name)})", show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
@@ -27,7 +29,7 @@ def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> 
                                       f"eval loss on {base.eval_rows} held-out rows")
     table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}, median pruner"
                             + (f", timeout {settings.timeout:g} s" if settings.timeout else ""))
-    table.add_row("stored in", escape(settings.storage or str(settings.study_dir / "study.db")))
+    table.add_row("stored in", escape(settings.where))  # without the URL's password
     console.print(table)
 
 
@@ -35,7 +37,7 @@ def trials_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Trials")
     for column in ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time", "note"):
         table.add_column(column, no_wrap=column != "note")
-    colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan"}
+    colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan", "interrupted": "yellow"}
     for r in rows[-30:]:  # the newest, so a long study still fits the screen
         loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         if r["best"]:
@@ -75,8 +77,12 @@ class TrialsDisplay:
 
 def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
     counts = outcome.counts()
+    elsewhere = f", {counts['running']} running in another process" if counts["running"] else ""
     console.print(f"Study: {len(outcome.rows)} trials in all ({counts['complete']} complete, {counts['pruned']} pruned, "
-                  f"{counts['fail']} failed); {outcome.trials_this_run} ran now.")
+                  f"{counts['fail']} failed, {counts['interrupted']} interrupted{elsewhere}); "
+                  f"{outcome.trials_this_run} ran now.")
+    if outcome.stale:
+        console.print(f"{outcome.stale} trial(s) left running by a process that ended (killed?) are counted as failed.")
     if outcome.steps_budgeted:
         saved = 1 - outcome.steps_run / outcome.steps_budgeted
         console.print(f"Pruning: {outcome.steps_run:,} of {outcome.steps_budgeted:,} budgeted steps ran "

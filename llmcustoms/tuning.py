@@ -7,20 +7,22 @@ estimated memory does not fit are left out before the study starts. Eval loss
 is reported during each trial so a median pruner can stop poor trials early.
 The study lives in a storage (SQLite in the output directory by default), so
 running the same command again continues it, and several processes can share
-one study through an RDB or journal storage.
+one study through an RDB or journal storage. `studies.py` holds the study's
+name, storage, identity and sampler; this module runs its trials.
+
+Ctrl-C or SIGTERM in a trial stops it after the micro-batch: the trial is
+recorded as interrupted (Optuna's `pruned`, with the signal in its
+attributes), the study stops, and the command exits 128 + the signal.
 """
 
 from __future__ import annotations
 
-import csv
-import re
 import math
+import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
-
-import yaml
 
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
@@ -28,9 +30,13 @@ from llmcustoms.hardware import Hardware
 from llmcustoms.memory import MemoryOptimizer
 from llmcustoms.plan import LoraSettings, Plan
 from llmcustoms.preparation import PreparedRun
-from llmcustoms.presets import TUNABLE_FIELDS, TrainingPreset, load_families, find_model_spec, parse_preset
+from llmcustoms.presets import TrainingPreset, load_families, find_model_spec
 from llmcustoms import runlock
 from llmcustoms.rundir import RunDirectory
+from llmcustoms.studies import (FullDisk, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
+                                fail_stale_trials, open_storage, redact_storage, shown_storage, storage_full,
+                                study_dir, study_identity)
+from llmcustoms.studyresults import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
 
 RANKS = (4, 8, 16, 32, 64)
 ALPHA_RATIOS = (0.5, 1.0, 2.0, 4.0)
@@ -39,6 +45,9 @@ WARMUPS = (0.0, 0.03, 0.1)
 LR_SPAN = 10.0  # search lr within [preset lr / 10, preset lr * 10]
 DEFAULT_TRIAL_STEPS = 100
 REPORTS_PER_TRIAL = 5
+# A trial that drew the values of an earlier one is skipped and another drawn in
+# its place, in at most this many rounds (an exhausted grid draws only repeats).
+REDRAW_ROUNDS = 3
 
 
 class TrialFailed(Exception):
@@ -143,6 +152,12 @@ class TuneSettings:
     timeout: float | None = None
     seed: int = 42
     lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
+    note: str = ""  # why the study is not the one of the name asked for (`studies.choose_study`)
+
+    @property
+    def where(self) -> str:
+        """Where the study is stored, as shown: the URL without its password."""
+        return shown_storage(self.storage, self.study_dir)
 
 
 @dataclass(frozen=True)
@@ -174,30 +189,22 @@ def prepare_study(options: Any, output_dir: Path, request: StudyRequest, progres
 
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
+    if request.study_name is not None:
+        study_dir(output_dir, request.study_name)  # a name that leaves --output-dir: refused before any work
+    if request.storage is not None:
+        open_storage(request.storage, output_dir)  # unreachable, or no driver: said before the data is prepared
     hardware = usable_hardware()
     prepared = prepare_run(options, hardware, progress=progress or no_progress)
     base = prepared.plan
     mean_tokens = float(prepared.train.lengths.mean())
     steps = trial_steps(base, request.max_steps, request.budget_tokens, mean_tokens)
-    default_name = f"{Path(options.data).stem}-{Path(base.model.rstrip('/')).name}"
-    name = request.study_name or re.sub(r"[^A-Za-z0-9._-]+", "-", default_name).lower()
-    settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=output_dir / f"tune-{name}",
-                            storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed)
+    name, note = choose_study(request.storage, output_dir, request.study_name or default_name(options.data, base.model),
+                              request.study_name is not None, study_identity(base, steps))
+    settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=study_dir(output_dir, name),
+                            storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed,
+                            note=note)
     return PreparedStudy(prepared, hardware, settings, search_space(base, hardware),
                          round(steps * base.effective_batch_size * mean_tokens))
-
-
-def open_storage(url: str | None, study_dir: Path) -> Any:
-    """An Optuna storage: the SQLite file in the study directory by default, any
-    RDB URL, or `journal:PATH` for a journal file several processes can share."""
-    if url is None:
-        return f"sqlite:///{(study_dir / 'study.db').resolve()}"
-    if url.startswith("journal:"):
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        return JournalStorage(JournalFileBackend(url[len("journal:"):]))
-    return url
 
 
 def make_sampler(name: str, space: SearchSpace, seed: int) -> Any:
@@ -210,126 +217,185 @@ def make_sampler(name: str, space: SearchSpace, seed: int) -> Any:
     return optuna.samplers.TPESampler(seed=seed)
 
 
-@dataclass
-class StudyOutcome:
-    study: Any
-    trials_this_run: int
-    steps_run: int
-    steps_budgeted: int
-    best_preset_path: Path | None
-    interrupted: bool = False
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    def counts(self) -> dict[str, int]:
-        """Trials of the whole study by state: complete, pruned, fail."""
-        return {state: sum(1 for r in self.rows if r["state"] == state) for state in ("complete", "pruned", "fail")}
-
-    def best_row(self) -> dict[str, Any] | None:
-        """The complete trial with the lowest eval loss, as its table row."""
-        return next((r for r in self.rows if r["best"]), None)
-
-
 def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
               on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None,
               warn: Callable[[str], None] = lambda text: None) -> StudyOutcome:
-    """Run `settings.trials` more trials of the study (creating it if needed)."""
-    import optuna
-
-    from llmcustoms.faults import FaultInjector
-    from llmcustoms.finetuner import FineTuner
-    from llmcustoms.position import StopCause
-    from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+    """Run `settings.trials` more trials of the study (creating it if needed). A
+    storage that fails (a full disk, a lost database) ends it with one message:
+    what the storage holds stays, and the same command continues it."""
+    from llmcustoms.faults import FaultInjector, disk_full_from
 
     base = prepared.plan
     if base.eval_rows == 0 or not prepared.evaluation:
         raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
                           "Pass --eval-split 0.1 (or more), or --eval-data FILE.")
     space = search_space(base, hardware, settings.lr_centre)
-    study = open_study(settings, space)
-    _check_same_study(study, base)
-    faults = faults or FaultInjector.from_env()  # one injector: each fault fires once per process
-    outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
+    settings.study_dir.mkdir(parents=True, exist_ok=True)
+    full_disk = FullDisk(disk_full_from())
+    storage = open_storage(settings.storage, settings.study_dir, full_disk)
+    trials = StudyTrials(prepared, settings, space, open_study(settings, space, storage),
+                         faults or FaultInjector.from_env(), on_update, warn, full_disk)  # one injector: faults fire once
+    outcome = trials.outcome
+    try:
+        check_identity(outcome.study, study_identity(base, settings.steps))
+        outcome.stale = fail_stale_trials(storage, outcome.study, settings.study_dir)
+        trials.optimize()
+        outcome.rows = trial_rows(outcome.study)
+        write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
+        if best_trial(outcome.study) is not None:
+            outcome.best_preset_path = write_best_preset(outcome.study, base, preset, prepared, settings)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        failure = _storage_failure(error, settings)
+        if failure is error:
+            raise
+        raise failure from None
+    return outcome
 
-    def objective(trial: Any) -> float:
+
+def _storage_failure(error: Exception, settings: TuneSettings) -> Exception:
+    """The one message for a study whose storage failed; `error` itself when it was no storage's."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    again = "run the same command again to continue the study (the trial that was running is marked failed)."
+    if storage_full(error):
+        return ConfigError(f"The disk is full: the study {settings.study_name} could not be saved in {settings.where}. "
+                           "Its trials finished before are kept.", f"Make room on that disk, then {again}")
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, SQLAlchemyError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return error  # not the storage's: a bug, with its traceback
+    first = redact_storage(str(cause).splitlines()[0] if str(cause) else type(cause).__name__, settings.storage)
+    return ConfigError(f"The study's storage {settings.where} failed: {first}. Its trials finished before are kept.",
+                       f"Check the database is reachable and has room, then {again}")
+
+
+class StudyTrials:
+    """One `tune` command's trials in a study: the objective Optuna calls, and what they did."""
+
+    def __init__(self, prepared: PreparedRun, settings: TuneSettings, space: SearchSpace, study: Any, faults: Any,
+                 on_update: Callable[[list[dict[str, Any]]], None], warn: Callable[[str], None], full_disk: FullDisk):
+        self.prepared, self.settings, self.space, self.study = prepared, settings, space, study
+        self.faults, self.on_update, self.warn, self.full_disk = faults, on_update, warn, full_disk
+        self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
+        self.redraws = 0  # trials skipped for drawing an earlier trial's values
+
+    def optimize(self) -> None:
+        """`settings.trials` trials, plus one for each skipped as a repeat (`studies.duplicate_of`)."""
+        deadline = None if self.settings.timeout is None else time.monotonic() + self.settings.timeout
+        remaining = self.settings.trials
+        try:
+            for _ in range(REDRAW_ROUNDS + 1):
+                before = self.redraws
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.study.optimize(self.objective, n_trials=remaining, timeout=timeout, catch=(TrialFailed,),
+                                    callbacks=[self.after_trial])
+                remaining = self.redraws - before
+                if not remaining or self.outcome.interrupted or (deadline is not None and time.monotonic() >= deadline):
+                    break
+        except KeyboardInterrupt:  # Ctrl-C between trials (in one, the trial records it)
+            self.outcome.signum = signal.SIGINT
+
+    def objective(self, trial: Any) -> float:
+        import optuna
+
+        params = self.space.suggest(trial)
+        same = duplicate_of(self.study, trial, params)
+        if same is not None:
+            self.redraws += 1
+            trial.set_user_attr("reason", f"drew the values of trial {same}: skipped, another drawn")
+            raise optuna.TrialPruned(f"same values as trial {same}")
         # Trial numbers are unique in a shared study; the lock keeps a stray second `tune` out anyway.
-        run_dir = RunDirectory(settings.study_dir / f"trial-{trial.number:04d}")
+        run_dir = RunDirectory(self.settings.study_dir / f"trial-{trial.number:04d}")
         with runlock.owning(run_dir.path, "running a trial in it"):
-            return run_trial(trial, run_dir)
+            return self.run_trial(trial, params, run_dir)
 
-    def run_trial(trial: Any, run_dir: RunDirectory) -> float:
-        params = space.suggest(trial)
-        plan = trial_plan(base, params, settings.steps)
+    def run_trial(self, trial: Any, params: dict[str, Any], run_dir: RunDirectory) -> float:
+        import optuna
+
+        from llmcustoms.finetuner import FineTuner
+        from llmcustoms.position import StopCause
+        from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+
+        plan = trial_plan(self.prepared.plan, params, self.settings.steps)
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
         last: dict[str, float] = {}
-        tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, SilentReporter(warn),
-                          faults=faults, on_evaluate=_pruning_report(trial, study, on_update, last), save_artifacts=False,
-                          baseline=False)  # every trial starts from the same base model
-        started = time.perf_counter()
+        tuner = FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
+                          SilentReporter(self.warn), faults=self.faults, on_evaluate=self._pruning_report(trial, last),
+                          save_artifacts=False, baseline=False)  # every trial starts from the same base model
+        started, steps_before = time.perf_counter(), self.outcome.steps_run
         try:
             result = tuner.run()
         except TrainingFailed as failed:
             trial.set_user_attr("reason", failed.report["reason"])
             raise TrialFailed(failed.report["reason"]) from None
-        except TrainingInterrupted:
-            trial.set_user_attr("reason", "interrupted")
-            raise
+        except TrainingInterrupted as stopped:
+            self._interrupted(trial, stopped.signum, stopped.step)
+        except KeyboardInterrupt:  # a second Ctrl-C: the trial stops at once
+            self._interrupted(trial, signal.SIGINT, tuner.position.step)
         finally:
-            outcome.steps_run += tuner.position.step
-            outcome.steps_budgeted += settings.steps
+            self.outcome.steps_run = steps_before + tuner.position.step
+            self.outcome.steps_budgeted += self.settings.steps
             _note_trial(trial, run_dir, tuner.position.step, time.perf_counter() - started)
+        if tuner.signals.received is not None:  # it came in the last step: the trial is whole, the study stops
+            self.outcome.signum = tuner.signals.received
+            self.study.stop()
         if result.stop is not None and result.stop.cause is StopCause.CALLER:
             trial.set_user_attr("reason", f"pruned at step {tuner.position.step}")
             raise optuna.TrialPruned(f"pruned at step {tuner.position.step}")
         return last.get("eval_loss", float("nan"))
 
-    def after_trial(study: Any, trial: Any) -> None:
-        outcome.trials_this_run += 1
-        _refresh(study, on_update)
+    def _interrupted(self, trial: Any, signum: int, step: int) -> None:
+        """A trial stopped by a signal: recorded as interrupted (pruned, for Optuna:
+        neither a failure nor a result), and no trial after it."""
+        import optuna
 
-    try:
-        study.optimize(objective, n_trials=settings.trials, timeout=settings.timeout, catch=(TrialFailed,),
-                       callbacks=[after_trial])
-    except (KeyboardInterrupt, TrainingInterrupted):
-        outcome.interrupted = True
-    outcome.rows = trial_rows(study)
-    write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
-    if _best_trial(study) is not None:
-        outcome.best_preset_path = write_best_preset(study, base, preset, prepared, settings)
-    return outcome
+        name = signal.Signals(signum).name
+        self.outcome.signum = signum
+        trial.set_user_attr("interrupted", name)
+        trial.set_user_attr("reason", f"interrupted by {name} at step {step}")
+        self.study.stop()
+        raise optuna.TrialPruned(f"interrupted by {name}")
+
+    def after_trial(self, study: Any, trial: Any) -> None:
+        self.outcome.trials_this_run += 1
+        _refresh(study, self.on_update)
+
+    def _pruning_report(self, trial: Any, last: dict[str, float]) -> Callable[[int, float], bool]:
+        """The trial's `on_evaluate`: reports eval loss to Optuna (keeping the latest
+        in `last`) and says whether the pruner stops the trial."""
+        reported: set[int] = set()
+        steps_before = self.outcome.steps_run
+
+        def report(step: int, eval_loss: float) -> bool:
+            self.full_disk.steps = steps_before + step
+            last["eval_loss"] = eval_loss
+            if step not in reported:  # a rollback replays steps; each is reported once
+                reported.add(step)
+                trial.report(eval_loss, step)
+            _refresh(self.study, self.on_update, running=(trial.number, step, eval_loss))
+            return trial.should_prune()
+
+        return report
 
 
-def open_study(settings: TuneSettings, space: SearchSpace) -> Any:
+def open_study(settings: TuneSettings, space: SearchSpace, storage: Any) -> Any:
     """The study in its storage, created if it is new."""
     import optuna
 
-    settings.study_dir.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial's traceback: the table gives its reason
+    sampler = TrialSeededSampler(lambda seed: make_sampler(settings.sampler, space, seed), settings.seed)
     try:
-        return optuna.create_study(study_name=settings.study_name, storage=open_storage(settings.storage, settings.study_dir),
-                                   sampler=make_sampler(settings.sampler, space, settings.seed),
+        return optuna.create_study(study_name=settings.study_name, storage=storage, sampler=sampler,
                                    pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
                                    direction="minimize", load_if_exists=True)
-    except (ValueError, ImportError, RuntimeError) as exc:
-        raise ConfigError(f"Cannot open the study storage: {exc}",
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"Cannot open the study {settings.study_name} in {settings.where}: "
+                          f"{redact_storage(str(exc), settings.storage)}",
                           "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
-
-
-def _pruning_report(trial: Any, study: Any, on_update: Callable[[list[dict[str, Any]]], None],
-                    last: dict[str, float]) -> Callable[[int, float], bool]:
-    """The trial's `on_evaluate`: reports eval loss to Optuna (keeping the latest
-    in `last`) and says whether the pruner stops the trial."""
-    reported: set[int] = set()
-
-    def report(step: int, eval_loss: float) -> bool:
-        last["eval_loss"] = eval_loss
-        if step not in reported:  # a rollback replays steps; each is reported once
-            reported.add(step)
-            trial.report(eval_loss, step)
-        _refresh(study, on_update, running=(trial.number, step, eval_loss))
-        return trial.should_prune()
-
-    return report
 
 
 def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, seconds: float) -> None:
@@ -339,41 +405,6 @@ def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, seconds: float) -
     recoveries = run_dir.read_status().get("recoveries", [])
     if recoveries:
         trial.set_user_attr("recoveries", [f"{r['kind']} at step {r['step']}: {r['action']}" for r in recoveries])
-
-
-def _check_same_study(study: Any, base: Plan) -> None:
-    """A study compares trials on one dataset and model; refuse to mix others in."""
-    identity = {"data": base.data, "model": base.model, "eval_rows": base.eval_rows}
-    stored = study.user_attrs.get("identity")
-    if stored is None:
-        study.set_user_attr("identity", identity)
-    elif stored != identity:
-        raise ConfigError(f"The study '{study.study_name}' was started on other data or another model "
-                          f"({stored['data']}, {stored['model']}).",
-                          "Use another --study-name (or --output-dir) for this dataset and model.")
-
-
-def _best_trial(study: Any) -> Any:
-    from optuna.trial import TrialState
-
-    complete = [t for t in study.trials if t.state == TrialState.COMPLETE and t.value is not None and math.isfinite(t.value)]
-    return min(complete, key=lambda t: t.value) if complete else None
-
-
-def trial_rows(study: Any) -> list[dict[str, Any]]:
-    """One row per trial, for the live table and trials.csv; `best` marks the
-    complete trial with the lowest eval loss."""
-    rows = []
-    for t in study.trials:
-        rows.append({"trial": t.number, "state": t.state.name.lower(), "eval_loss": t.value,
-                     **{k: t.params.get(k) for k in ("lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio")},
-                     "steps": t.user_attrs.get("steps"), "seconds": t.user_attrs.get("seconds"),
-                     "reason": "; ".join(filter(None, [t.user_attrs.get("reason")] + t.user_attrs.get("recoveries", []))),
-                     "best": False})
-    done = [r for r in rows if r["state"] == "complete" and r["eval_loss"] is not None]
-    if done:
-        min(done, key=lambda r: r["eval_loss"])["best"] = True
-    return rows
 
 
 def _refresh(study: Any, on_update: Callable[[list[dict[str, Any]]], None],
@@ -387,44 +418,3 @@ def _refresh(study: Any, on_update: Callable[[list[dict[str, Any]]], None],
     on_update(rows)
 
 
-def write_trials_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    columns = ["trial", "state", "eval_loss", "lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio",
-               "steps", "seconds", "reason"]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k) for k in columns})
-
-
-def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: PreparedRun,
-                      settings: TuneSettings) -> Path:
-    """The best trial as a preset file `train --preset FILE` accepts. The preset's
-    adjustments for this dataset's size and this model's size are folded in, so
-    the tuned values are the ones that apply."""
-    from llmcustoms.modeling import describe_model
-
-    best = _best_trial(study)
-    model = describe_model(base.model, load_families(), "plan", base.trust_remote_code)
-    values = preset.resolve(prepared.dataset.rows, model.arch.params, base.objective).values
-    params = best.params
-    values.update(lr=float(params["lr"]), warmup_ratio=float(params["warmup_ratio"]))
-    if "lora_r" in params:
-        rank = int(params["lora_r"])
-        values.update(lora_r=rank, lora_alpha=max(1, round(rank * params["alpha_ratio"])),
-                      lora_dropout=float(params["lora_dropout"]))
-    data = {"name": f"tuned-{settings.study_name}",
-            "description": (f"Tuned by llmcustoms tune on {Path(base.data).name}"
-                            f"{' for preference tuning (DPO)' if base.objective == 'dpo' else ''}: best of "
-                            f"{len(study.trials)} trials, eval loss {best.value:.4f} (trial {best.number})."),
-            "models": list(preset.models),
-            **({"cpu_models": list(preset.cpu_models)} if preset.cpu_models else {}),
-            **{k: values[k] for k in TUNABLE_FIELDS},
-            "by_dataset_size": {}}
-    families = {spec.hub_id for family in load_families().values() for spec in family.models}
-    parse_preset(data, "best_preset.yaml", families)  # what we write must load
-    path = settings.study_dir / "best_preset.yaml"
-    header = (f"# Written by `llmcustoms tune` (study {settings.study_name}, trial {best.number}).\n"
-              f"# Use it with: llmcustoms train DATA --preset {path}\n")
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
-    return path

@@ -128,6 +128,7 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
     from llmcustoms.preparation import cache_dir
     from llmcustoms.speeds import with_measured_speeds
 
+    check_writable(env_file)  # before a single question: the answers would be lost
     hardware = with_measured_speeds(hardware, cache_dir())  # the times beside the models, as `plan` gives them
     dialog.show_setup_start(hardware)
     data_path, dataset, skip_bad_rows = ask_data(data)
@@ -341,8 +342,38 @@ def ask_save_every() -> str:
     return "auto"
 
 
+def _unwritable(path: Path, error: OSError) -> ConfigError:
+    return ConfigError(f"Cannot write the settings file {path}: {error.strerror or type(error).__name__}.",
+                       "Pass --env-file with a path in a directory you can write to (not on a read-only disk); "
+                       "nothing was written.")
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an env file that cannot be written, by writing its temporary
+    file and removing it (on a read-only file system or directory, or a path
+    under a file); `os.access` says yes to root on a read-only directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        tmp.unlink()
+    except OSError as error:
+        raise _unwritable(path, error) from None
+
+
 def write_env(path: Path, values: dict[str, str]) -> None:
     """Merge `values` into the env file atomically: other variables stay."""
+    try:
+        _write_env(path, values)
+    except OSError as error:
+        try:  # a temporary file written halfway goes; the old env file was never touched
+            path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise _unwritable(path, error) from None
+
+
+def _write_env(path: Path, values: dict[str, str]) -> None:
     kept = {}
     if path.exists():
         kept = {k: v for k, (v, _) in read_env_file(path).items() if k not in values and not k.startswith(PREFIX)}

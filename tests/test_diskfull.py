@@ -101,18 +101,22 @@ class FullAfter:
 
 def test_appended_rows_are_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch, capsys):
     run = RunDirectory(tmp_path)
-    run.append_metrics({"step": 1, "loss": 1.0})
-    monkeypatch.setattr(diskwrites, "os", FullAfter(room=40))  # the next row fits, the one after it half
-    run.append_samples([{"step": 2, "text": "a"}, {"step": 2, "text": "b" * 60}])
-    run.append_metrics({"step": 2, "loss": 0.5})
+    step_row = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
+    run.append_metrics(step_row)
+    first = {"step": 2, "row": 0, "label": "trained", "prompt": "p", "reply": "a"}
+    second = {**first, "row": 1, "reply": "b" * 60}
+    room = len(json.dumps(first)) + 1 + 20  # the next row fits, the one after it only in part
+    monkeypatch.setattr(diskwrites, "os", FullAfter(room=room))
+    run.append_samples([first, second])
+    run.append_metrics({**step_row, "step": 2, "loss": 0.5})
     monkeypatch.undo()
-    assert run.read_samples() == [{"step": 2, "text": "a"}]
-    assert run.read_metrics() == [{"step": 1, "loss": 1.0}]
+    assert run.read_samples() == [first]
+    assert run.read_metrics() == [step_row]
     assert run.samples_path.read_text().endswith("\n")  # nothing glued onto the next row
     err = capsys.readouterr().err
     assert "samples.jsonl could not be written" in err and "metrics.jsonl could not be written" in err
-    run.append_metrics({"step": 2, "loss": 0.5})  # room again
-    assert run.read_metrics() == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    run.append_metrics({**step_row, "step": 2, "loss": 0.5})  # room again
+    assert run.read_metrics() == [step_row, {**step_row, "step": 2, "loss": 0.5}]
 
 
 def test_train_log_leaves_lines_out_while_the_disk_is_full_and_goes_on_after(tmp_path, monkeypatch):

@@ -117,7 +117,7 @@ def test_the_report_holds_what_a_bug_report_needs(tmp_path, monkeypatch):
     run = RunDirectory(tmp_path / "run")
     run.create()
     for step in range(1, 8):
-        run.append_metrics({"step": step, "loss": 2.0 / step})
+        run.append_metrics({"step": step, "loss": 2.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 50.0})
     said = save_failure_report(run, plan(model=f"/models/{HF_TOKEN}/tiny"), raised(RuntimeError("boom")),
                                failed_report())
     assert said is not None and str(run.failure_path) in said
