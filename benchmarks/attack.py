@@ -37,18 +37,22 @@ ALWAYS_FORBIDDEN = ("Traceback (most recent call last)",) + attack_cases.SECRETS
 
 
 def build_world(root: Path) -> Path:
-    """The template every case copies: model/, data/rows.jsonl, runs/done and runs/sibling (finished runs)."""
+    """The template every case copies: model/, data/rows.jsonl, runs/done and runs/sibling (finished
+    runs) and exports/first (runs/done exported)."""
     from tiny_models import FIXTURES, build_model  # tests/tiny_models.py: a two-layer Llama, no download
 
     build_model("llama", root / "model")
     (root / "data").mkdir()
     shutil.copy(FIXTURES / "alpaca.jsonl", root / "data" / "rows.jsonl")
-    for name in ("done", "sibling"):
-        ran = run_cli(root, ["train", "data/rows.jsonl", "--model", "model", "--max-steps", "2", "--eval-split", "0",
-                             "--output-dir", "runs", "--run-name", name, "--yes", "--quiet"], timeout=600)
+    steps = [["train", "data/rows.jsonl", "--model", "model", "--max-steps", "2", "--eval-split", "0",
+              "--output-dir", "runs", "--run-name", name, "--yes", "--quiet"] for name in ("done", "sibling")]
+    steps.append(["export", "runs/done", "--output", "exports/first"])  # an earlier export, for --overwrite to replace
+    for argv in steps:
+        ran = run_cli(root, argv, timeout=600)
         if ran.returncode != 0:
-            raise SystemExit(f"building the attack's world failed (train {name}, exit {ran.returncode}):\n"
+            raise SystemExit(f"building the attack's world failed ({' '.join(argv[:2])}, exit {ran.returncode}):\n"
                              f"{(ran.stdout + ran.stderr)[-3000:]}")
+    shutil.rmtree(root / ".cache", ignore_errors=True)  # each case tokenizes afresh: some attack the cache
     return root
 
 
@@ -99,9 +103,11 @@ def run_case(case: Case, template: Path, scratch: Path) -> dict:
     problems = []
     if code not in case.exits:
         problems.append(f"exit {code}, expected {' or '.join(map(str, case.exits))}")
-    if case.says and case.says.lower() not in output.lower():
+    flat = " ".join(output.split())  # Rich wraps long messages at the terminal's width
+    if case.says and case.says.lower() not in flat.lower():
         problems.append(f"the output does not say {case.says!r}")
-    problems += [f"the output shows {word!r}" for word in ALWAYS_FORBIDDEN + case.never_says if word in output]
+    problems += [f"the output shows {word!r}" for word in ALWAYS_FORBIDDEN + case.never_says
+                 if word in output or word in flat]
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     if changed:
         problems.append(f"{len(changed)} kept paths changed or lost, e.g. {os.path.relpath(changed[0], world_dir)}")

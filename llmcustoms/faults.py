@@ -21,7 +21,9 @@ A testing aid, off unless the variable is set. A comma-separated list of
     diskfull@9  from step 9 on, the free-space check before each checkpoint
                 reads the disk as full, and so does `resume`'s check before it
                 starts while the variable is still set (the disk is still
-                full); not spent by firing (`disk_full_from`)
+                full); not spent by firing (`disk_full_from`). In `tune`, from
+                step 9 on (counted over the trials) every write to the
+                study's SQLite file fails as SQLite does on a full disk
     kill_saving@5  SIGKILL at a random point of step 5's checkpoint write or
                 of the pruning after it (benchmarks/kill_anywhere.py)
     kill_pruning@5 SIGKILL in the first pruning from step 5's checkpoint on,
