@@ -20,9 +20,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
@@ -89,8 +93,9 @@ def open_storage(url: str | None, path: Path, full_disk: Any = None) -> Any:
     # without a heartbeat thread writing to it.
     beats = {} if sqlite else {"heartbeat_interval": HEARTBEAT_S, "grace_period": STALE_AFTER_S}
     try:
-        storage = RDBStorage(target, engine_kwargs={"connect_args": {"timeout": SQLITE_BUSY_S}} if sqlite else None,
-                             **beats)
+        with _one_creator(target):
+            storage = RDBStorage(target, engine_kwargs={"connect_args": {"timeout": SQLITE_BUSY_S}} if sqlite else None,
+                                 **beats)
     except ImportError:
         raise ConfigError(f"Cannot open the study storage {shown_storage(url, path)}: its database driver is not installed.",
                           "Install it (psycopg2-binary for postgresql://, pymysql for mysql://), or use "
@@ -102,6 +107,26 @@ def open_storage(url: str | None, path: Path, full_disk: Any = None) -> Any:
     if sqlite and full_disk is not None:
         full_disk.attach(storage.engine)
     return storage
+
+
+@contextmanager
+def _one_creator(target: str) -> Iterator[None]:
+    """Two `tune` processes opening a new SQLite study at once would both create its
+    tables, and one fails on Optuna's schema version row: they take turns (a flock
+    beside the file). A server database or a path that cannot be locked goes on as is."""
+    if not target.startswith("sqlite:///") or target == "sqlite:///:memory:":
+        yield
+        return
+    try:
+        fd = os.open(f"{target[len('sqlite:///'):]}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def storage_full(error: BaseException | None) -> bool:
