@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,10 @@ SQLITE_FULL = "database or disk is full"
 PASSWORD_IN_URL = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^@\s]*@")
 PASSWORD_IN_QUERY = re.compile(r"(?i)(?P<head>password=)[^&\s]*")
 HIDDEN = "***"
+
+
+# A trial no process has claimed yet is not judged stale before this age: it may be just starting.
+UNCLAIMED_GRACE_S = 120
 
 
 def study_dir(output_dir: Path, name: str) -> Path:
@@ -234,18 +239,49 @@ def check_identity(study: Any, identity: dict[str, Any]) -> None:
         study.set_user_attr("identity", identity)
 
 
+def claim(trial: Any) -> None:
+    """Say which process runs `trial`, first thing: another `tune` of the study
+    judges by it whether the trial's process is gone (`fail_stale_trials`)."""
+    trial.set_user_attr("owner", {"host": socket.gethostname(), "pid": os.getpid()})
+
+
+def _owner_gone(trial: Any) -> bool | None:
+    """Whether the process that claimed `trial` on this machine has ended; None
+    when the trial names no owner here (another machine, or not claimed yet)."""
+    owner = trial.user_attrs.get("owner")
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return None
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def fail_stale_trials(storage: Any, study: Any, path: Path) -> int:
-    """Mark failed the trials left `running` by a process that died here: their
-    directory (or its lock file) is here and no process holds the lock (the OS
-    drops it when the process dies, kill -9 included). A trial with neither is
-    running elsewhere, or just starting; Optuna's heartbeat judges those."""
+    """Mark failed the trials left `running` by a process that died here: the
+    process that claimed the trial is gone (kill -9 included). A trial claimed by
+    a live process is running, even between its lock's release and its result
+    being stored. One not claimed (from an older llmcustoms) is judged by its
+    lock, once it is old enough not to be one another process is just starting;
+    a trial of another machine is left to Optuna's heartbeat."""
+    from datetime import datetime, timedelta
+
     from optuna.trial import TrialState
 
     study_id = storage.get_study_id_from_name(study.study_name)
     failed = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        trial_dir = path / f"trial-{trial.number:04d}"
-        if not (trial_dir.is_dir() or runlock.lock_path(trial_dir).exists()) or runlock.holder(trial_dir) is not None:
+        gone = _owner_gone(trial)
+        if gone is None:
+            trial_dir = path / f"trial-{trial.number:04d}"
+            started = trial.datetime_start
+            recent = started is None or datetime.now() - started < timedelta(seconds=UNCLAIMED_GRACE_S)
+            gone = not recent and (trial_dir.is_dir() or runlock.lock_path(trial_dir).exists()) \
+                and runlock.holder(trial_dir) is None
+        if not gone:
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_user_attr(trial_id, "reason", "its process ended without finishing it (killed?)")

@@ -34,7 +34,7 @@ from llmcustoms.presets import TrainingPreset, load_families, find_model_spec
 from llmcustoms import runlock
 from llmcustoms.rundir import RunDirectory
 from llmcustoms.studies import (FullDisk, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
-                                fail_stale_trials, open_storage, redact_storage, shown_storage, storage_full,
+                                claim, fail_stale_trials, open_storage, redact_storage, shown_storage, storage_full,
                                 study_dir, study_identity)
 from llmcustoms.studyresults import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
 
@@ -301,6 +301,7 @@ class StudyTrials:
     def objective(self, trial: Any) -> float:
         import optuna
 
+        claim(trial)  # first: another `tune` of this study must see the trial is alive
         params = self.space.suggest(trial)
         same = duplicate_of(self.study, trial, params)
         if same is not None:
