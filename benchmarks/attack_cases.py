@@ -121,7 +121,7 @@ def other_weights(w: World) -> None:
 
 def holding_the_lock(w: World, run: str) -> None:
     """Another process owns `run` (through its real path), as a `resume` training it would."""
-    from llmcustoms import runlock
+    from llmcustoms.runs import run_lock as runlock
 
     code = (f"import time; from llmcustoms import runlock\n"
             f"with runlock.owning({str(w.path(run))!r}, 'training it'):\n    time.sleep(60)")

@@ -29,8 +29,8 @@ def load_rows(assets: dict) -> tuple[list, list, object]:
     """The same token ids and labels for every system (llmcustoms' own masking)."""
     from transformers import AutoTokenizer
 
-    from llmcustoms.rowformats import Example
-    from llmcustoms.tokenization import Tokenizer, truncate
+    from llmcustoms.data.row_formats import Example
+    from llmcustoms.data.tokenization import Tokenizer, truncate
 
     hf = AutoTokenizer.from_pretrained(assets["model"])
     encoder = Tokenizer(hf)
@@ -79,7 +79,7 @@ def eval_loss(trained, assets: dict, rows: list, pad_id: int) -> float:
     import torch
     from peft import get_peft_model
 
-    from llmcustoms.batching import collate, count_loss_tokens
+    from llmcustoms.training.batching import collate, count_loss_tokens
 
     lora = {k: v.detach().float().cpu() for k, v in trained.state_dict().items() if "lora_" in k}
     model = get_peft_model(load_base(assets, torch.float32, prepare=False), lora_config())

@@ -47,7 +47,7 @@ CAPPED = ("import sys, torch; torch.cuda.set_per_process_memory_fraction({fracti
 
 def write_rows(data: Path, out: Path, rows: int) -> int:
     """The first `rows` usable rows of `data` as {"messages": [...]} lines."""
-    from llmcustoms.data import usable_examples
+    from llmcustoms.data.dataset import usable_examples
 
     lines = []
     for example in usable_examples(data):

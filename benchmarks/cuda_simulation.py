@@ -89,7 +89,7 @@ def hf_config(arch: Any) -> Any:
 
 def sim_plan(config: Config) -> Any:
     """The plan a GPU run of `config` would train with (bf16, all-linear LoRA, AdamW)."""
-    from llmcustoms.plan import LoraSettings, Plan
+    from llmcustoms.planning.plan import LoraSettings, Plan
 
     return Plan(model=f"/simulated/{config.arch.hub_id}", family="bench", model_type=config.arch.model_type,
                 preset="quality", method=config.method, optimizer=config.optimizer,
@@ -237,7 +237,7 @@ def load(config: Config, plan: Any, mode: Any | None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms import modeling
+    from llmcustoms.models import loading as modeling
 
     def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         with torch.device("meta") if mode is not None else nullcontext():
@@ -253,9 +253,11 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
     """`STEPS` training steps of `config`, tracked; on fake tensors, or on real CPU ones."""
     import torch
 
-    from llmcustoms import batching, losses, optimization
-    from llmcustoms.preferenceloss import loss_for
-    from llmcustoms.tokenization import TokenizedExample
+    from llmcustoms.training import batching, optimization
+
+    from llmcustoms.losses import sft as losses
+    from llmcustoms.losses.dpo import loss_for
+    from llmcustoms.data.tokenization import TokenizedExample
 
     started = time.perf_counter()
     plan = sim_plan(config)

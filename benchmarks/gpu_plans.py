@@ -28,14 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from llmcustoms.duration import GPU_MFU, QLORA_SLOWDOWN, human_duration  # noqa: E402
+from llmcustoms.planning.duration import GPU_MFU, QLORA_SLOWDOWN, human_duration  # noqa: E402
 from llmcustoms.errors import ConfigError  # noqa: E402
-from llmcustoms.hardware import GIB, Gpu, Hardware  # noqa: E402
-from llmcustoms.modeling import choice_from_spec  # noqa: E402
-from llmcustoms.plan import DataStats, ModelChoice, Plan  # noqa: E402
-from llmcustoms.planning import ParameterOptimizer  # noqa: E402
-from llmcustoms.presets import Family, TrainingPreset, find_model_spec, load_families, load_preset  # noqa: E402
-from llmcustoms.splits import eval_fraction, split_eval  # noqa: E402
+from llmcustoms.planning.hardware import GIB, Gpu, Hardware  # noqa: E402
+from llmcustoms.models.loading import choice_from_spec  # noqa: E402
+from llmcustoms.planning.plan import DataStats, ModelChoice, Plan  # noqa: E402
+from llmcustoms.planning.planner import ParameterOptimizer  # noqa: E402
+from llmcustoms.planning.presets import Family, TrainingPreset, find_model_spec, load_families, load_preset  # noqa: E402
+from llmcustoms.data.splits import eval_fraction, split_eval  # noqa: E402
 
 MIB = 1024 ** 2
 START, END = "<!-- gpu-plans:start -->", "<!-- gpu-plans:end -->"

@@ -275,7 +275,7 @@ def plan(model: str, data: Path, work: Path, timeout: float) -> dict:
 
 
 def train(model: str, data: Path, work: Path, name: str, cache: Path, timeout: float) -> dict:
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runs.run_directory import RunDirectory
 
     runs = work / "runs"
     command = cli("train", str(data), "--model", model, *TRAIN_FLAGS, "--cache-dir", str(cache), "--output-dir",

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmcustoms.presets import ModelSpec  # noqa: E402
+from llmcustoms.planning.presets import ModelSpec  # noqa: E402
 from shapes import SHAPES  # noqa: E402  (benchmarks/shapes.py, beside this file)
 
 
@@ -74,7 +74,7 @@ class Config:
     seq_len: int
     gradient_checkpointing: bool = False
     lora_rank: int = 16
-    # False: not used when the constants in llmcustoms/memory.py were fitted.
+    # False: not used when the constants in llmcustoms/planning/memory.py were fitted.
     fitted: bool = True
     optimizer: str = "adamw"
 
@@ -159,10 +159,10 @@ def measure(config: Config, model_dir: Path, device: str, precision: str) -> dic
     import torch
 
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.finetuner import FineTuner
-    from llmcustoms.plan import LoraSettings, Plan
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.tokenization import TokenizedExample
+    from llmcustoms.training.finetuner import FineTuner
+    from llmcustoms.planning.plan import LoraSettings, Plan
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.data.tokenization import TokenizedExample
 
     torch.set_num_threads(os.cpu_count() or 1)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -204,7 +204,7 @@ def measure(config: Config, model_dir: Path, device: str, precision: str) -> dic
 
 
 def predict(config: Config, device: str, precision: str) -> dict:
-    from llmcustoms.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryOptimizer
 
     targets = ("all-linear",)
     estimate = MemoryOptimizer(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
@@ -213,7 +213,7 @@ def predict(config: Config, device: str, precision: str) -> dict:
     data = estimate.to_json()
     if device == "cuda":
         # max_memory_allocated does not see the CUDA context; compare like with like.
-        from llmcustoms.memory import CUDA_CONTEXT_BYTES
+        from llmcustoms.planning.memory import CUDA_CONTEXT_BYTES
 
         data["total_bytes"] -= CUDA_CONTEXT_BYTES
     else:
@@ -226,7 +226,8 @@ def predict(config: Config, device: str, precision: str) -> dict:
 def run_one(name: str, device: str, precision: str, full_logits: bool = False) -> dict:
     config = next(c for c in ALL_CONFIGS if c.name == name)
     if full_logits:  # the loss as before issue 21: every trained position's logits at once
-        from llmcustoms import losses, memory
+        from llmcustoms.losses import sft as losses
+        from llmcustoms.planning import memory
 
         losses.CHUNK_LOGITS = memory.CHUNK_LOGITS = 2 ** 62
     with tempfile.TemporaryDirectory() as tmp:

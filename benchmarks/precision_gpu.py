@@ -44,9 +44,9 @@ def child(precision: str, assets: dict) -> dict:
     """One training run in this process: per-step losses, speed, peak, the shared eval loss."""
     import torch
 
-    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.training.finetuner import FineTuner
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runs.run_directory import RunDirectory
 
     torch.set_num_threads(os.cpu_count() or 1)
     common.SETTINGS["max_len"] = assets["max_len"]

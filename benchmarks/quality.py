@@ -126,9 +126,9 @@ def load(model: str, run: Path | None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcustoms.generation import load_trained
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.runweights import choose_weights
+    from llmcustoms.models.generation import load_trained
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.runs.run_weights import choose_weights
 
     if run is not None:
         trained = load_trained(choose_weights(RunDirectory(run), None))
@@ -143,12 +143,12 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
     """Mean loss per reply token over the test file, tokenized as training does."""
     import torch
 
-    from llmcustoms import modeling
-    from llmcustoms.batching import TrainingRows, count_loss_tokens
-    from llmcustoms.data import usable_examples
-    from llmcustoms.losses import select_logits, token_cross_entropy
-    from llmcustoms.chattemplates import ensure_chat_template
-    from llmcustoms.tokenization import Tokenizer
+    from llmcustoms.models import loading as modeling
+    from llmcustoms.training.batching import TrainingRows, count_loss_tokens
+    from llmcustoms.data.dataset import usable_examples
+    from llmcustoms.losses.sft import select_logits, token_cross_entropy
+    from llmcustoms.data.chat_templates import ensure_chat_template
+    from llmcustoms.data.tokenization import Tokenizer
 
     ensure_chat_template(tokenizer)
     encoder = Tokenizer(tokenizer, stop_token_ids=modeling.stop_token_ids(plan.model))
@@ -164,9 +164,9 @@ def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[st
     """(prompt, greedy reply): for identity, each test row's question whose
     answer in the data names the identity (with the conversation before it);
     otherwise the first row's first prompt."""
-    from llmcustoms.data import usable_examples
-    from llmcustoms.generation import generate
-    from llmcustoms.samples import prompt_of
+    from llmcustoms.data.dataset import usable_examples
+    from llmcustoms.models.generation import generate
+    from llmcustoms.training.samples import prompt_of
 
     prompts = []
     for example in usable_examples(test):
@@ -184,7 +184,7 @@ def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[st
 
 
 def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict:
-    from llmcustoms.measures import perplexity
+    from llmcustoms.runs.measures import perplexity
 
     model, tokenizer, plan = load(model_path, run)
     loss = test_loss(model, tokenizer, plan, test)

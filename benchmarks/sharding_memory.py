@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llmcustoms.launching import _free_port  # noqa: E402
+from llmcustoms.training.launching import _free_port  # noqa: E402
 from memory_accuracy import _rss, build_model, small_arch  # noqa: E402
 
 # About 59M parameters, most of them in the blocks (where sharding pays):
@@ -41,10 +41,10 @@ def measure(model_dir: Path, distributed: str) -> dict:
     import torch
 
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.finetuner import FineTuner
-    from llmcustoms.plan import Plan
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.tokenization import TokenizedExample
+    from llmcustoms.training.finetuner import FineTuner
+    from llmcustoms.planning.plan import Plan
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.data.tokenization import TokenizedExample
 
     rows_per_step = MICRO_BATCH * WORLD
     plan = Plan(model=str(model_dir), family="bench", model_type="llama", preset="quality", method="full",
@@ -73,7 +73,7 @@ def measure(model_dir: Path, distributed: str) -> dict:
 
 
 def predict(distributed: str) -> dict:
-    from llmcustoms.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryOptimizer
 
     return MemoryOptimizer(ARCH, on_gpu=False, budget_bytes=0).estimate(
         "full", MICRO_BATCH, SEQ_LEN, "no", False, shards=WORLD if distributed == "fsdp" else 1).to_json()

@@ -51,7 +51,7 @@ def measure(variant: str, model_dir: str, rows: int, tokens: int, steps: int, pr
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.losses import select_logits, token_cross_entropy
+    from llmcustoms.losses.sft import select_logits, token_cross_entropy
 
     level = VARIANTS.index(variant)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if level >= 3 else torch.float32)

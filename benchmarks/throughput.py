@@ -97,8 +97,8 @@ def build_assets(data: Path, workdir: Path, rows: int | None, device: str, model
                  toy_layers: int = 4) -> dict:
     """Model + the rows every system trains and evaluates on (`rows` None: all of them);
     `model` None: a toy model built here."""
-    from llmcustoms.data import usable_examples
-    from llmcustoms.splits import split_eval
+    from llmcustoms.data.dataset import usable_examples
+    from llmcustoms.data.splits import split_eval
 
     examples = list(usable_examples(data))  # bad rows skipped
     train_idx, eval_idx = split_eval(len(examples), SETTINGS["eval_rows"] / len(examples), SETTINGS["seed"])
@@ -153,8 +153,8 @@ def llmcustoms_plan(assets: dict, train: list, micro_batch: int, grad_accum: int
     no checkpoint, then the fields --llmcustoms-plan sets."""
     from dataclasses import fields, replace
 
-    from llmcustoms.plan import LoraSettings, Plan
-    from llmcustoms.planning import steps_per_epoch
+    from llmcustoms.planning.plan import LoraSettings, Plan
+    from llmcustoms.planning.planner import steps_per_epoch
 
     per_epoch = steps_per_epoch(len(train), micro_batch, grad_accum)
     total = steps or per_epoch
@@ -183,8 +183,8 @@ def set_up_once(tuner) -> None:
 
 def run_llmcustoms(assets: dict) -> dict:
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.finetuner import FineTuner
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.training.finetuner import FineTuner
+    from llmcustoms.runs.run_directory import RunDirectory
 
     train, evaluation, tokenizer = load_rows(assets)
     micro = assets.get("llmcustoms_micro_batch") or SETTINGS["micro_batch"]
@@ -207,7 +207,7 @@ def planned_precision(device: str) -> str:
     """What llmcustoms' planner picks here: bf16 on a GPU or a CPU with native bf16, else fp32 ("no")."""
     if device == "cuda":
         return "bf16"
-    from llmcustoms.hardware import detect
+    from llmcustoms.planning.hardware import detect
 
     return detect().mixed_precision
 
@@ -247,7 +247,7 @@ def plan_overrides(pairs: list[str]) -> dict:
     the Plan does not have are dropped with a warning."""
     from dataclasses import fields
 
-    from llmcustoms.plan import Plan
+    from llmcustoms.planning.plan import Plan
 
     known, values = {f.name for f in fields(Plan)}, {}
     for pair in pairs:
@@ -328,7 +328,7 @@ def main() -> None:
               file=sys.stderr)
     overrides = plan_overrides(args.llmcustoms_plan)
     if args.device == "cuda":
-        # What llmcustoms' planner picks on a GPU with torch's varlen attention (llmcustoms/stepchoices.py).
+        # What llmcustoms' planner picks on a GPU with torch's varlen attention (llmcustoms/planning/step_choices.py).
         overrides.setdefault("packing", True)
     if args.batch:
         micro, accum = (int(n) for n in args.batch.lower().split("x"))

@@ -2,7 +2,7 @@
 and renders the result; heavy libraries (torch, transformers, peft) are
 imported inside commands so `llmcustoms --help` starts instantly.
 
-The options that set values come from the table in `options.py` (through
+The options that set values come from the table in `planning/options.py` (through
 `flags.takes_options`); how each way of ending maps to an exit code is
 `exit_code` below.
 """
@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional
 import typer
 
 from llmcustoms import __version__, flags
-from llmcustoms.console import console, print_error, print_notice
+from llmcustoms.ui.console import console, print_error, print_notice
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.flags import takes_options
-from llmcustoms.modeling import quiet_libraries
+from llmcustoms.models.loading import quiet_libraries
 
 app = typer.Typer(
     name="llmcustoms",
@@ -41,7 +41,7 @@ def exit_code(error: BaseException) -> int | None:
     FSDP run to restart leaves with 75 at once (`training._exit_for_restart`),
     and a second Ctrl-C during training quits at once with 128 + the signal
     (`stopsignals.StopSignals`): both skip the interpreter's shutdown on purpose."""
-    from llmcustoms.recovery import TrainingFailed, TrainingInterrupted
+    from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
 
     if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2
         print_error(error.message, error.hint)
@@ -80,7 +80,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version_cal
 
 
 def _session(values: dict[str, Any], env_file: Optional[Path], quiet: bool = False, allowed: Any = None) -> Any:
-    from llmcustoms.training import Session
+    from llmcustoms.commands.train import Session
 
     return Session.load(flags.given_values(values), env_file, quiet, allowed)
 
@@ -94,7 +94,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
     """Fine-tune a model on DATA into a run directory.
 
     Saves a LoRA adapter (or the full model), with checkpoints along the way."""
-    from llmcustoms import training
+    from llmcustoms.commands import train as training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
@@ -104,7 +104,7 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
         options = session.train_options()
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_train(options, session, launch, run_name, overwrite, yes))
-        from llmcustoms import console as ui
+        from llmcustoms.ui import console as ui
 
         result = training.train(options, session, run_name, overwrite, yes, confirm=ui.confirm)
     if result is not None:
@@ -122,7 +122,7 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
     """Continue an interrupted or failed run from its checkpoint.
 
     From the last good checkpoint or --from one, with any number of processes; --epochs extends a run."""
-    from llmcustoms import training
+    from llmcustoms.commands import train as training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
@@ -130,7 +130,7 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
-        from llmcustoms import console as ui
+        from llmcustoms.ui import console as ui
 
         result = training.resume(run_dir, session)
     if result is not None:
@@ -146,10 +146,11 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending():
         quiet_libraries()
-        from llmcustoms import console as ui, preflight
-        from llmcustoms.dataview import PreparationProgress, show_prepared
-        from llmcustoms.hardware import GIB, Hardware
-        from llmcustoms.preparation import prepare_run
+        from llmcustoms.ui import console as ui
+        from llmcustoms.training import preflight
+        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
+        from llmcustoms.planning.hardware import GIB, Hardware
+        from llmcustoms.commands.preparation import prepare_run
 
         options = _session(values, env_file).train_options()
         hardware = preflight.usable_hardware()  # a CPU-only torch on a GPU machine: a CPU plan that says so
@@ -177,11 +178,11 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
     Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
     with ending():
         quiet_libraries()
-        from llmcustoms import tuneview as view
-        from llmcustoms.dataview import PreparationProgress, show_prepared
-        from llmcustoms.lrfind import centre_study
-        from llmcustoms.presets import load_preset
-        from llmcustoms.tuning import StudyRequest, prepare_study, run_study
+        from llmcustoms.ui import tune_view as view
+        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
+        from llmcustoms.commands.lr_find import centre_study
+        from llmcustoms.planning.presets import load_preset
+        from llmcustoms.commands.tune import StudyRequest, prepare_study, run_study
 
         session = _session(values, env_file)
         options = session.train_options()
@@ -208,7 +209,7 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
     The lr rises from 1e-7 to 1 over the steps; the suggestion is where the loss falls fastest."""
     with ending():
         quiet_libraries()
-        from llmcustoms.lrfind import RangeTest, find_learning_rate
+        from llmcustoms.commands.lr_find import RangeTest, find_learning_rate
 
         session = _session(values, env_file)
         find_learning_rate(session.train_options(), session.output_dir, RangeTest(steps, start_lr, end_lr))
@@ -218,10 +219,11 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
 def hardware() -> None:
     """Show this machine and which models and methods fit it."""
     with ending():
-        from llmcustoms import console as ui, hubaccess
-        from llmcustoms.fitting import fit_table
-        from llmcustoms.preflight import usable_hardware
-        from llmcustoms.presets import load_families
+        from llmcustoms.ui import console as ui
+        from llmcustoms.models import hub_access as hubaccess
+        from llmcustoms.planning.fitting import fit_table
+        from llmcustoms.training.preflight import usable_hardware
+        from llmcustoms.planning.presets import load_families
 
         fits = fit_table(machine := usable_hardware(), load_families())
         ui.show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
@@ -231,8 +233,8 @@ def hardware() -> None:
 def presets() -> None:
     """List the presets and the model families they choose from."""
     with ending():
-        from llmcustoms import console as ui
-        from llmcustoms.presets import builtin_preset_names, load_families, load_preset
+        from llmcustoms.ui import console as ui
+        from llmcustoms.planning.presets import builtin_preset_names, load_families, load_preset
 
         ui.show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
 
@@ -243,8 +245,8 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 
     Checks your data, picks a goal and a model that fits, and writes .env."""
     with ending():
-        from llmcustoms.preflight import usable_hardware
-        from llmcustoms.wizard import run_wizard
+        from llmcustoms.training.preflight import usable_hardware
+        from llmcustoms.commands.setup import run_wizard
 
         try:
             command = run_wizard(usable_hardware(), env_file, data)
@@ -261,8 +263,8 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
     """List the runs: model, method, status, steps, best eval loss."""
     with ending():
-        from llmcustoms import console as ui
-        from llmcustoms.rundir import list_runs
+        from llmcustoms.ui import console as ui
+        from llmcustoms.runs.run_directory import list_runs
 
         output_dir = _session(values, env_file).output_dir
         ui.show_runs(output_dir, list_runs(output_dir))
@@ -274,10 +276,10 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
 
     Convergence, overfitting, learning rate, throughput and recoveries."""
     with ending():
-        from llmcustoms import console as ui
-        from llmcustoms.report import analyse
-        from llmcustoms.report import plot as draw
-        from llmcustoms.rundir import RunDirectory
+        from llmcustoms.ui import console as ui
+        from llmcustoms.commands.report import analyse
+        from llmcustoms.commands.report import plot as draw
+        from llmcustoms.runs.run_directory import RunDirectory
 
         directory = RunDirectory.existing(run)
         ui.show_report(analyse(directory))
@@ -294,8 +296,8 @@ def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: f
 
     The reply goes to stdout, what is being loaded to stderr."""
     with ending():
-        from llmcustoms import console as ui, dialog
-        from llmcustoms.generation import open_trained
+        from llmcustoms.ui import console as ui, dialog
+        from llmcustoms.models.generation import open_trained
 
         if (prompt is None) == (prompt_option is None):
             raise LlmcustomsError("Give one prompt.", f'For example: llmcustoms generate {run} "What do bees make?"')
@@ -313,8 +315,8 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
 
     Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""
     with ending():
-        from llmcustoms import console as ui, dialog
-        from llmcustoms.generation import open_trained
+        from llmcustoms.ui import console as ui, dialog
+        from llmcustoms.models.generation import open_trained
 
         trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, allowed=allowed)
         start = trained.conversation_start(system)  # a template that refuses a system turn: said now
@@ -328,8 +330,8 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
            overwrite: flags.ExportOverwrite = False, allowed: Any = None) -> None:
     """Copy the adapter, or merge it into a standalone model."""
     with ending():
-        from llmcustoms import console as ui
-        from llmcustoms.export import export_run
+        from llmcustoms.ui import console as ui
+        from llmcustoms.commands.export import export_run
 
         written = export_run(run, output, merge, dtype, overwrite, ui.waiting, allowed)
     console.print(f"Exported {written.what} to {written.path}")

@@ -1,4 +1,4 @@
-"""Command-line flags: the options table (`options.py`) turned into Typer
+"""Command-line flags: the options table (`planning/options.py`) turned into Typer
 parameters, and the flags that steer a command rather than set a value
 (`--yes`, `--quiet`, launch options...), each declared once here.
 
@@ -21,8 +21,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from llmcustoms import options
-from llmcustoms.options import Option
+from llmcustoms.planning import options
+from llmcustoms.planning.options import Option
 
 # Click's Context as this Typer has it: recent Typers carry their own copy of click.
 _Context: Any = typer.core.TyperCommand.context_class
@@ -149,7 +149,7 @@ def takes_permissions(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def command(*args: Any, trust_remote_code: bool = False, allow_pickle_weights: bool = False, **kwargs: Any) -> Any:
-        from llmcustoms.modeling import Allowed
+        from llmcustoms.models.loading import Allowed
 
         return func(*args, allowed=Allowed(trust_remote_code, allow_pickle_weights), **kwargs)
 

@@ -1,6 +1,6 @@
 """What the trainer tells the user, as a protocol with no Rich in it.
 
-`FineTuner` and tuning talk to a `Reporter`; `console.py` implements it with a
+`FineTuner` and tuning talk to a `Reporter`; `ui/console.py` implements it with a
 live display, and tests pass `SilentReporter`, which records what would have
 been shown. Keeping the protocol here means the running layer never imports
 the UI module.

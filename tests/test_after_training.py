@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from conftest import DATA_FILES
 from llmcustoms.cli import app
-from llmcustoms.report import analyse
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.commands.report import analyse
+from llmcustoms.runs.run_directory import RunDirectory
 
 runner = CliRunner()
 

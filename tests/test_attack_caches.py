@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import DATA_FILES
-from llmcustoms.faults import ENV_VAR
-from llmcustoms.plan import Plan
+from llmcustoms.recovery.faults import ENV_VAR
+from llmcustoms.planning.plan import Plan
 
 
 def said(result) -> str:
@@ -137,7 +137,7 @@ def test_resume_refuses_base_weights_replaced_with_the_same_shapes(tmp_path, tin
     assert json.loads((run / "plan.json").read_text())["model_fingerprint"]
 
     # A plan written before the fingerprint existed resumes as before.
-    from llmcustoms.modelfiles import with_model_checked
+    from llmcustoms.runs.model_files import with_model_checked
 
     older = json.loads((run / "plan.json").read_text())
     del older["model_fingerprint"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_FILES, run_cli
-from llmcustoms import runlock
+from llmcustoms.runs import run_lock as runlock
 
 
 def train_args(data: Path, model: Path, output_dir: Path, *extra: str) -> list[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmcustoms.batching import TrainingRows, epoch_steps, eval_batches, micro_batches
-from llmcustoms.tokenization import TokenizedExample
+from llmcustoms.training.batching import TrainingRows, epoch_steps, eval_batches, micro_batches
+from llmcustoms.data.tokenization import TokenizedExample
 
 
 def skewed_lengths(n: int = 500, seed: int = 0) -> list[int]:

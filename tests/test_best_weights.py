@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmcustoms.batching import TrainingRows
-from llmcustoms.best_weights import BestWeightFiles
-from llmcustoms.export import model_card
-from llmcustoms.finetuner import FineTuner
-from llmcustoms.hardware import Hardware
-from llmcustoms.losses import select_logits, token_cross_entropy
-from llmcustoms.preparation import TrainOptions, prepare_run
-from llmcustoms.recovery import TrainingInterrupted
-from llmcustoms.report import analyse
+from llmcustoms.training.batching import TrainingRows
+from llmcustoms.runs.best_weights import BestWeightFiles
+from llmcustoms.commands.export import model_card
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.losses.sft import select_logits, token_cross_entropy
+from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.recovery.recovery_system import TrainingInterrupted
+from llmcustoms.commands.report import analyse
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.rundir import RunDirectory
-from llmcustoms.samples import SampleReplies, held_out_prompts, pick_prompts, prompt_of, side_by_side
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.training.samples import SampleReplies, held_out_prompts, pick_prompts, prompt_of, side_by_side
 from tiny_models import FIXTURES
 
 STEPS, SAVE_EVERY = 8, 4
@@ -129,7 +129,7 @@ def test_the_saved_adapter_is_the_best_evaluation_even_between_checkpoints(tmp_p
 
 @pytest.mark.slow
 def test_a_resumed_run_keeps_the_same_best_weights(tmp_path, tiny_models, monkeypatch):
-    from llmcustoms.faults import FaultInjector
+    from llmcustoms.recovery.faults import FaultInjector
 
     prepared = prepared_run(tiny_models["llama"])
     _, reference, reference_dir = run(tmp_path, prepared, "reference", samples=False)
@@ -177,7 +177,7 @@ def test_best_weight_files_follow_rollbacks_and_keep_what_checkpoints_name(tmp_p
 
 
 def test_sample_prompts_come_from_held_out_rows_seeded_and_skip_rows_without_a_prompt():
-    from llmcustoms.data import Example
+    from llmcustoms.data.dataset import Example
 
     chat = Example(1, messages=(("system", "be brief"), ("user", "Who are you?"), ("assistant", "I am X."),
                                 ("user", "Bye"), ("assistant", "Bye!")))
@@ -253,7 +253,7 @@ def test_report_never_asks_for_more_patience_or_epochs_after_early_stopping(tmp_
 
 
 def test_a_non_finite_eval_loss_is_never_the_best():
-    from llmcustoms.position import Position
+    from llmcustoms.training.position import Position
 
     position = Position(step=1)
     assert position.early_stop(float("nan"), patience=2) is None and position.best_step is None

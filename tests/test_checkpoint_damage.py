@@ -17,16 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmcustoms import checkpoints as checkpoints_module
-from llmcustoms.checkpoints import MANIFEST, STATE_FILE, TENSOR_FILES, CheckpointManager, ResumeFrom
+from llmcustoms.runs import checkpoints as checkpoints_module
+from llmcustoms.runs.checkpoints import MANIFEST, STATE_FILE, TENSOR_FILES, CheckpointManager, ResumeFrom
 from llmcustoms.errors import ConfigError
-from llmcustoms.faults import FaultInjector
-from llmcustoms.finetuner import FineTuner
-from llmcustoms.hardware import Hardware
-from llmcustoms.preparation import TrainOptions, prepare_run
-from llmcustoms.recovery import TrainingInterrupted
+from llmcustoms.recovery.faults import FaultInjector
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.recovery.recovery_system import TrainingInterrupted
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.runs.run_directory import RunDirectory
 from test_checkpoints import save
 from tiny_models import FIXTURES
 
@@ -197,7 +197,7 @@ def test_verify_and_latest_never_import_torch(tmp_path):
     save(manager, 3)
     broken = save(manager, 6)
     random_tensors_consistent_manifest(broken.path)
-    code = ("import sys; from pathlib import Path; from llmcustoms.checkpoints import CheckpointManager; "
+    code = ("import sys; from pathlib import Path; from llmcustoms.runs.checkpoints import CheckpointManager; "
             f"found = CheckpointManager(Path({str(tmp_path)!r}), keep=5).latest(); "
             "assert found.step == 3, found; assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -205,7 +205,7 @@ def test_verify_and_latest_never_import_torch(tmp_path):
 
 
 def test_tensors_are_checked_against_the_model_the_optimizer_and_the_generators():
-    from llmcustoms.checkpointcontent import TensorInfo, fit_problem, optimizer_fit_problem, rng_fit_problem
+    from llmcustoms.runs.checkpoint_content import TensorInfo, fit_problem, optimizer_fit_problem, rng_fit_problem
 
     a, b = TensorInfo("F32", (8, 4)), TensorInfo("F32", (8,))
     model = {"a": a, "b": b}
@@ -416,7 +416,7 @@ def test_generate_refuses_a_checkpoint_whose_tensors_would_broadcast(tmp_path):
     from safetensors.torch import save_file
 
     from llmcustoms.errors import ModelError
-    from llmcustoms.generation import put_in
+    from llmcustoms.models.generation import put_in
 
     model = torch.nn.Linear(4, 3)
     save_file({"weight": torch.ones(1, 4), "bias": torch.zeros(3)}, str(tmp_path / "model.safetensors"))

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from llmcustoms.checkpoints import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
-from llmcustoms.faults import FaultInjector
+from llmcustoms.runs.checkpoints import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from llmcustoms.recovery.faults import FaultInjector
 from llmcustoms.errors import ConfigError
-from llmcustoms.plan import LoraSettings, Plan
-from llmcustoms.recovery import MAX_NAN_RECOVERIES, TrainingFailed, TrainingRecoverySystem
+from llmcustoms.planning.plan import LoraSettings, Plan
+from llmcustoms.recovery.recovery_system import MAX_NAN_RECOVERIES, TrainingFailed, TrainingRecoverySystem
 
 
 def save(manager: CheckpointManager, step: int, value: float = 1.0):
@@ -164,7 +164,7 @@ def test_faults_of_steps_before_a_restart_do_not_fire_again():
 
 
 def test_a_restart_request_is_written_by_any_process_and_cleared_by_the_main_one(tmp_path):
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runs.run_directory import RunDirectory
 
     worker, main = RunDirectory(tmp_path, writable=False), RunDirectory(tmp_path)
     assert main.pending_restart() is None

@@ -118,7 +118,7 @@ def test_plan_for_several_processes_with_fsdp():
 def test_hardware_with_several_gpus_says_how_to_use_them(monkeypatch):
     from dataclasses import replace
 
-    import llmcustoms.hardware as hardware
+    import llmcustoms.planning.hardware as hardware
 
     one = hardware.Hardware.with_gpu(80, name="H100")
     monkeypatch.setattr(hardware, "detect", lambda: replace(one, gpus=one.gpus * 4))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import io
 
-from llmcustoms.fitting import fit_table, fitting_models
-from llmcustoms.hardware import Hardware
-from llmcustoms.presets import load_families
-from llmcustoms.rundir import RunDirectory, list_runs
+from llmcustoms.planning.fitting import fit_table, fitting_models
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.presets import load_families
+from llmcustoms.runs.run_directory import RunDirectory, list_runs
 
 
 def test_the_fit_table_says_how_each_method_fits():
@@ -55,7 +55,7 @@ def test_a_restart_request_names_the_launch_it_is_given(tmp_path):
 
 
 def chat(monkeypatch, capsys, typed: str) -> tuple[list[list[dict]], str]:
-    from llmcustoms import dialog
+    from llmcustoms.ui import dialog
 
     seen = []
 

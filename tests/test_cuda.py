@@ -10,12 +10,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from llmcustoms import losses, packing
-from llmcustoms.batching import collate
-from llmcustoms.checkpoints import flatten_optimizer_state, unflatten_optimizer_state
-from llmcustoms.losses import select_logits, token_cross_entropy
-from llmcustoms.packing import pack, use_varlen_attention
-from llmcustoms.tokenization import IGNORE_INDEX
+from llmcustoms.losses import sft as losses
+
+from llmcustoms.models import packing
+from llmcustoms.training.batching import collate
+from llmcustoms.runs.checkpoints import flatten_optimizer_state, unflatten_optimizer_state
+from llmcustoms.losses.sft import select_logits, token_cross_entropy
+from llmcustoms.models.packing import pack, use_varlen_attention
+from llmcustoms.data.tokenization import IGNORE_INDEX
 from test_losses import rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""Unit tests of `llmcustoms.data.read_dataset`: formats, file types, and the
+"""Unit tests of `llmcustoms.data.dataset.read_dataset`: formats, file types, and the
 error messages for bad input (file, 1-based line or row, reason; never the
 row's content)."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from types import SimpleNamespace
 
-from llmcustoms import data
-from llmcustoms.chatturns import Message
+from llmcustoms.data import dataset as data
+from llmcustoms.data.chat_turns import Message
 from llmcustoms.errors import DataError
-from llmcustoms.rowformats import FORMAT_DESCRIPTIONS
+from llmcustoms.data.row_formats import FORMAT_DESCRIPTIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SECRET = "SECRET-ROW-CONTENT-12345"
@@ -543,7 +543,7 @@ def test_duplicates_and_near_empty_replies_are_counted(tmp_path):
 
 
 def test_a_json_array_is_read_in_chunks_with_exact_lines(tmp_path, monkeypatch):
-    from llmcustoms import datafiles
+    from llmcustoms.data import data_files as datafiles
 
     monkeypatch.setattr(datafiles, "JSON_CHUNK", 7)  # every row spans several reads
     rows = [json.dumps({"text": f"row {i} " + "x" * (i * 13)}, indent=1) for i in range(60)]
@@ -570,7 +570,7 @@ def test_a_stray_quote_in_a_csv_is_an_error_not_a_swallowed_file(tmp_path):
 
 
 def test_a_mistake_early_in_a_json_array_fails_before_reading_the_rest(tmp_path, monkeypatch):
-    from llmcustoms import datafiles
+    from llmcustoms.data import data_files as datafiles
 
     monkeypatch.setattr(datafiles, "JSON_CHUNK", 64)
     reads = []

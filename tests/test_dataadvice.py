@@ -1,6 +1,6 @@
 """Data advice: each finding appears when, and only when, the data calls for it."""
 
-from llmcustoms.dataadvice import advice, data_facts, length_percentiles
+from llmcustoms.planning.data_advice import advice, data_facts, length_percentiles
 
 CLEAN = {"rows": 1000, "duplicates": 0, "near_empty_replies": 0}
 

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from llmcustoms import dataview
+from llmcustoms.ui import data_view as dataview
 
 
 def test_preparation_progress_shows_rows_and_their_rate(monkeypatch):

@@ -25,15 +25,16 @@ import torch
 from safetensors import SafetensorError
 
 from conftest import run_cli
-from llmcustoms import diskwrites, preflight
-from llmcustoms.checkpoints import CheckpointManager
-from llmcustoms.diskspace import CHECKPOINT_MARGIN_BYTES, MIB, DiskFull
-from llmcustoms.diskwrites import disk_full_code
+from llmcustoms.runs import disk_writes as diskwrites
+from llmcustoms.training import preflight
+from llmcustoms.runs.checkpoints import CheckpointManager
+from llmcustoms.planning.disk_space import CHECKPOINT_MARGIN_BYTES, MIB, DiskFull
+from llmcustoms.runs.disk_writes import disk_full_code
 from llmcustoms.errors import ConfigError
-from llmcustoms.failurereport import classify
-from llmcustoms.faults import disk_full_from
-from llmcustoms.rundir import RunDirectory
-from llmcustoms.runlog import RunLog
+from llmcustoms.runs.failure_report import classify
+from llmcustoms.recovery.faults import disk_full_from
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.run_log import RunLog
 from test_checkpoints import plan, save
 from test_recovery import adapter, max_difference, status, train_args
 
@@ -227,8 +228,8 @@ def test_what_a_full_disk_report_says():
 
 def test_a_full_disk_outside_the_loop_ends_the_run_the_same_way(tmp_path):
     """Writing the adapter after the last step: `training._record_escaped`."""
-    from llmcustoms.recovery import TrainingFailed
-    from llmcustoms.training import _record_escaped
+    from llmcustoms.recovery.recovery_system import TrainingFailed
+    from llmcustoms.commands.train import _record_escaped
 
     run = RunDirectory(tmp_path / "run")
     run.path.mkdir()
@@ -258,10 +259,10 @@ def test_a_full_disk_found_as_an_unexpected_error_in_the_loop_is_said_as_one(tmp
     made it a bug's report; `training._say_failed` says it is a full disk."""
     import safetensors.torch
 
-    from llmcustoms.best_weights import BestWeightFiles
-    from llmcustoms.failurereport import describe
-    from llmcustoms.recovery import TrainingFailed, create_failure_report
-    from llmcustoms.training import _say_failed
+    from llmcustoms.runs.best_weights import BestWeightFiles
+    from llmcustoms.runs.failure_report import describe
+    from llmcustoms.recovery.recovery_system import TrainingFailed, create_failure_report
+    from llmcustoms.commands.train import _say_failed
 
     run = RunDirectory(tmp_path / "run")
     run.path.mkdir()

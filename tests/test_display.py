@@ -8,9 +8,9 @@ import re
 
 from rich.console import Console
 
-from llmcustoms.console import machine_table, plan_table, runs_table
-from llmcustoms.hardware import Hardware
-from llmcustoms.rundir import RunSummary
+from llmcustoms.ui.console import machine_table, plan_table, runs_table
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.runs.run_directory import RunSummary
 from test_planning import plan_for
 
 

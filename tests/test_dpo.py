@@ -43,8 +43,8 @@ def shaped_rows(shape: str) -> list[dict]:
 
 
 def prepare(data: Path, model: Path, **overrides):
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
     settings = {"eval_split": 0.0, **overrides}
     return prepare_run(TrainOptions(data=str(data), model=str(model),
@@ -97,7 +97,7 @@ def test_each_preference_shape_is_detected_and_masked_token_by_token(tmp_path, t
 
 
 def test_identical_or_empty_replies_are_bad_rows_named_by_line(tmp_path):
-    from llmcustoms.data import read_dataset
+    from llmcustoms.data.dataset import read_dataset
     from llmcustoms.errors import DataError
 
     good = [{"prompt": f"What is {n} + 1?", "chosen": f"{n + 1}.", "rejected": f"{n + 2}."} for n in range(40)]
@@ -122,17 +122,17 @@ def test_the_objective_follows_the_data_and_contradictions_are_refused(tmp_path,
     with pytest.raises(ConfigError, match="--train-on-prompt does not apply"):
         prepare(PAIRS, tiny_models["llama"], train_on_prompt=True)
     with pytest.raises(DataError, match="this run needs preference pairs there too"):
-        from llmcustoms.hardware import Hardware
-        from llmcustoms.preparation import TrainOptions, prepare_run
+        from llmcustoms.planning.hardware import Hardware
+        from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
         prepare_run(TrainOptions(data=str(PAIRS), model=str(tiny_models["llama"]),
                                  eval_data=str(FIXTURES / "alpaca.jsonl")), Hardware.cpu_only())
 
 
 def test_the_plan_gives_dpo_its_own_lr_and_counts_two_sequences_per_pair(tmp_path, tiny_models):
-    from llmcustoms.memory import MemoryOptimizer
-    from llmcustoms.modeling import describe_model
-    from llmcustoms.presets import load_families
+    from llmcustoms.planning.memory import MemoryOptimizer
+    from llmcustoms.models.loading import describe_model
+    from llmcustoms.planning.presets import load_families
 
     dpo = prepare(PAIRS, tiny_models["llama"], eval_split=0.1).plan
     sft = prepare(FIXTURES / "alpaca.jsonl", tiny_models["llama"], eval_split=0.1).plan
@@ -157,9 +157,9 @@ def test_the_dpo_loss_of_a_batch_equals_the_definition(tiny_models):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.batching import TrainingRows
-    from llmcustoms.losses import select_logits
-    from llmcustoms.preferenceloss import PreferenceLoss
+    from llmcustoms.training.batching import TrainingRows
+    from llmcustoms.losses.sft import select_logits
+    from llmcustoms.losses.dpo import PreferenceLoss
 
     prepared = prepare(PAIRS, tiny_models["llama"])
     torch.manual_seed(0)
@@ -191,9 +191,9 @@ def test_the_dpo_loss_of_a_batch_equals_the_definition(tiny_models):
 
 
 def train_in_process(tmp_path: Path, model: Path, name: str, **overrides):
-    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.training.finetuner import FineTuner
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runs.run_directory import RunDirectory
 
     settings = {"max_steps": 3, "lora_dropout": 0.0, "lr": 1e-2, "warmup_ratio": 0.0, "eval_split": 0.1, **overrides}
     prepared = prepare(PAIRS, model, **settings)
@@ -310,9 +310,9 @@ def test_generate_answers_with_a_dpo_run(tmp_path, tiny_models, uninterrupted):
 def test_the_reference_computed_up_front_equals_the_model_before_training(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.batching import TrainingRows
-    from llmcustoms.losses import select_logits
-    from llmcustoms.reference import compute
+    from llmcustoms.training.batching import TrainingRows
+    from llmcustoms.losses.sft import select_logits
+    from llmcustoms.losses.dpo_reference import compute
     from contextlib import nullcontext
 
     prepared = prepare(PAIRS, tiny_models["llama"])
@@ -411,7 +411,7 @@ def test_tune_searches_a_dpo_run_by_its_held_out_dpo_loss(tmp_path, tiny_models)
 
 
 def test_lr_find_runs_the_dpo_loss_and_refuses_full_fine_tuning(tiny_models):
-    from llmcustoms import lrfind
+    from llmcustoms.commands import lr_find as lrfind
     from llmcustoms.errors import ConfigError
 
     result = lrfind.run_range_test(prepare(PAIRS, tiny_models["llama"]), lrfind.RangeTest(steps=6))

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from llmcustoms import export
+from llmcustoms.commands import export
 from llmcustoms.cli import app
-from llmcustoms.export import model_card
-from llmcustoms.modeling import card_base_model
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.commands.export import model_card
+from llmcustoms.models.loading import card_base_model
+from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import build_model
 
 
@@ -92,7 +92,7 @@ def test_a_merged_export_says_the_dtype_it_wrote(run_with_adapter, tmp_path, dty
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_exported_weights_are_readable_like_every_other_file(run_with_adapter, tmp_path, merge):
-    from llmcustoms.filemodes import usual_mode
+    from llmcustoms.runs.file_modes import usual_mode
 
     out = tmp_path / f"out-{merge}"
     result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), *(["--merge"] * merge)],

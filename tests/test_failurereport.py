@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import DATA_FILES
-from llmcustoms import failurereport
-from llmcustoms.chatturns import RowProblem
+from llmcustoms.runs import failure_report as failurereport
+from llmcustoms.data.chat_turns import RowProblem
 from llmcustoms.errors import ConfigError, DataError
-from llmcustoms.failurereport import (MESSAGE_CHARS, REDACTED, classify, format_traceback, redact,
+from llmcustoms.runs.failure_report import (MESSAGE_CHARS, REDACTED, classify, format_traceback, redact,
                                       save_failure_report)
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.runs.run_directory import RunDirectory
 from test_checkpoints import plan
 
 # Fake, but shaped as the real ones are.
@@ -137,7 +137,7 @@ def test_a_failing_hardware_detection_or_a_full_disk_never_hides_the_failure(tmp
     def broken_detect():
         raise OSError("NVML exploded")
 
-    monkeypatch.setattr("llmcustoms.hardware.detect", broken_detect)
+    monkeypatch.setattr("llmcustoms.planning.hardware.detect", broken_detect)
     run = RunDirectory(tmp_path / "run")
     run.create()
     save_failure_report(run, plan(), raised(RuntimeError("boom")), failed_report())
@@ -158,8 +158,8 @@ def test_only_the_main_process_writes_it(tmp_path):
 
 
 def test_a_bug_escaping_the_loop_marks_the_run_failed_and_a_user_error_does_not(tmp_path):
-    from llmcustoms.runlog import RunLog
-    from llmcustoms.training import _record_escaped
+    from llmcustoms.runs.run_log import RunLog
+    from llmcustoms.commands.train import _record_escaped
 
     run = RunDirectory(tmp_path / "run")
     run.create()
@@ -195,7 +195,7 @@ def test_an_injected_bug_writes_failure_json_without_the_token(tmp_path, tiny_mo
     text = (run / "failure.json").read_text()
     report = json.loads(text)
     assert report["failure"] == "bug" and report["step"] == 2
-    assert "injected bug" in report["traceback"] and "llmcustoms/faults.py" in report["traceback"]
+    assert "injected bug" in report["traceback"] and "llmcustoms/recovery/faults.py" in report["traceback"]
     assert report["error"] == "RuntimeError: injected bug (LLMCUSTOMS_FAULT_INJECT=bug@2)"
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["llmcustoms"]
     assert report["plan"]["total_steps"] == 4 and report["plan"]["model"].endswith(f"{REDACTED}/llama")

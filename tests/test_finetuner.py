@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from llmcustoms.batching import collate
+from llmcustoms.training.batching import collate
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.finetuner import FineTuner
-from llmcustoms.hardware import Hardware
-from llmcustoms.optimization import lr_multiplier
-from llmcustoms.plan import Plan
-from llmcustoms.position import Position, StopCause
-from llmcustoms.preparation import TrainOptions, prepare_run
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.training.optimization import lr_multiplier
+from llmcustoms.planning.plan import Plan
+from llmcustoms.training.position import Position, StopCause
+from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import FIXTURES
 
 
@@ -165,7 +165,7 @@ def test_run_directory_follows_the_contract(tmp_path, tiny_models):
     adapter = run_dir.path / "adapter"
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (adapter / name).is_file(), name
-    from llmcustoms.filemodes import usual_mode
+    from llmcustoms.runs.file_modes import usual_mode
 
     written = [*adapter.iterdir(), *(run_dir.path / "checkpoints" / "step-000005").iterdir(),
                *(run_dir.path / "best").iterdir()]
@@ -216,7 +216,7 @@ def test_gradient_checkpointing_saves_memory_without_changing_the_result(tmp_pat
 
 
 def test_gradients_are_all_reduced_in_buckets_of_one_dtype_up_to_the_limit():
-    from llmcustoms.processes import buckets as bucketed
+    from llmcustoms.training.processes import buckets as bucketed
 
     tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3)]
     buckets = bucketed(tensors, limit=80)  # bytes: 40 + 40 fit, 120 is alone, a dtype change starts a bucket
@@ -232,7 +232,7 @@ def test_a_caller_stopping_the_run_is_a_typed_reason_not_a_message(tmp_path, tin
 
 
 def test_the_loss_and_the_schedule_are_arguments(tmp_path, tiny_models):
-    from llmcustoms.losses import token_cross_entropy
+    from llmcustoms.losses.sft import token_cross_entropy
 
     calls = []
 
@@ -257,7 +257,7 @@ def test_which_rows_make_up_a_step_is_an_argument(tmp_path, tiny_models):
         seen.append(batch["input_ids"].shape[0])
         return token_cross_entropy(model, batch, normaliser)
 
-    from llmcustoms.losses import token_cross_entropy
+    from llmcustoms.losses.sft import token_cross_entropy
 
     tuner, result, _, reporter = train(tmp_path, tiny_models["llama"], max_steps=5, micro_batch_size=4, grad_accum=2,
                                        eval_every=0, tuner_args={"steps": fixed_steps, "loss": counted})

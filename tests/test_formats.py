@@ -17,13 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmcustoms.chattemplates import ensure_chat_template, supports_tools
-from llmcustoms.data import read_dataset
-from llmcustoms.datafiles import RawRow, read_rows
+from llmcustoms.data.chat_templates import ensure_chat_template, supports_tools
+from llmcustoms.data.dataset import read_dataset
+from llmcustoms.data.data_files import RawRow, read_rows
 from llmcustoms.errors import DataError, ModelError
-from llmcustoms.rowformats import (FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format, detect_format,
+from llmcustoms.data.row_formats import (FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format, detect_format,
                                    to_example)
-from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer
+from llmcustoms.data.tokenization import IGNORE_INDEX, Tokenizer
 from test_tokenization import spans as decoded_spans
 from tiny_models import FIXTURES, build_tokenizer
 
@@ -299,7 +299,7 @@ def test_text_rows_stay_raw_even_with_a_template(chatml):
 
 
 def test_generation_prompts_the_way_training_rendered(chatml, no_template):
-    from llmcustoms.generation import prompt_ids
+    from llmcustoms.models.generation import prompt_ids
 
     messages = [{"role": "user", "content": "Question: What do bees make?\nAnswer:"}]
     report = {"rows": 1}  # a plan made since prompts go through the template

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmcustoms.presets import load_families, load_preset
+from llmcustoms.planning.presets import load_families, load_preset
 
 ROOT = Path(__file__).parent.parent
 # Loaded from its file, not by putting benchmarks/ on sys.path, where its other

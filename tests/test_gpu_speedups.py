@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import DATA_FILES
-from llmcustoms.batching import collate
-from llmcustoms.hardware import Hardware
-from llmcustoms.losses import select_logits, token_cross_entropy
-from llmcustoms.packing import pack, packed_micro_batches, use_varlen_attention
-from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.presets import load_preset
-from llmcustoms.tokenization import IGNORE_INDEX
+from llmcustoms.training.batching import collate
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.losses.sft import select_logits, token_cross_entropy
+from llmcustoms.models.packing import pack, packed_micro_batches, use_varlen_attention
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.presets import load_preset
+from llmcustoms.data.tokenization import IGNORE_INDEX
 from test_losses import FAMILIES, rows
 
 
@@ -231,7 +231,7 @@ def test_models_that_change_their_logits_after_the_head_keep_them():
 
 
 def test_a_chunk_without_trained_tokens_gives_zero_and_a_gradient():
-    from llmcustoms.losses import head_cross_entropy
+    from llmcustoms.losses.sft import head_cross_entropy
 
     head = torch.nn.Linear(8, 50, bias=False)
     hidden = torch.zeros((0, 8), requires_grad=True)
@@ -241,7 +241,7 @@ def test_a_chunk_without_trained_tokens_gives_zero_and_a_gradient():
 
 
 def test_dpo_estimates_every_logit_of_its_pairs():
-    from llmcustoms.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryOptimizer
     from test_planning import model
 
     memory = MemoryOptimizer(model("Qwen/Qwen2.5-0.5B-Instruct").arch, on_gpu=True, budget_bytes=80 * 2 ** 30)

@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmcustoms import options, rawrows
+from llmcustoms.planning import options
+
+from llmcustoms.data import raw_rows as rawrows
 from llmcustoms.cli import app
-from llmcustoms.data import read_dataset, usable_examples
+from llmcustoms.data.dataset import read_dataset, usable_examples
 from llmcustoms.errors import ConfigError, DataError
-from llmcustoms.presets import validate_preset_values
-from llmcustoms.settings import load_settings
-from llmcustoms.tokenization import Tokenizer
+from llmcustoms.planning.presets import validate_preset_values
+from llmcustoms.planning.settings import load_settings
+from llmcustoms.data.tokenization import Tokenizer
 from tiny_models import build_tokenizer
 
 SECRET = "SECRET-ROW-CONTENT-12345"

@@ -1,6 +1,7 @@
-"""The rules of CONTRIBUTING.md that a machine can check: planning never
-imports torch, Rich stays in the UI module, no import cycles, and modules
-and functions small enough to read."""
+"""The rules of CONTRIBUTING.md that a machine can check, one per folder of
+`llmcustoms/`: each folder imports only from the folders below it, planning
+never imports torch, Rich stays in `ui/`, no import cycles, and modules and
+functions small enough to read."""
 
 from __future__ import annotations
 
@@ -12,57 +13,95 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "llmcustoms"
-MODULES = sorted(PACKAGE.glob("*.py"))
-# The modules that may import Rich: everything the user sees is drawn there.
-UI_MODULES = {"console.py", "dataview.py", "dialog.py", "tuneview.py", "trainview.py"}
-# The planning layer: pure, and importing nothing from running or the UI.
-PLANNING = ("errors", "options", "settings", "presets", "hardware", "memory", "sizing", "duration", "fitting", "plan",
-            "planning", "dataadvice", "objectives", "diskspace", "stepchoices")
-# Planning and everything `--help` touches: importable without torch.
-WITHOUT_TORCH = tuple(f"llmcustoms.{name}" for name in PLANNING) + (
-    "llmcustoms.cli", "llmcustoms.flags", "llmcustoms.launching", "llmcustoms.rundir", "llmcustoms.reporting")
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# The folders, lowest first: a module may import from its own folder and the
+# folders before it, never from one after it. CONTRIBUTING.md says what each holds.
+FOLDERS = ("planning", "recovery", "data", "runs", "models", "losses", "training", "ui", "commands")
+# Modules at the top: two leaves everything may import (they import nothing of
+# ours), and the command line, which may import everything and which nothing imports.
+LEAVES = {"errors", "reporting"}
+COMMAND_LINE = {"cli", "flags", "__main__", "__init__"}
+# Importable without torch: all of planning/, and everything `--help` touches.
+WITHOUT_TORCH_ALSO = ("llmcustoms.cli", "llmcustoms.flags", "llmcustoms.reporting", "llmcustoms.errors",
+                      "llmcustoms.training.launching", "llmcustoms.runs.run_directory")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts)
+
+
+def folder_of(name: str) -> str | None:
+    """`planning` for `llmcustoms.planning.plan`; None for a top-level module."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 else None
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, at the top or inside a function."""
+    """Every module of ours `path` imports, at the top or inside a function."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            if node.module == "llmcustoms":  # `from llmcustoms import console`
-                names.update(f"llmcustoms.{alias.name}" for alias in node.names)
-    return names
+            # `from llmcustoms.ui import console` imports the module llmcustoms.ui.console
+            names.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists())
+    return {n for n in names if n.startswith("llmcustoms.") and (PACKAGE.parent / f"{n.replace('.', '/')}.py").exists()}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {module_name(p): imported_modules(p) - {module_name(p)} for p in MODULES}
+
+
+def test_every_module_sits_in_a_folder_with_a_rule_and_the_top_stays_small():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top <= LEAVES | COMMAND_LINE, f"modules at the top with no folder: {sorted(top - LEAVES - COMMAND_LINE)}"
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} - {"presets"}
+    assert folders == set(FOLDERS), f"folders without a rule in this file: {sorted(folders ^ set(FOLDERS))}"
+    for folder in FOLDERS:
+        init = PACKAGE / folder / "__init__.py"
+        assert init.exists() and not init.read_text().strip(), f"{folder}/__init__.py must exist and stay empty"
+
+
+def test_no_import_runs_back_up_a_folder():
+    rank = {folder: i for i, folder in enumerate(FOLDERS)}
+    for module, imports in _graph().items():
+        folder = folder_of(module)
+        for imported in imports:
+            below = folder_of(imported)
+            if folder is None:
+                if module.split(".")[-1] in LEAVES:
+                    pytest.fail(f"{module} must import nothing of ours, but imports {imported}")
+                continue  # the command line may import anything
+            if below is None:
+                assert imported.split(".")[-1] in LEAVES, f"{module} imports the command line ({imported})"
+            else:
+                assert rank[below] <= rank[folder], (
+                    f"{module} ({folder}/) imports {imported} ({below}/), a folder above it: "
+                    "move the shared piece down, or pass it in")
 
 
 def test_planning_and_the_cli_import_no_torch():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in WITHOUT_TORCH)
+    planning = [module_name(p) for p in sorted((PACKAGE / "planning").glob("*.py")) if p.stem != "__init__"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in planning + list(WITHOUT_TORCH_ALSO))
             + "heavy = [m for m in ('torch', 'transformers', 'peft', 'optuna') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
 
-def test_planning_imports_nothing_from_running_or_the_ui():
-    for name in PLANNING:
-        ours = {m for m in imported_modules(PACKAGE / f"{name}.py") if m.startswith("llmcustoms.")}
-        outside = ours - {f"llmcustoms.{other}" for other in PLANNING}
-        assert not outside, f"{name}.py imports {sorted(outside)}"
-
-
-def test_rich_only_in_the_ui_module():
-    offenders = [p.name for p in MODULES if p.name not in UI_MODULES
-                 and any(name == "rich" or name.startswith("rich.") for name in imported_modules(p))]
-    assert not offenders, f"Rich imported outside {sorted(UI_MODULES)}: {offenders}"
-
-
-def _graph() -> dict[str, set[str]]:
-    graph = {}
+def test_rich_only_in_the_ui_folder():
+    offenders = []
     for path in MODULES:
-        name = f"llmcustoms.{path.stem}"
-        graph[name] = {m for m in imported_modules(path) if m.startswith("llmcustoms.") and m != name}
-    return graph
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            if any(n == "rich" or n.startswith("rich.") for n in names) and folder_of(module_name(path)) != "ui":
+                offenders.append(module_name(path))
+    assert not offenders, f"Rich imported outside ui/: {sorted(set(offenders))}"
 
 
 def test_no_import_cycles():
@@ -88,7 +127,7 @@ def test_no_import_cycles():
 
 
 def test_modules_and_functions_are_small():
-    too_long = {p.name: n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    too_long = {module_name(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
     assert not too_long, f"modules over 450 lines: {too_long}"
     assert len((PACKAGE / "cli.py").read_text().splitlines()) < 350
     long_functions = []
@@ -97,17 +136,5 @@ def test_modules_and_functions_are_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 if length > 70:
-                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
+                    long_functions.append(f"{module_name(path)}:{node.name} ({length} lines)")
     assert not long_functions, f"functions over 70 lines: {long_functions}"
-
-
-def test_nothing_imports_the_command_line_and_the_loop_never_imports_the_ui():
-    graph = _graph()
-    for module, imports in graph.items():
-        if module not in ("llmcustoms.cli", "llmcustoms.__main__"):
-            assert not imports & {"llmcustoms.cli", "llmcustoms.flags"}, f"{module} imports the command line"
-    loop = ("finetuner", "processes", "position", "losses", "optimization", "batching", "checkpoints", "recovery",
-            "faults", "modeling", "sharding")
-    for name in loop:
-        ui = graph[f"llmcustoms.{name}"] & {"llmcustoms.console", "llmcustoms.dialog", "llmcustoms.trainview"}
-        assert not ui, f"{name}.py imports {sorted(ui)}: report through reporting.Reporter"

@@ -8,10 +8,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from llmcustoms import losses
-from llmcustoms.batching import collate
-from llmcustoms.losses import select_logits, token_cross_entropy
-from llmcustoms.tokenization import IGNORE_INDEX, TokenizedExample
+from llmcustoms.losses import sft as losses
+from llmcustoms.training.batching import collate
+from llmcustoms.losses.sft import select_logits, token_cross_entropy
+from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
 
 FAMILIES = ("llama", "mistral", "qwen2", "phi", "phi3")
 
@@ -83,8 +83,8 @@ def test_chunked_loss_equals_one_pass(tiny_models, family, monkeypatch):
 
 
 def test_chunked_loss_bounds_the_logits_in_the_memory_estimate():
-    from llmcustoms.memory import CHUNK_LOGITS, MemoryOptimizer
-    from llmcustoms.presets import ModelSpec
+    from llmcustoms.planning.memory import CHUNK_LOGITS, MemoryOptimizer
+    from llmcustoms.planning.presets import ModelSpec
 
     qwen = ModelSpec(hub_id="q", family="qwen", model_type="qwen2", params=0, hidden_size=896, num_layers=24,
                      num_attention_heads=14, num_kv_heads=2, intermediate_size=4864, vocab_size=151936,

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms import lrfind
+from llmcustoms.commands import lr_find as lrfind
 from llmcustoms.cli import app
-from llmcustoms.lrfind import lr_sequence, sample_rows, smooth, stop_reason, suggest
-from llmcustoms.tuning import LR_SPAN
+from llmcustoms.commands.lr_find import lr_sequence, sample_rows, smooth, stop_reason, suggest
+from llmcustoms.commands.tune import LR_SPAN
 
 runner = CliRunner()
 
@@ -166,9 +166,9 @@ def test_a_loss_that_never_falls_gives_no_suggestion_and_exit_2(tmp_path, tiny_m
 
 
 def test_divergence_stops_the_range_test(tmp_path, tiny_models, monkeypatch):
-    from llmcustoms import losses
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_run
+    from llmcustoms.losses import sft as losses
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
     real, calls = losses.token_cross_entropy, []
 

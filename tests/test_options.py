@@ -1,4 +1,4 @@
-"""Every option is declared once (llmcustoms/options.py); these tests hold
+"""Every option is declared once (llmcustoms/planning/options.py); these tests hold
 each list derived from the table to it, so an option added to only one side
 (a flag without a variable, a variable without a flag, a range that differs
 between the command line, the environment and preset files) fails here."""
@@ -13,11 +13,11 @@ import typer
 import typer.core
 from typer.testing import CliRunner
 
-from llmcustoms import options
+from llmcustoms.planning import options
 from llmcustoms.cli import app
-from llmcustoms.planning import OVERRIDABLE
-from llmcustoms.presets import TUNABLE_FIELDS, validate_preset_values
-from llmcustoms.settings import SETTINGS, example_file
+from llmcustoms.planning.planner import OVERRIDABLE
+from llmcustoms.planning.presets import TUNABLE_FIELDS, validate_preset_values
+from llmcustoms.planning.settings import SETTINGS, example_file
 
 ROOT = Path(__file__).parent.parent
 # Flags that steer a command rather than set a value: no variable, on purpose.
@@ -115,7 +115,7 @@ def test_the_same_range_everywhere(option, tmp_path, monkeypatch):
 
 def test_eval_split_accepts_the_same_095_everywhere(tmp_path, monkeypatch):
     """The drift that started this: --eval-split stopped at 0.9 while the variable took 0.95."""
-    from llmcustoms.settings import load_settings
+    from llmcustoms.planning.settings import load_settings
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LLMCUSTOMS_EVAL_SPLIT", "0.95")

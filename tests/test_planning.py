@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from llmcustoms.duration import CPU_TIME_LIMIT_S
+from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.errors import ConfigError
-from llmcustoms.hardware import GIB, Hardware
-from llmcustoms.memory import MemoryOptimizer, parameter_counts
-from llmcustoms.modeling import choice_from_spec
-from llmcustoms.plan import DataStats, Plan
-from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.presets import find_model_spec, load_families, load_preset
+from llmcustoms.planning.hardware import GIB, Hardware
+from llmcustoms.planning.memory import MemoryOptimizer, parameter_counts
+from llmcustoms.models.loading import choice_from_spec
+from llmcustoms.planning.plan import DataStats, Plan
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 
 FAMILIES = load_families()
 MACHINES = {
@@ -344,7 +344,7 @@ def test_full_fine_tuning_that_does_not_fit_suggests_sharding_over_more_gpus():
 
 
 def test_resuming_a_sharded_run_over_fewer_processes_warns_when_it_will_not_fit():
-    from llmcustoms.preparation import _less_sharding_warning
+    from llmcustoms.commands.preparation import _less_sharding_warning
 
     plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
     assert _less_sharding_warning(plan, 8) is None and _less_sharding_warning(plan, 16) is None
@@ -410,7 +410,7 @@ def test_a_plan_json_with_warnings_among_its_reasons_reads_them_as_warnings():
 
 
 def test_resuming_over_fewer_processes_adds_a_warning_not_a_reason():
-    from llmcustoms.preparation import _less_sharding_warning
+    from llmcustoms.commands.preparation import _less_sharding_warning
 
     plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
     warned = plan.with_warning(_less_sharding_warning(plan, 1))
@@ -419,7 +419,7 @@ def test_resuming_over_fewer_processes_adds_a_warning_not_a_reason():
 
 
 def test_the_schedule_fits_a_run_of_max_steps_8():
-    from llmcustoms.planning import MIN_SAVE_EVERY
+    from llmcustoms.planning.planner import MIN_SAVE_EVERY
 
     stats = DataStats(lengths=tuple([100] * 900), first_loss_positions=tuple([20] * 900), eval_rows=100)
     plan = ParameterOptimizer(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcustoms import hardware as hardware_module
-from llmcustoms.duration import estimate_seconds
-from llmcustoms.hardware import Hardware, cpu_bf16
-from llmcustoms.modeling import weights_dtype
+from llmcustoms.planning import hardware as hardware_module
+from llmcustoms.planning.duration import estimate_seconds
+from llmcustoms.planning.hardware import Hardware, cpu_bf16
+from llmcustoms.models.loading import weights_dtype
 from test_finetuner import train
 from test_planning import model, plan_for
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmcustoms.chatturns import Message, RowProblem
-from llmcustoms.preferences import preference_format, to_pair
+from llmcustoms.data.chat_turns import Message, RowProblem
+from llmcustoms.data.preference_pairs import preference_format, to_pair
 
 USER, SYSTEM = Message("user", "What is water made of?"), Message("system", "Be brief.")
 GOOD, BAD = Message("assistant", "Hydrogen and oxygen."), Message("assistant", "Cheese.")

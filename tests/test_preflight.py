@@ -15,19 +15,20 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms import diskspace, hardware, preflight
+from llmcustoms.planning import disk_space as diskspace, hardware
+from llmcustoms.training import preflight
 from llmcustoms.cli import app
-from llmcustoms.diskspace import disk_need
+from llmcustoms.planning.disk_space import disk_need
 from llmcustoms.errors import ConfigError
-from llmcustoms.finetuner import FineTuner
-from llmcustoms.hardware import Hardware, usable_by_torch
-from llmcustoms.modeling import choice_from_spec
-from llmcustoms.plan import DataStats
-from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.preparation import TrainOptions, prepare_run
-from llmcustoms.presets import find_model_spec, load_families, load_preset
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.planning.hardware import Hardware, usable_by_torch
+from llmcustoms.models.loading import choice_from_spec
+from llmcustoms.planning.plan import DataStats
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import FIXTURES, build_model
 
 runner = CliRunner()

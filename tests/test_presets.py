@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.presets import (MODEL_SIZE_CLASSES, builtin_preset_names, dataset_size_bucket, family_for_model_type,
+from llmcustoms.planning.presets import (MODEL_SIZE_CLASSES, builtin_preset_names, dataset_size_bucket, family_for_model_type,
                                 find_model_spec, load_families, load_preset, model_size_class, presets_dir)
 
 PRESETS = builtin_preset_names()

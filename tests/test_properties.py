@@ -22,13 +22,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llmcustoms import options
-from llmcustoms.chattemplates import ensure_chat_template
-from llmcustoms.data import POLICIES, read_dataset, usable_examples
+from llmcustoms.planning import options
+from llmcustoms.data.chat_templates import ensure_chat_template
+from llmcustoms.data.dataset import POLICIES, read_dataset, usable_examples
 from llmcustoms.errors import LlmcustomsError
-from llmcustoms.settings import NOT_SETTINGS, load_settings
-from llmcustoms.tokenization import Tokenizer
-from llmcustoms.tokenstore import MAX_ROW_CHARS
+from llmcustoms.planning.settings import NOT_SETTINGS, load_settings
+from llmcustoms.data.tokenization import Tokenizer
+from llmcustoms.data.token_store import MAX_ROW_CHARS
 from tiny_models import CHATML_TEMPLATE, build_tokenizer
 
 settings.register_profile("llmcustoms-ci", max_examples=150, deadline=None, derandomize=True, database=None,

@@ -109,7 +109,7 @@ def test_sigint_in_a_long_step_stops_at_the_next_micro_batch_and_resumes_exactly
     more): Ctrl-C one second into it stops after its first micro-batch, not
     after the step; the unfinished step is dropped (its random draws too: dropout
     is on) and step 3, not saved on schedule, is checkpointed then."""
-    from llmcustoms.faults import SLOW_MICRO_BATCH_S
+    from llmcustoms.recovery.faults import SLOW_MICRO_BATCH_S
 
     run = tmp_path / "run"
     env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": "slow@4"}

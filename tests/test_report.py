@@ -9,13 +9,13 @@ from dataclasses import replace
 from typer.testing import CliRunner
 
 from llmcustoms.cli import app
-from llmcustoms.hardware import Hardware
-from llmcustoms.modeling import choice_from_spec
-from llmcustoms.plan import DataStats, Plan
-from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.presets import find_model_spec, load_families, load_preset
-from llmcustoms.report import MIN_EVALUATIONS_OVERFITTING, MIN_STEPS_LEARNING_RATE, analyse
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.models.loading import choice_from_spec
+from llmcustoms.planning.plan import DataStats, Plan
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
+from llmcustoms.commands.report import MIN_EVALUATIONS_OVERFITTING, MIN_STEPS_LEARNING_RATE, analyse
+from llmcustoms.runs.run_directory import RunDirectory
 
 VERDICTS = ("convergence", "overfitting", "learning rate")
 # Falls, spikes, falls, spikes: from these the old report called the rate "too high" after 6 steps.

@@ -13,12 +13,12 @@ import pytest
 from rich.console import Console
 
 from conftest import DATA_FILES
-from llmcustoms.memory import CUDA_CONTEXT_BYTES
-from llmcustoms.report import analyse
-from llmcustoms.resourceuse import GpuSampler, ResourceUse, compare, predicted_at
-from llmcustoms.rundir import RunDirectory
-from llmcustoms.trainprogress import TrainingProgress
-from llmcustoms.trainview import RichReporter
+from llmcustoms.planning.memory import CUDA_CONTEXT_BYTES
+from llmcustoms.commands.report import analyse
+from llmcustoms.training.resource_use import GpuSampler, ResourceUse, compare, predicted_at
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.ui.train_progress import TrainingProgress
+from llmcustoms.ui.train_view import RichReporter
 
 MIB = 1024 ** 2
 ESTIMATE = {"weights_bytes": 500 * MIB, "trainable_bytes": 20 * MIB, "gradients_bytes": 20 * MIB,

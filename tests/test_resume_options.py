@@ -11,11 +11,11 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import DATA_FILES, run_cli
-from llmcustoms.checkpoints import CheckpointManager, ResumeFrom, step_named
+from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
 from llmcustoms.errors import ConfigError
-from llmcustoms.optimization import lr_multiplier
-from llmcustoms.plan import Plan
-from llmcustoms.position import Position
+from llmcustoms.training.optimization import lr_multiplier
+from llmcustoms.planning.plan import Plan
+from llmcustoms.training.position import Position
 
 STEPS = 8
 
@@ -144,7 +144,7 @@ def test_a_checkpoint_is_named_as_users_name_it(tmp_path, clean_environment):
 
 
 def test_the_flags_reach_every_process_but_not_a_restart_nor_from_the_environment(clean_environment, monkeypatch):
-    from llmcustoms.training import Session
+    from llmcustoms.commands.train import Session
 
     monkeypatch.setenv("LLMCUSTOMS_EPOCHS", "5")
     session = Session.load({}, None, quiet=True).resuming("step-000004", True, 2.5)
@@ -181,11 +181,11 @@ def test_going_on_from_a_step_removes_the_later_checkpoints_and_counts_patience_
 
 def plan_of(**overrides) -> Plan:
     """A plan for 40 rows at 8 rows a step: 5 steps an epoch."""
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.modeling import choice_from_spec
-    from llmcustoms.plan import DataStats
-    from llmcustoms.planning import ParameterOptimizer
-    from llmcustoms.presets import find_model_spec, load_families, load_preset
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.models.loading import choice_from_spec
+    from llmcustoms.planning.plan import DataStats
+    from llmcustoms.planning.planner import ParameterOptimizer
+    from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 
     families = load_families()
     model = choice_from_spec(find_model_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0", families), families, "flag")

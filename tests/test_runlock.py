@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_FILES
-from llmcustoms import runlock
+from llmcustoms.runs import run_lock as runlock
 from llmcustoms.errors import ConfigError
 
 HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms import runlock\n"

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DATA_FILES
 from llmcustoms.reporting import SilentReporter
-from llmcustoms.runlog import LoggingReporter, RunLog
+from llmcustoms.runs.run_log import LoggingReporter, RunLog
 
 HF_TOKEN = "hf_" + "Zq3xK9LmP2vR7tY1wE5uI8oA4sD6fG0hJk"
 # A record's first line: time with its offset, level, text.

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.errors import ConfigError
-from llmcustoms.settings import SETTINGS, example_file, load_settings
+from llmcustoms.planning.settings import SETTINGS, example_file, load_settings
 
 runner = CliRunner()
 ROOT = Path(__file__).parent.parent

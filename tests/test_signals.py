@@ -92,9 +92,9 @@ class SignalInEvaluation:
 
 
 def train(tmp_path: Path, prepared, name: str, resume: bool = False, faults=None):
-    from llmcustoms.finetuner import FineTuner
+    from llmcustoms.training.finetuner import FineTuner
     from llmcustoms.reporting import SilentReporter
-    from llmcustoms.rundir import RunDirectory
+    from llmcustoms.runs.run_directory import RunDirectory
 
     run_dir = RunDirectory(tmp_path / name)
     if not resume:
@@ -122,9 +122,9 @@ def uninterrupted(prepared, tmp_path_factory):
 @pytest.mark.parametrize("stop_step", [STOP_STEP, 8])  # 8: the last step's evaluation
 def test_a_stop_inside_an_evaluation_keeps_its_step_and_resume_evaluates_again(tmp_path, prepared, uninterrupted,
                                                                              stop_step):
-    from llmcustoms.recovery import TrainingInterrupted
+    from llmcustoms.recovery.recovery_system import TrainingInterrupted
 
-    from llmcustoms.batching import TrainingRows
+    from llmcustoms.training.batching import TrainingRows
 
     rows = TrainingRows([], prepared.evaluation, prepared.tokenizer.pad_token_id, 1)
     assert prepared.plan.total_steps == 8 and len(rows.evaluation_batches(prepared.plan.micro_batch_size)) > 2
@@ -162,7 +162,7 @@ def test_sigterm_during_a_long_evaluation_exits_143_within_a_micro_batch_and_res
     """Every micro-batch of the evaluation after step 6 takes SLOW_MICRO_BATCH_S
     longer (6 of them: half a minute in all). SIGTERM a second into it stops it
     after that micro-batch, with step 6 checkpointed (not due on its own)."""
-    from llmcustoms.faults import SLOW_MICRO_BATCH_S
+    from llmcustoms.recovery.faults import SLOW_MICRO_BATCH_S
 
     reference = cli(*cli_args(tiny_models["llama"], tmp_path, "reference"))
     assert reference.returncode == 0, reference.stderr
@@ -192,7 +192,7 @@ def test_sigterm_during_a_long_evaluation_exits_143_within_a_micro_batch_and_res
 def test_a_second_sigint_quits_at_once_and_status_json_says_so(tmp_path, tiny_models):
     """Step 3 is slow (each micro-batch SLOW_MICRO_BATCH_S longer): Ctrl-C twice
     inside it quits at once, without the checkpoint a first Ctrl-C would save."""
-    from llmcustoms.faults import SLOW_MICRO_BATCH_S
+    from llmcustoms.recovery.faults import SLOW_MICRO_BATCH_S
 
     run = tmp_path / "run"
     process = start(cli_args(tiny_models["llama"], tmp_path, "run"), "slow@3")
@@ -220,7 +220,7 @@ def test_sigterm_to_one_of_two_processes_during_an_evaluation_stops_both_before_
     one, write step 6's checkpoint together and leave: no process waits for ever."""
     import psutil
 
-    from llmcustoms.faults import SLOW_MICRO_BATCH_S
+    from llmcustoms.recovery.faults import SLOW_MICRO_BATCH_S
 
     run = tmp_path / "run"
     process = start([*cli_args(tiny_models["llama"], tmp_path, "run"), "--num-processes", "2"],
@@ -244,7 +244,7 @@ def test_sigterm_to_one_of_two_processes_during_an_evaluation_stops_both_before_
 
 QUITTER = """
 import os, signal, sys, time
-from llmcustoms.stopsignals import StopSignals
+from llmcustoms.recovery.stop_signals import StopSignals
 
 def quitting(signum):
     if sys.argv[1] == "hangs":
@@ -264,7 +264,7 @@ with StopSignals(lambda text: print(text, flush=True), True, quitting) as signal
 
 @pytest.mark.parametrize("writer", ["writes", "hangs", "fails"])
 def test_the_second_signal_tells_status_json_at_best_and_quits_regardless(tmp_path, writer):
-    from llmcustoms.stopsignals import ACKNOWLEDGEMENT, QUIT_WRITE_S
+    from llmcustoms.recovery.stop_signals import ACKNOWLEDGEMENT, QUIT_WRITE_S
 
     said = tmp_path / "said"
     started = time.monotonic()
@@ -278,9 +278,9 @@ def test_the_second_signal_tells_status_json_at_best_and_quits_regardless(tmp_pa
 
 
 def test_record_quit_says_since_which_step_nothing_was_saved(tmp_path):
-    from llmcustoms.checkpoints import CheckpointManager
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.stopsignals import record_quit
+    from llmcustoms.runs.checkpoints import CheckpointManager
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.recovery.stop_signals import record_quit
 
     run_dir = RunDirectory(tmp_path / "run")
     run_dir.create()
@@ -301,8 +301,8 @@ def test_record_quit_says_since_which_step_nothing_was_saved(tmp_path):
 def test_sample_replies_stop_at_the_next_token_and_write_nothing(tmp_path, tiny_models, prepared):
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.samples import SampleReplies, held_out_prompts
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.training.samples import SampleReplies, held_out_prompts
 
     run_dir = RunDirectory(tmp_path / "run")
     run_dir.create()
@@ -320,13 +320,13 @@ def test_sample_replies_stop_at_the_next_token_and_write_nothing(tmp_path, tiny_
 def test_a_stop_during_the_reference_pass_ends_the_run_there(tmp_path, tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.batching import TrainingRows
-    from llmcustoms.losses import select_logits
-    from llmcustoms.processes import Processes
-    from llmcustoms.recovery import TrainingInterrupted
-    from llmcustoms.reference import cached_reference, compute
-    from llmcustoms.rundir import RunDirectory
-    from llmcustoms.stopsignals import StopRequested, StopSignals
+    from llmcustoms.training.batching import TrainingRows
+    from llmcustoms.losses.sft import select_logits
+    from llmcustoms.training.processes import Processes
+    from llmcustoms.recovery.recovery_system import TrainingInterrupted
+    from llmcustoms.losses.dpo_reference import cached_reference, compute
+    from llmcustoms.runs.run_directory import RunDirectory
+    from llmcustoms.recovery.stop_signals import StopRequested, StopSignals
     from test_dpo import PAIRS, prepare
 
     prepared = prepare(PAIRS, tiny_models["llama"], method="full")

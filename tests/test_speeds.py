@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from llmcustoms.hardware import Hardware
-from llmcustoms.modeling import choice_from_spec
-from llmcustoms.plan import DataStats
-from llmcustoms.planning import ParameterOptimizer
-from llmcustoms.presets import find_model_spec, load_families, load_preset
-from llmcustoms.speeds import FILE_NAME, measured_tokens_per_s, record_speed, with_measured_speeds
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.models.loading import choice_from_spec
+from llmcustoms.planning.plan import DataStats
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
+from llmcustoms.runs.speeds import FILE_NAME, measured_tokens_per_s, record_speed, with_measured_speeds
 
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FAMILIES = load_families()

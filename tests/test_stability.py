@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_FILES
-from llmcustoms.stability import LOSS_FACTOR, MIN_HISTORY, NORM_FACTOR, StabilityCheck
-from llmcustoms.trainprogress import TrainingProgress
+from llmcustoms.recovery.stability import LOSS_FACTOR, MIN_HISTORY, NORM_FACTOR, StabilityCheck
+from llmcustoms.ui.train_progress import TrainingProgress
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from llmcustoms.batching import collate
-from llmcustoms.chattemplates import ensure_chat_template
-from llmcustoms.data import usable_examples
-from llmcustoms.rowformats import Example
-from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer, first_loss_position, truncate
+from llmcustoms.training.batching import collate
+from llmcustoms.data.chat_templates import ensure_chat_template
+from llmcustoms.data.dataset import usable_examples
+from llmcustoms.data.row_formats import Example
+from llmcustoms.data.tokenization import IGNORE_INDEX, Tokenizer, first_loss_position, truncate
 from tiny_models import FIXTURES
 
 CONVERSATION = Example(row=1, messages=(
@@ -137,8 +137,8 @@ def test_truncation_counts_truncated_and_drops_rows_without_a_reply(tiny_models)
 
 
 def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path, tiny_models, monkeypatch):
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))
@@ -156,8 +156,8 @@ def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path
 def test_a_plan_made_before_templated_prompts_resumes_with_its_raw_rows(tmp_path, tiny_models, monkeypatch):
     from dataclasses import replace
 
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_resume, prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_resume, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     raw = TrainOptions(data=str(FIXTURES / "prompt_completion.csv"), model=str(tiny_models["qwen2"]),
@@ -174,8 +174,8 @@ def test_resume_refuses_rows_that_would_be_tokenized_another_way(tmp_path, tiny_
     from dataclasses import replace
 
     from llmcustoms.errors import DataError
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_resume, prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_resume, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     began = prepare_run(TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"])),

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from llmcustoms import tokenstore
-from llmcustoms.data import read_dataset, usable_examples
-from llmcustoms.tokenization import IGNORE_INDEX, Tokenizer
-from llmcustoms.tokenstore import TokenRows, build_store, open_store
+from llmcustoms.data import token_store as tokenstore
+from llmcustoms.data.dataset import read_dataset, usable_examples
+from llmcustoms.data.tokenization import IGNORE_INDEX, Tokenizer
+from llmcustoms.data.token_store import TokenRows, build_store, open_store
 from tiny_models import FIXTURES
 
 
@@ -102,7 +102,7 @@ def test_a_store_of_no_rows_opens(tmp_path, encoder):
 
 
 def test_rows_with_nothing_learned_are_dropped_not_trained_as_empty(encoder):
-    from llmcustoms.tokenization import TokenizedExample
+    from llmcustoms.data.tokenization import TokenizedExample
 
     prompt_only = TokenizedExample(1, [5, 6, 7], [IGNORE_INDEX] * 3)  # a reply clipped away
     empty = TokenizedExample(2, [], [])
@@ -112,7 +112,7 @@ def test_rows_with_nothing_learned_are_dropped_not_trained_as_empty(encoder):
 
 
 def test_long_documents_are_tokenized_in_chunks_of_bounded_text(monkeypatch):
-    from llmcustoms.rowformats import Example
+    from llmcustoms.data.row_formats import Example
 
     monkeypatch.setattr(tokenstore, "CHUNK_CHARS", 1000)
     rows = [Example(i, prompt="p", completion="x" * 400) for i in range(1, 8)]
@@ -140,8 +140,8 @@ def test_workers_that_cannot_start_leave_the_work_to_this_process(tmp_path, enco
 
 
 def test_a_damaged_cached_store_is_replaced_by_the_next_run(tmp_path, tiny_models, monkeypatch):
-    from llmcustoms.hardware import Hardware
-    from llmcustoms.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))

@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 
 from conftest import DATA_FILES
-from llmcustoms.trainprogress import TrainingProgress
-from llmcustoms.trainview import RichReporter
+from llmcustoms.ui.train_progress import TrainingProgress
+from llmcustoms.ui.train_view import RichReporter
 
 
 def shown(reporter: RichReporter) -> list[str]:
@@ -79,7 +79,7 @@ def test_a_captured_terminal_shows_the_eta_while_the_second_step_runs(tmp_path, 
 
 
 def test_a_dpo_run_shows_its_reward_accuracy_beside_the_losses():
-    from llmcustoms.trainprogress import TrainingProgress
+    from llmcustoms.ui.train_progress import TrainingProgress
 
     progress = TrainingProgress(total_steps=30, start_step=0, now=0.0)
     progress.evaluated({"step": 0, "eval_loss": 0.6931, "eval_reward_accuracy": 0.5}, now=1.0)

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.errors import ModelError
-from llmcustoms.modeling import Allowed, _explain, check_weight_files
-from llmcustoms.rundir import RunDirectory
+from llmcustoms.models.loading import Allowed, _explain, check_weight_files
+from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import build_model
 
 DATA = str(DATA_FILES["alpaca"])
@@ -176,7 +176,7 @@ def test_from_run_of_a_run_that_trusts_remote_code_needs_the_flag(received, tmp_
 
 
 def test_a_resume_passes_its_permissions_on_to_the_processes_it_starts(clean_environment, monkeypatch):
-    from llmcustoms.training import Session
+    from llmcustoms.commands.train import Session
 
     monkeypatch.setenv("LLMCUSTOMS_TRUST_REMOTE_CODE", "true")
     monkeypatch.setenv("LLMCUSTOMS_ALLOW_PICKLE_WEIGHTS", "true")

@@ -14,12 +14,12 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms import dialog
+from llmcustoms.ui import dialog
 from llmcustoms.cli import app
 from llmcustoms.errors import ConfigError
-from llmcustoms.generation import generate, load_trained
-from llmcustoms.rundir import RunDirectory
-from llmcustoms.runweights import choose_weights
+from llmcustoms.models.generation import generate, load_trained
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.run_weights import choose_weights
 
 runner = CliRunner()
 PROMPT = "What do bees make?"

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from conftest import DATA_FILES
 from llmcustoms.cli import app
-from llmcustoms.hardware import Hardware
-from llmcustoms.preparation import TrainOptions, prepare_run
-from llmcustoms.presets import load_preset
-from llmcustoms.tuning import TuneSettings, run_study, search_space
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.presets import load_preset
+from llmcustoms.commands.tune import TuneSettings, run_study, search_space
 
 runner = CliRunner()
 

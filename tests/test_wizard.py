@@ -20,14 +20,14 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms import hubaccess
+from llmcustoms.models import hub_access as hubaccess
 from llmcustoms.cli import app
-from llmcustoms.data import read_dataset
-from llmcustoms.duration import CPU_TIME_LIMIT_S
-from llmcustoms.hardware import Hardware
-from llmcustoms.presets import load_preset
-from llmcustoms.settings import load_settings
-from llmcustoms.wizard import model_offers, planning_stats, suggested_model
+from llmcustoms.data.dataset import read_dataset
+from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.presets import load_preset
+from llmcustoms.planning.settings import load_settings
+from llmcustoms.commands.setup import model_offers, planning_stats, suggested_model
 
 runner = CliRunner()
 SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct")
@@ -251,7 +251,7 @@ def test_declining_to_skip_with_no_one_to_answer_again_stops_and_writes_nothing(
 
 def test_the_env_file_setup_writes_is_the_owners_alone_and_an_existing_files_mode_is_kept(tmp_path):
     """It may hold HF_TOKEN: a new file is 0600; a file the user made 0640 stays 0640 (never widened to 0644)."""
-    from llmcustoms.wizard import write_env
+    from llmcustoms.commands.setup import write_env
 
     new = tmp_path / "new.env"
     write_env(new, {"LLMCUSTOMS_PRESET": "quality"})

@@ -23,7 +23,7 @@ def main() -> None:
     work, tokenizer, data = (Path(a) for a in sys.argv[1:4])
     wanted = json.loads(sys.argv[4])
     if not (tokenizer / "tokenizer.json").exists():
-        from llmcustoms.data import usable_examples
+        from llmcustoms.data.dataset import usable_examples
 
         texts = [m.content for e in usable_examples(data) for m in e.messages]
         throughput.toy_tokenizer(texts).save_pretrained(tokenizer)

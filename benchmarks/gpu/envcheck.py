@@ -62,7 +62,7 @@ def gpu_facts() -> dict:
 
 def planner_view() -> dict:
     """What llmcustoms' own detection sees: the planner plans from this."""
-    from llmcustoms.preflight import usable_hardware
+    from llmcustoms.training.preflight import usable_hardware
 
     hardware = usable_hardware()
     return {"gpus": [f"{g.name} ({g.total_bytes / 2**30:.1f} GiB, cc {g.compute_capability})" for g in hardware.gpus],

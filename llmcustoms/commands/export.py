@@ -1,0 +1,233 @@
+"""Take a trained model elsewhere: `llmcustoms export RUN --output DIR [--merge]`.
+
+Without --merge: the PEFT adapter, tokenizer and chat template, and a model
+card. With --merge: the base is reloaded in its own saved dtype (or --dtype;
+never the 4-bit weights QLoRA trained on, since merging into those loses
+quality), the adapter is merged in, and a standalone model is written that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all; the
+message names the dtype it was written in. Either way nothing is written when
+the disk of DIR cannot take it: exit 2 with the sizes (`training/preflight.py`). A merge
+loads the base as this command's flags allow (`modeling.Allowed`): a copy loads
+nothing, so it needs no flag.
+
+The export is written into a hidden folder beside DIR and renamed into place
+when whole: a crash or a kill mid-export leaves the old DIR as it was (once a
+kill left only config.json, and --overwrite had deleted the old export). DIR
+must be new, empty, or (with --overwrite) an export this command wrote, which
+it recognises by the marker it writes first (`overwriting`): --overwrite once
+deleted whatever DIR was, the run itself or the folder of every run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.runs import measures, overwriting
+from llmcustoms.planning.disk_space import TOKENIZER_BYTES
+from llmcustoms.errors import ConfigError
+from llmcustoms.runs.file_modes import make_readable
+from llmcustoms.models.generation import Say, Waiting
+from llmcustoms.models.loading import Allowed, adapter_weights, card_base_model, check_weight_files
+from llmcustoms.training.preflight import bytes_under, check_export_space
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.run_weights import model_name, trained_output
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_run` wrote, for the line the command prints."""
+
+    path: Path
+    what: str  # "the adapter", "the model", or "a merged model (float32 weights)"
+
+
+def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
+    status = run.read_status()
+    base = card_base_model(plan.model)
+    lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
+            f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
+    how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
+           if merged or plan.method == "full" else
+           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
+           "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
+    return "\n".join([
+        "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
+        f"base_model: {base}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
+        f"# {run.path.name}", "",
+        f"Fine-tuned from `{base}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
+        f"({plan.method}{', merged into the base' if merged else ''}).", "",
+        "| | |", "|---|---|",
+        f"| method | {lora} |", f"| preset | {plan.preset} |",
+        f"| data | {Path(plan.data).name} ({plan.data_format or 'unknown format'}), {plan.train_rows} training rows, "
+        f"{plan.eval_rows} evaluation rows |",
+        f"| training | {status.get('step', 0)} optimizer steps, effective batch {plan.effective_batch_size}, "
+        f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
+        f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
+        *_quality_rows(status),
+        "", "## Use", "", how, "",
+    ])
+
+
+def _quality_rows(status: dict[str, Any]) -> list[str]:
+    """Eval loss and perplexity, before and after; never the sample replies (they are the user's data)."""
+    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
+    rows = []
+    if base is not None:
+        rows.append(f"| base model eval loss | {base:.4f} (perplexity {measures.perplexity(base):.2f}) |")
+    if best is not None:
+        rows.append(f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}); "
+                    f"{measures.describe(base, best)} |")
+    if status.get("kept"):
+        rows.append(f"| weights | {status['kept']} |")
+    return rows
+
+
+def _no_display(what: str) -> Any:
+    return nullcontext(lambda text: None)
+
+
+def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
+               waiting: Waiting = _no_display, allowed: Allowed = Allowed()) -> Exported:
+    """Write the export of the run at `path`; `waiting` shows the merge (a
+    minute or more for real models) as it goes. Everything that can be refused
+    is refused before a byte of it is written."""
+    run = RunDirectory.existing(path)
+    plan, trained = trained_output(run)
+    if merge and dtype not in DTYPES:  # before anything is deleted
+        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
+    if merge and plan.method != "full":  # what the merge would refuse to load, refused before anything is deleted
+        allowed.check(plan)
+        check_weight_files(plan.model, allowed.pickle_weights)
+        adapter_weights(trained)
+    given = {"the run being exported": run.path, "the run's trained weights": trained, "the training data": plan.data,
+             "the base model": plan.model}
+    _clear_leftovers(output)
+    _check_output(output, overwrite, {what: Path(given_path) for what, given_path in given.items() if given_path})
+    if trained.resolve() in output.absolute().resolve().parents:  # it would be copied into itself
+        raise ConfigError(f"--output {output} is inside the run's trained weights ({trained}).",
+                          "Choose a --output folder outside the run directory.")
+    partial = _start_partial(output)
+    try:
+        if not merge or plan.method == "full":
+            check_export_space(partial, bytes_under(trained), f"a copy of {trained}")
+            shutil.copytree(trained, partial, dirs_exist_ok=True)
+            make_readable(partial)  # runs trained before the weights were written readable
+            what = "the model" if plan.method == "full" else "the adapter"
+        else:
+            with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
+                what = f"a merged model ({_merge(plan, trained, partial, dtype, say, allowed)} weights)"
+        (partial / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
+        _put_in_place(partial, output)
+    except BaseException:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Exported(output, what)
+
+
+def _check_output(output: Path, overwrite: bool, keep: dict[str, Path]) -> None:
+    """Refuse an --output that is not a new folder, an empty one, or (with
+    --overwrite) an earlier export; `keep`: what it must never be or hold."""
+    why = overwriting.refusal(output, keep)
+    if why is None and output.is_dir() and os.path.ismount(output):
+        why = "is a mount point, which cannot be replaced by the folder the export is written into"
+    if why is not None:
+        raise ConfigError(f"--output {output} {why}; export never writes there, even with --overwrite.",
+                          "Choose a --output folder that does not exist yet; nothing was removed.")
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"{output} already exists and is not empty.",
+                              "Choose another --output, or pass --overwrite to replace an earlier export.")
+        if not overwriting.is_export(output):
+            raise ConfigError(f"{output} is not an export llmcustoms wrote (it has no {overwriting.EXPORT_MARKER}), "
+                              "so --overwrite does not replace it.",
+                              "Choose another --output, or move or delete that folder yourself; nothing was removed.")
+
+
+def _aside(output: Path, what: str) -> Path:
+    """Where an export is written before it is whole ("partial"), or where the
+    one it replaces waits while it is put in place ("old"): hidden, beside it."""
+    return output.parent / f".{output.name}.{what}-export"
+
+
+def _clear_leftovers(output: Path) -> None:
+    """What a killed export left beside `output`: its partial folder is removed,
+    and an export it had moved aside but not yet replaced is put back."""
+    old = _aside(output, "old")
+    for leftover in (old, _aside(output, "partial")):
+        if not (leftover.exists() or leftover.is_symlink()):
+            continue
+        if leftover.is_symlink() or not leftover.is_dir() or not overwriting.is_export(leftover):
+            raise ConfigError(f"{leftover} is in the way of the export to {output}.",
+                              "Move or delete it, or choose another --output.")
+        if leftover == old and not output.exists():
+            os.rename(old, output)
+        else:
+            shutil.rmtree(leftover)
+
+
+def _start_partial(output: Path) -> Path:
+    """An empty folder beside `output`, holding only the marker (first, so a
+    kill leaves a folder the next export knows), to write the export into."""
+    partial = _aside(output, "partial")
+    try:
+        partial.mkdir(parents=True)
+        (partial / overwriting.EXPORT_MARKER).write_text(
+            "Written by `llmcustoms export`. `llmcustoms export --overwrite` replaces only a folder holding this file.\n")
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ConfigError(f"Cannot write the export beside {output}: {exc.strerror}.",
+                          "Check that you can write to that folder, or choose another --output.") from None
+    return partial
+
+
+def _put_in_place(partial: Path, output: Path) -> None:
+    """Rename the whole export to `output`. An earlier one is renamed aside
+    first and removed after: but for the instant between the two renames (which
+    the next export repairs) `output` is always a whole export."""
+    if not output.exists() or not any(output.iterdir()):
+        os.replace(partial, output)  # a new name, or over an empty folder
+        return
+    old = _aside(output, "old")
+    os.rename(output, old)
+    os.rename(partial, output)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> str:
+    """Write the merged model; the dtype its weights were written in ("float32").
+    `say` hears each stage."""
+    from llmcustoms.models import loading as modeling
+
+    modeling.quiet_libraries()
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say(f"Loading {model_name(plan.model)}")
+    # "auto": the dtype the base model was saved in (bf16 for the models in the
+    # presets). Never 4-bit, even for a QLoRA run.
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    trust = plan.trust_remote_code and allowed.remote_code
+    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
+                                     use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
+    say("Merging the adapter in")
+    merged = PeftModel.from_pretrained(base, adapter_weights(adapter)).merge_and_unload()
+    # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
+    weights = sum(p.numel() * p.element_size() for p in merged.parameters())
+    check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", str(merged.dtype).removeprefix("torch."))
+    say("Writing the merged model")
+    merged.save_pretrained(output, safe_serialization=True)
+    # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
+    modeling.from_pretrained(AutoTokenizer, str(adapter), trust_remote_code=trust).save_pretrained(output)
+    make_readable(Path(output))
+    # What was written, not what was asked for: "auto" is whatever the base was saved in.
+    return str(merged.dtype).removeprefix("torch.")

@@ -1,0 +1,378 @@
+"""From the user's options to a plan and tokenized data, before any weight loads.
+
+Order matters: read and validate the data as it streams (cheap, fails fast
+on too many bad rows), split off the evaluation rows, pick or describe the
+model, tokenize into a memory-mapped store (cached), then plan from the
+measured lengths. `train`, `plan` and `tune` all start here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from llmcustoms.models import hub_access as hubaccess
+
+from llmcustoms.planning import options
+from llmcustoms.data.dataset import Dataset, bad_row_policy, read_dataset
+from llmcustoms.planning.data_advice import data_facts
+from llmcustoms.data.data_files import fingerprint
+from llmcustoms.planning.disk_space import disk_need
+from llmcustoms.errors import ConfigError, DataError, ModelError
+from llmcustoms.planning.hardware import GIB, Hardware
+from llmcustoms.planning.memory import SAFETY_MARGIN, parameter_counts
+from llmcustoms.models.from_run import with_starting_point
+from llmcustoms.planning.objectives import check_eval_data, preference_reason, with_objective
+from llmcustoms.data.pair_rows import PairRows
+from llmcustoms.planning.plan import DataStats, Plan
+from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.data.row_formats import is_preference
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
+from llmcustoms.planning.settings import Settings
+from llmcustoms.runs.speeds import with_measured_speeds
+from llmcustoms.data.splits import MAX_EVAL_ROWS, split_rows
+from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
+from llmcustoms.data.token_cache import cache_dir, stored_rows, tokenization_cache_key
+from llmcustoms.data.token_store import TokenRows
+
+DEFAULT_PRESET = "quality"
+# Without a tokenizer (planning offline), lengths are estimated from characters.
+CHARS_PER_TOKEN = 3.6
+TEMPLATE_TOKENS_PER_MESSAGE = 6
+# Told how far preparation is: (stage "read" or "tokenize", rows done, rows in all or None).
+Progress = Callable[[str, int, "int | None"], None]
+
+
+def no_progress(stage: str, done: int, total: int | None) -> None:
+    return None
+
+
+@dataclass
+class TrainOptions:
+    """What the user asked for. None means "not given": the plan decides."""
+
+    data: str
+    model: str | None = None
+    preset: str | None = None
+    eval_data: str | None = None
+    skip_bad_rows: bool = False
+    strict: bool = False
+    # field -> (value, source): plan values set by a flag or the environment
+    overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    model_source: str = "flag"
+    preset_source: str = "default"
+    cache_dir: str | None = None  # where tokenized data is cached; None: the default place
+    from_run: str | None = None  # a finished run to start from (`models/from_run.py`)
+
+    def override(self, name: str, default: Any) -> Any:
+        return self.overrides.get(name, (default, ""))[0]
+
+    @property
+    def policy(self) -> str:
+        return bad_row_policy(self.strict, self.skip_bad_rows)
+
+
+def train_options(settings: Settings) -> TrainOptions:
+    """What the user asked for, from the settings with the command's flags
+    already merged in (flag > environment); what neither gives, the plan decides."""
+    chosen = settings.values
+    if chosen.get("data") is None:
+        raise ConfigError("No training data given.",
+                          "Pass the data file (`llmcustoms train data.jsonl`), or set LLMCUSTOMS_DATA "
+                          "(`llmcustoms setup` writes it).")
+    overrides = {options.BY_NAME[name].plan: pair for name, pair in chosen.items() if options.BY_NAME[name].plan}
+
+    def value(name: str, default: Any = None) -> Any:
+        return chosen[name][0] if name in chosen else default
+
+    def source(name: str, default: str) -> str:
+        return chosen[name][1] if name in chosen else default
+
+    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
+                        eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
+                        strict=bool(value("strict", False)), overrides=overrides,
+                        model_source=source("model", "flag"), preset_source=source("preset", "default"),
+                        cache_dir=value("cache_dir"), from_run=value("from_run"))
+
+
+@dataclass
+class PreparedRun:
+    plan: Plan
+    tokenizer: Any  # None when planning offline without the model's tokenizer
+    train: TokenRows | None  # None (with evaluation) when planning offline
+    evaluation: TokenRows | None
+    dataset: Dataset
+    eval_source: str
+    truncated: int
+    dropped: int
+    used_fallback_template: bool
+    read_seconds: float = 0.0  # reading and validating the data files
+    tokenize_seconds: float = 0.0  # tokenizing them (0 when the cache had them)
+    cached: bool = False  # the tokenized rows came from the cache
+    kept: bool = True  # the tokenized rows are in the cache for the next run
+    cache_notes: tuple[str, ...] = ()  # what to say about the cache: a store rebuilt, or nothing kept and why
+    templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
+    model_params: int = 0  # every parameter of the model: what `export --merge` writes (0: not known)
+
+
+def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:
+    """Token lengths guessed from characters, for planning without a tokenizer."""
+    idx = np.arange(dataset.rows) if indices is None else np.asarray(indices, np.int64)
+    chars, prompt, turns = dataset.total_chars[idx], dataset.prompt_chars[idx], dataset.turns[idx].astype(np.int64)
+    lengths = (chars / CHARS_PER_TOKEN).astype(np.int64) + TEMPLATE_TOKENS_PER_MESSAGE * np.maximum(turns, 1)
+    prompt_tokens = (prompt / CHARS_PER_TOKEN).astype(np.int64)
+    firsts = np.where(turns > 0, prompt_tokens + TEMPLATE_TOKENS_PER_MESSAGE * (turns - 1) + 2,
+                      np.maximum(1, prompt_tokens))
+    return DataStats(lengths=tuple(lengths.tolist()), first_loss_positions=tuple(firsts.tolist()), eval_rows=eval_rows,
+                     format=dataset.format,
+                     length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
+
+
+@dataclass
+class Tokenized:
+    tokenizer: Any
+    used_fallback: bool
+    rows: TokenRows
+    eval_rows: TokenRows | None
+    seconds: float
+    cached: bool
+    templated_prompts: bool  # prompt/completion rows go through the model's own chat template
+    key: str  # the training data's store key: what its token ids depend on
+    kept: bool = True
+    notes: tuple[str, ...] = ()
+
+
+def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset: Dataset,
+              eval_dataset: Dataset | None, train_on_prompt: bool, progress: Progress) -> Tokenized:
+    """Every usable row of the data (and of --eval-data) tokenized, untruncated."""
+    from llmcustoms.models import loading as modeling
+    from llmcustoms.data.chat_templates import ensure_chat_template, prompts_use_template
+    from llmcustoms.data.row_formats import base_format
+    from llmcustoms.data.tokenization import Tokenizer
+
+    used_fallback = ensure_chat_template(hf_tokenizer)
+    stop_ids = modeling.stop_token_ids(model_name)
+    raw_prompts = bool(options.override("raw_prompts", False))
+    tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids, raw_prompts=raw_prompts)
+    started = time.perf_counter()
+    stores, keys, all_cached, kept, notes = [], [], True, True, []
+    for data in (dataset, eval_dataset):
+        if data is None:
+            stores.append(None)
+            continue
+        data_key = fingerprint(data.path)
+        keys.append(tokenization_cache_key(hf_tokenizer, stop_ids, train_on_prompt, data_key, raw_prompts))
+        stored = stored_rows(keys[-1], data_key, options.cache_dir, data, tokenizer,
+                             lambda done, rows=data.rows: progress("tokenize", done, rows))
+        stores.append(PairRows(stored.rows) if is_preference(data.format) else stored.rows)
+        all_cached, kept = all_cached and stored.cached, kept and stored.kept
+        notes += [stored.note] if stored.note and stored.note not in notes else []  # a reason said once
+    return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
+                     base_format(dataset.format) == "prompt_completion"
+                     and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts), keys[0], kept, tuple(notes))
+
+
+def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
+    return DataStats(lengths=tuple(train.full_lengths.tolist()), first_loss_positions=tuple(train.first_loss.tolist()),
+                     eval_rows=eval_rows, format=fmt)
+
+
+def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
+                tokenizer_required: bool = True, world_size: int = 1, progress: Progress = no_progress) -> PreparedRun:
+    """Read, split, choose, tokenize and plan. With `tokenizer_required=False`
+    (the `plan` command) a model that is not downloaded is planned from preset
+    facts and character-based length estimates instead of failing."""
+    from llmcustoms.models import loading as modeling
+
+    options, start = with_starting_point(options)
+    dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
+    options = replace(options, overrides=with_objective(options.overrides, is_preference(dataset.format),
+                                                        dataset.path.name, dataset.format_description))
+    preset = load_preset(options.preset or DEFAULT_PRESET)
+    families = load_families()
+    catalog = tuple(spec for family in families.values() for spec in family.models)
+    hardware = with_measured_speeds(hardware, cache_dir(options.cache_dir), world_size)  # a measured duration
+    optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
+    trust_remote_code = bool(options.override("trust_remote_code", False))
+    split = split_rows(options, dataset, preset, progress)
+    if split.eval_dataset:
+        check_eval_data(options.override("objective", "sft"), is_preference(split.eval_dataset.format),
+                        split.eval_dataset.path.name, split.eval_dataset.format_description)
+    read_seconds = dataset.seconds + (split.eval_dataset.seconds if split.eval_dataset else 0.0)
+
+    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
+                  for m in preset.model_candidates(hardware.has_gpu)]
+
+    def estimate() -> DataStats:  # from characters: to choose the model, or to plan without its tokenizer
+        return estimated_stats(dataset, split.train, len(split.evaluation))
+
+    choice_reason = None
+    if options.model:
+        model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
+        if hubaccess.availability(options.model) == hubaccess.UNAVAILABLE:
+            choice_reason = (f"model {options.model}: {hubaccess.offline_note()}, and it is not in the local "
+                             "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
+    else:
+        usable, offline_reason = hubaccess.usable_candidates(candidates)
+        model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)
+        choice_reason += offline_reason
+    # Before the tokenizer and the data's tokens: a model train would refuse to load is refused now.
+    modeling.check_weight_files(model.name, bool(options.override("allow_pickle_weights", False)))
+
+    tokenized = None
+    try:
+        hf_tokenizer = modeling.load_tokenizer(model.name, trust_remote_code)
+    except ModelError:  # not downloaded: `plan` goes on with estimated lengths
+        if tokenizer_required:
+            raise
+    else:  # a row the model cannot take (tool calls, say) is an error for `plan` too
+        tokenized = _tokenize(model.name, hf_tokenizer, options, dataset, split.eval_dataset,
+                              bool(options.override("train_on_prompt", False)), progress)
+    train_full = evaluation_full = None
+    if tokenized is None:
+        stats = estimate()
+    else:
+        train_full = tokenized.rows.select(split.train)
+        evaluation_full = (tokenized.eval_rows or tokenized.rows).select(split.evaluation)
+        stats = measured_stats(train_full, len(evaluation_full), dataset.format)
+
+    plan = optimizer.plan(model, stats, options.overrides, preset_source=options.preset_source, world_size=world_size)
+    plan = _with_run_facts(plan, options, dataset, split, choice_reason, start)
+    prepared = PreparedRun(plan=plan, tokenizer=None, train=None, evaluation=None, dataset=dataset,
+                           eval_source=split.source, truncated=0, dropped=0, used_fallback_template=False,
+                           read_seconds=read_seconds, model_params=sum(parameter_counts(model.arch)))
+    if tokenized is None:
+        cut, kept = stats.rows_truncated(plan.max_seq_len), stats.rows_kept(plan.max_seq_len)
+        return replace(prepared, plan=replace(plan, data_report=_facts(dataset, stats.lengths, stats.length_source,
+                                                                          plan, cut, stats.train_rows - kept)))
+    return _cut_to_plan(prepared, tokenized, train_full, evaluation_full)
+
+
+def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: Any, choice_reason: str | None,
+                    start: Any) -> Plan:
+    """The plan with where its rows and model came from (for `resume`), and the reasons planning could not know."""
+    reasons = ((start.reason,) if start else ()) + ((choice_reason,) if choice_reason else ()) + plan.reasons
+    if plan.objective == "dpo":
+        reasons += (preference_reason(replace(plan, from_run=start.adapter if start else ""),
+                                      options.overrides["objective"][1]),)
+    need = disk_need(plan)
+    reasons += (need.reason(),) if need else ()  # checked against free space when `train` starts (`training/preflight.py`)
+    return replace(plan, data=str(Path(options.data).resolve()), data_format=dataset.format,
+                   model_fingerprint=model_fingerprint(plan.model),
+                   data_sha256=fingerprint(options.data), row_max_len=plan.max_seq_len,
+                   eval_data_sha256=fingerprint(options.eval_data) if options.eval_data else "",
+                   skip_bad_rows=options.skip_bad_rows, bad_row_policy=options.policy, data_report=dataset.to_json(),
+                   eval_data=str(Path(options.eval_data).resolve()) if options.eval_data else None,
+                   eval_split=split.fraction, from_run=start.adapter if start else "", reasons=reasons)
+
+
+def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
+           dropped: int) -> dict[str, Any]:
+    epochs = None if plan.sources.get("total_steps") == "flag" else plan.epochs
+    return data_facts(dataset.to_json(), lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps,
+                      epochs)
+
+
+def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenRows,
+                 evaluation_full: TokenRows) -> PreparedRun:
+    plan = prepared.plan
+    train, train_cut, train_dropped = train_full.truncated(plan.max_seq_len)
+    evaluation, eval_cut, eval_dropped = evaluation_full.truncated(plan.max_seq_len)
+    if plan.eval_rows != len(evaluation):
+        plan = plan.with_changes(eval_rows=len(evaluation))
+    if not len(train):
+        raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
+                          "Raise --max-seq-len.")
+    plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
+                                            train_dropped), tokens_key=tokenized.key)
+    return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
+                   truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
+                   used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,
+                   cached=tokenized.cached, templated_prompts=tokenized.templated_prompts, kept=tokenized.kept,
+                   cache_notes=tokenized.notes)
+
+
+def _less_sharding_warning(plan: Plan, world_size: int) -> str | None:
+    """A warning (for `Plan.warnings`) when an FSDP run resumes over fewer
+    processes than it was planned for and the larger shards are unlikely to fit.
+    From the plan's own estimate: weights, gradients and optimizer state grow by
+    old/new world size."""
+    memory = plan.memory
+    if plan.distributed != "fsdp" or world_size >= plan.world_size or not memory:
+        return None
+    state = memory["weights_bytes"] + memory["gradients_bytes"] + memory["optimizer_bytes"]
+    grown = memory["total_bytes"] + state * (plan.world_size / world_size - 1)
+    if world_size == 1:
+        grown -= memory.get("gathered_bytes", 0)  # nothing to gather from others
+    if grown <= memory["budget_bytes"] * (1 - SAFETY_MARGIN):
+        return None
+    return (f"sharded over {plan.world_size} processes this run needs about "
+            f"{memory['total_bytes'] / GIB:.1f} GiB per process; with {world_size} about {grown / GIB:.1f} GiB, more "
+            f"than the {memory['budget_bytes'] / GIB:.1f} GiB planned for. Out of memory is likely; resume with "
+            f"--num-processes {plan.world_size} to keep the sharding")
+
+
+def prepare_resume(plan: Plan, world_size: int = 1, model_changed_ok: bool = False) -> PreparedRun:
+    """The same rows, in the same split, tokenized the same way as when the run
+    began: everything comes from the run's plan.json. With another number of
+    processes, accumulation is recomputed so the effective batch (and so every
+    step's rows) stays the same. A base model whose files changed is refused
+    unless `model_changed_ok` (`modelfiles.with_model_checked`)."""
+    if world_size != plan.world_size:
+        accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
+        # Sharding needs several processes; a checkpoint holds whole tensors either way.
+        distributed = "none" if world_size == 1 else plan.distributed if plan.distributed != "none" else "ddp"
+        warning = _less_sharding_warning(plan, world_size)
+        plan = plan.with_changes(f"resumed with {world_size} process(es) instead of {plan.world_size}: "
+                                 f"accumulation {plan.grad_accum} -> {accum}", world_size=world_size, grad_accum=accum,
+                                 distributed=distributed)
+        if warning:
+            plan = plan.with_warning(warning)
+    for path, expected in ((plan.data, plan.data_sha256), (plan.eval_data, plan.eval_data_sha256)):
+        if path and expected:
+            if not Path(path).exists():
+                raise DataError(f"The run's data file {path} is gone.", "Put it back where it was to resume this run.")
+            if fingerprint(path) != expected:
+                raise DataError(f"{Path(path).name} has changed since the run started (its checksum differs).",
+                                "Restore the original data file, or start a new run with `llmcustoms train`.")
+    # "skip" for runs planned before the policy existed with --skip-bad-rows: the rows they trained on.
+    policy = "skip" if plan.skip_bad_rows else plan.bad_row_policy
+    # A plan without a data report was made before prompt/completion rows went
+    # through the chat template and before the evaluation rows were capped:
+    # its rows are rebuilt the way it made them.
+    older = not plan.data_report
+    options = TrainOptions(data=plan.data, model=plan.model, eval_data=plan.eval_data,
+                           skip_bad_rows=policy == "skip", strict=policy == "strict",
+                           overrides={"seed": (plan.seed, "plan"), "eval_split": (plan.eval_split, "plan"),
+                                      "raw_prompts": (plan.raw_prompts or older, "plan"),
+                                      "objective": (plan.objective, "plan")})
+    dataset = read_dataset(plan.data, options.policy)
+    split = split_rows(options, dataset, None, no_progress, most=None if older else MAX_EVAL_ROWS)
+    from llmcustoms.models.loading import load_tokenizer
+
+    hf_tokenizer = load_tokenizer(plan.model, plan.trust_remote_code)  # before the check: it may fetch a hub revision
+    plan = with_model_checked(plan, model_changed_ok)
+    tokenized = _tokenize(plan.model, hf_tokenizer, options, dataset, split.eval_dataset, plan.train_on_prompt,
+                          no_progress)
+    if plan.tokens_key and tokenized.key != plan.tokens_key:
+        raise DataError("The rows would be tokenized differently from when the run began (the model's tokenizer or "
+                        "chat template, or llmcustoms' reading of the data, has changed), so the resumed run would "
+                        "not continue the same training.",
+                        "Restore the model files the run began with, or start a new run with `llmcustoms train`.")
+    # The rows as the run began; FineTuner cuts them further if recovery shortened them.
+    row_max_len = plan.row_max_len or plan.max_seq_len
+    train, train_cut, train_dropped = tokenized.rows.select(split.train).truncated(row_max_len)
+    evaluation, eval_cut, eval_dropped = (tokenized.eval_rows or tokenized.rows).select(split.evaluation).truncated(row_max_len)
+    if len(train) != plan.train_rows:
+        raise DataError(f"{Path(plan.data).name} has changed since the run started: it now gives "
+                        f"{len(train)} training rows, the run was planned for {plan.train_rows}.",
+                        "Restore the original data file, or start a new run with `llmcustoms train`.")
+    return PreparedRun(plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
+                       dataset=dataset, eval_source=split.source, truncated=train_cut + eval_cut,
+                       dropped=train_dropped + eval_dropped, used_fallback_template=tokenized.used_fallback,
+                       read_seconds=dataset.seconds, tokenize_seconds=tokenized.seconds, cached=tokenized.cached,
+                       kept=tokenized.kept, cache_notes=tokenized.notes)

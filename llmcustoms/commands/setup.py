@@ -1,0 +1,399 @@
+"""`llmcustoms setup`: an interactive wizard that writes the env file.
+
+Every question has a default, so pressing Enter throughout gives a sensible
+setup, and it works with piped input (`yes '' | llmcustoms setup ...`). The
+file is written once, at the end, through a temporary file and a rename, so
+Ctrl-C at any prompt leaves no half-written file. Variables already in the
+file that the wizard does not set (HF_TOKEN, say) are kept.
+
+Each answer is checked as it is given, the way `train` would meet it: the data
+is read with `train`'s bad-row policy, and a model must be a model directory,
+or a Hub id that is cached or can be downloaded (`hubaccess`). A refused answer
+is asked again; where no one can answer again (piped input used up, stdin
+closed, CI) the wizard stops with one message and exit 2 rather than writing a
+file `train` would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from llmcustoms.ui import dialog
+
+from llmcustoms.models import hub_access as hubaccess
+from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
+from llmcustoms.planning.duration import CPU_TIME_LIMIT_S, human_duration
+from llmcustoms.errors import ConfigError, DataError
+from llmcustoms.planning.fitting import fitting_models
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.models.loading import looks_like_path
+from llmcustoms.planning.plan import DataStats
+from llmcustoms.planning.planner import DEFAULT_SEED, ParameterOptimizer
+from llmcustoms.commands.preparation import estimated_stats
+from llmcustoms.data.splits import eval_fraction, split_eval
+from llmcustoms.planning.presets import (TrainingPreset, builtin_preset_names, family_for_model_type, find_model_spec,
+                                load_families, load_preset)
+from llmcustoms.planning.settings import PREFIX, read_env_file
+
+GOALS = {
+    "highspeed": "a quick first result: small adapter, short sequences, one or two epochs",
+    "quality": "a good adapter in reasonable time (recommended)",
+    "bestaccuracy": "the best this machine can do: bigger adapter, longer sequences, early stopping",
+}
+MAX_ATTEMPTS = 3
+DATA_QUESTION = "Training data file (.jsonl, .json, .csv, .parquet)"
+MODEL_QUESTION = "Model (number, hub id or local directory)"
+NO_ONE_TO_ASK = ("No one is there to answer again (input has run out, or CI is set), so nothing was written: "
+                 "run `llmcustoms setup` in a terminal, or pipe one answer per line.")
+
+
+def refuse(question: str, why: str, hint: str | None = None) -> None:
+    """Say why an answer was refused, before the question comes again; where
+    no one can answer again, stop here (exit 2) instead of asking in a loop."""
+    if not dialog.can_ask_again():
+        raise ConfigError(f"Setup stopped at \"{question}\": {why}", " ".join(filter(None, [hint, NO_ONE_TO_ASK])))
+    dialog.ask_again(why + (f" {hint}" if hint else ""))
+
+
+def ask_after(question: str, default: str | None, refused: str | None, hint: str | None = None) -> str:
+    """Ask; when input runs out on a question asked again after `refused`, that
+    refusal stands (exit 2) rather than the default quietly replacing the answer given."""
+    answer = dialog.ask(question, default)
+    if refused and not dialog.can_ask_again():
+        refuse(question, refused, hint)
+    return answer
+
+
+def ask_data(default: str | None) -> tuple[str, Dataset, bool]:
+    """The data file, read as `train` reads it, and whether its bad rows are to
+    be skipped however many there are (the user agreed to LLMCUSTOMS_SKIP_BAD_ROWS)."""
+    why = None
+    for _ in range(MAX_ATTEMPTS):
+        path = ask_after(DATA_QUESTION, default, why)
+        default = None
+        if not path:
+            why = "No data file was given."
+            refuse(DATA_QUESTION, why, "Give the path of your data file (or pass --data PATH).")
+            continue
+        try:
+            dataset = read_dataset(path)
+        except DataError as error:
+            dataset, why = offer_skipping(path, error)
+            if dataset is None:
+                default = path if Path(path).is_file() else None  # fixed in another window, say
+                continue
+            return path, dataset, True
+        show_checked(dataset)
+        return path, dataset, False
+    raise ConfigError("No usable data file was given.", "Run `llmcustoms setup --data PATH`.")
+
+
+def show_checked(dataset: Dataset) -> None:
+    stats = estimated_stats(dataset, None, 0)
+    dialog.show_data_checked(dataset.format_description, dataset.rows, stats.percentile(50), stats.percentile(95))
+    if dataset.skipped:
+        dialog.show_bad_rows(dataset.skipped, dataset.bad.lines(), dataset.policy == "skip", BAD_ROW_SHARE)
+
+
+def offer_skipping(path: str, error: DataError) -> tuple[Dataset | None, str | None]:
+    """(the file read with every bad row skipped, None) if that is what stopped
+    it and the user agrees; else (None, why it was refused), after saying so."""
+    try:
+        dataset = read_dataset(path, "skip")
+    except DataError:  # not the number of bad rows: no format, no usable row, no file
+        if not dialog.can_ask_again():
+            raise error from None
+        dialog.show_data_problem(error.message, error.hint)
+        return None, error.message
+    # Only more bad rows than the share skipped without asking stop the default policy and not "skip".
+    total = dataset.rows + dataset.skipped + dataset.unlearned
+    dialog.show_too_many_bad_rows(Path(path).name, dataset.skipped, total, BAD_ROW_SHARE, dataset.bad.lines(),
+                                  dataset.format_description)
+    answer = dialog.ask(f"Skip these {dataset.skipped:,} rows and train on the {dataset.rows:,} good ones? "
+                        f"(saved as {PREFIX}SKIP_BAD_ROWS=true)", "n", choices=["y", "n"])
+    if answer == "y":
+        show_checked(dataset)
+        return dataset, None
+    why = f"{Path(path).name}: {dataset.skipped:,} of {total:,} rows fail validation."
+    refuse(DATA_QUESTION, why,
+           f"Fix the file and give it again, or answer y to skip them ({PREFIX}SKIP_BAD_ROWS=true).")
+    return None, why
+
+
+def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str]:
+    """Ask, then write `env_file`. Returns the train command to run next."""
+    from llmcustoms.commands.preparation import cache_dir
+    from llmcustoms.runs.speeds import with_measured_speeds
+
+    check_writable(env_file)  # before a single question: the answers would be lost
+    hardware = with_measured_speeds(hardware, cache_dir())  # the times beside the models, as `plan` gives them
+    dialog.show_setup_start(hardware)
+    data_path, dataset, skip_bad_rows = ask_data(data)
+
+    dialog.show_goals([(name, GOALS.get(name, load_preset(name).description)) for name in builtin_preset_names()])
+    preset_name = dialog.ask("Goal", "quality", choices=builtin_preset_names())
+    preset = load_preset(preset_name)
+
+    stats = planning_stats(dataset, preset)
+    seq_len = min(preset.max_seq_len, max(64, -(-stats.percentile(99) // 64) * 64))
+    model = ask_model(hardware, preset, stats, seq_len)
+    output_dir = dialog.ask("Where to put runs", "runs")
+    save_every = ask_save_every()
+
+    # The data too, so `llmcustoms train`, `plan` and `tune` need no argument.
+    values = {f"{PREFIX}DATA": data_path, f"{PREFIX}PRESET": preset_name, f"{PREFIX}MODEL": model,
+              f"{PREFIX}OUTPUT_DIR": output_dir}
+    if skip_bad_rows:
+        values[f"{PREFIX}SKIP_BAD_ROWS"] = "true"
+    if save_every != "auto":
+        values[f"{PREFIX}SAVE_EVERY"] = save_every
+    if env_file.exists():
+        overwrite = dialog.ask(f"{env_file} exists. Replace its llmcustoms settings? (other variables are kept)", "y",
+                               choices=["y", "n"])
+        if overwrite != "y":
+            dialog.say("Nothing written.")
+            return []
+    write_env(env_file, values)
+    dialog.say(f"Wrote {env_file}.")
+    command = ["llmcustoms", "train"]
+    if env_file.resolve() != Path(".env").resolve():
+        command += ["--env-file", str(env_file)]
+    return command
+
+
+def planning_stats(dataset: Dataset, preset: TrainingPreset) -> DataStats:
+    """The training rows' lengths as `train` estimates them to choose a model:
+    the preset's evaluation split held out (`prepare_run`'s `estimate`)."""
+    fraction, _ = eval_fraction(preset, dataset.rows, {})
+    train_rows, eval_rows = split_eval(dataset.rows, fraction, DEFAULT_SEED)
+    return estimated_stats(dataset, train_rows, len(eval_rows))
+
+
+@dataclass(frozen=True)
+class ModelOffer:
+    """A model `setup` lists: how it would train here and where it would load from."""
+
+    hub_id: str
+    params: int
+    method: str
+    total_bytes: int
+    seconds: float | None  # the plan's estimate for this data; None when the preset cannot plan it here
+    where: str  # hubaccess.availability
+
+    @property
+    def usable(self) -> bool:
+        return self.where != hubaccess.UNAVAILABLE
+
+    @property
+    def estimate(self) -> str:
+        return human_duration(self.seconds) if self.seconds is not None else "cannot plan"
+
+
+def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int) -> list[ModelOffer]:
+    """The catalog models that fit this machine, smallest first, each planned
+    for this data as `train` would plan it."""
+    from llmcustoms.models.loading import choice_from_spec
+
+    families = load_families()
+    optimizer = ParameterOptimizer(hardware, preset)
+    offers = []
+    for fit in fitting_models(hardware, families, seq_len):
+        choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "optimizer")
+        offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hubaccess.availability(fit.hub_id))
+        try:
+            plan = optimizer.plan(choice, stats, {})
+        except ConfigError:
+            offers.append(offer)
+            continue
+        offers.append(replace(offer, method=plan.method, total_bytes=plan.memory["total_bytes"],
+                              seconds=plan.estimated_seconds))
+    return offers
+
+
+def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats,
+                    offers: list[ModelOffer]) -> tuple[str | None, str]:
+    """The model to offer as the default, and why: the one `train` would choose
+    among the preset's models that can be used here; else the largest usable
+    model expected to finish in reasonable time; else none."""
+    from llmcustoms.models.loading import choice_from_spec
+
+    families = load_families()
+    where = {offer.hub_id: offer.where for offer in offers}
+    fitting = [m for m in preset.model_candidates(hardware.has_gpu) if m in where]
+    usable = [m for m in fitting if where[m] != hubaccess.UNAVAILABLE]
+    candidates = [choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in usable]
+    if candidates:
+        try:
+            choice, reason = ParameterOptimizer(hardware, preset).choose_model(candidates, stats, {})
+        except ConfigError:
+            pass
+        else:
+            if len(usable) < len(fitting):
+                reason += f"; of the preset's models only {', '.join(m.split('/')[-1] for m in usable)} can be used here"
+            return choice.name, reason
+    timed = [offer for offer in offers if offer.usable and offer.seconds is not None]
+    quick = [offer for offer in timed if offer.seconds <= CPU_TIME_LIMIT_S]
+    if quick:
+        pick = max(quick, key=lambda offer: offer.params)
+        return pick.hub_id, (f"model {pick.hub_id}: none of the preset's models can be used here; the largest that "
+                             f"can is estimated at {pick.estimate}")
+    if timed:
+        pick = min(timed, key=lambda offer: offer.seconds)
+        return pick.hub_id, f"model {pick.hub_id}: the quickest that can be used here, estimated {pick.estimate}"
+    return None, ("no listed model can be used here (not cached, and the Hub cannot be reached): "
+                  "give the path of a local model directory")
+
+
+def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int) -> str:
+    """Offer the catalog models that fit, with time and availability, suggesting
+    the one `train` would choose; accept a number, a Hub id or a model directory."""
+    offers = model_offers(hardware, preset, stats, seq_len)
+    suggested, reason = suggested_model(hardware, preset, stats, offers)
+    dialog.show_model_choices(offers, seq_len, suggested, reason, hubaccess.offline_note())
+    hint, why = "Give a number from the list, a Hub id, or the path of a model directory.", None
+    for _ in range(MAX_ATTEMPTS):
+        answer = ask_after(MODEL_QUESTION, suggested, why, hint)
+        name, why = checked_model(answer, offers)
+        if not answer and suggested is None:
+            why = f"No model was given, and {reason}."
+        if why is None:
+            offer = next((o for o in offers if o.hub_id == name), None)
+            where = offer.where if offer else hubaccess.availability(name)
+            detail = (f"estimated training time here {offer.estimate}" if offer
+                      else local_estimate(hardware, preset, stats, name))
+            dialog.show_model_accepted(name, where, detail)
+            return name
+        refuse(MODEL_QUESTION, why, hint)
+    raise ConfigError("No usable model was given.", "Run `llmcustoms setup` again, or set LLMCUSTOMS_MODEL.")
+
+
+def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | None]:
+    """(what to write, why the answer cannot be used or None)."""
+    if not answer:
+        return answer, "No model was given."
+    if answer.isdigit():
+        if not 1 <= int(answer) <= len(offers):
+            return answer, f"There is no model {answer} in the list (1 to {len(offers)})."
+        answer = offers[int(answer) - 1].hub_id
+    if looks_like_path(answer):  # as `train` reads --model
+        path = Path(answer).expanduser()
+        return str(path.resolve()), model_directory_problem(answer, path)
+    if not hubaccess.is_hub_id(answer):
+        return answer, f"{answer!r} is neither a directory here nor a Hub id (organisation/name)."
+    if hubaccess.availability(answer) == hubaccess.UNAVAILABLE:
+        return answer, (f"{answer} is not a directory here nor in the local Hugging Face cache, and the Hub cannot "
+                        "be reached to download it.")
+    return answer, None
+
+
+def model_directory_problem(answer: str, path: Path) -> str | None:
+    if not path.exists():
+        return f"{answer} does not exist."
+    if not path.is_dir():
+        return f"{answer} is a file; a model is a directory (with config.json and the weights)."
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{answer} has no config.json, so it is not a model directory."
+    try:
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            return f"{answer}/config.json is not a JSON object."
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{answer}/config.json cannot be read ({error})."
+    return None
+
+
+def local_estimate(hardware: Hardware, preset: TrainingPreset, stats: DataStats, name: str) -> str:
+    """What to say of a model directory's training here: its estimated time, or
+    why it cannot be planned. From its config.json alone: loading transformers
+    to read it would cost seconds per answer; "" where that is not enough."""
+    from llmcustoms.models.loading import choice_from_spec, spec_from_config
+
+    config_path = Path(name) / "config.json"
+    if not config_path.is_file():
+        return ""  # a Hub id: not in the catalog, its config is not here to plan from
+    families = load_families()
+    try:
+        config = SimpleNamespace(**json.loads(config_path.read_text(encoding="utf-8")))
+        spec = spec_from_config(name, config, "other")
+    except (AttributeError, TypeError, ValueError):  # a config only transformers can read (nested, renamed keys)
+        return ""
+    family = family_for_model_type(spec.model_type, families, spec)
+    choice = choice_from_spec(replace(spec, family=family.name if family else "other"), families, "env")
+    try:
+        plan = ParameterOptimizer(hardware, preset).plan(choice, stats, {})
+    except ConfigError as error:
+        return f"but `train` would refuse it here: {error.message}"
+    return f"estimated training time here {human_duration(plan.estimated_seconds)}"
+
+
+def ask_save_every() -> str:
+    """A whole number of steps, or "auto"."""
+    question = "Checkpoint every how many steps (Enter: automatic, about 10 per run)"
+    why = None
+    for _ in range(MAX_ATTEMPTS):
+        save_every = ask_after(question, "auto", why)
+        if save_every == "auto" or (save_every.isdigit() and int(save_every) > 0):
+            return save_every
+        why = "A whole number above 0, or auto."
+        refuse(question, why)
+    return "auto"
+
+
+def _unwritable(path: Path, error: OSError) -> ConfigError:
+    return ConfigError(f"Cannot write the settings file {path}: {error.strerror or type(error).__name__}.",
+                       "Pass --env-file with a path in a directory you can write to (not on a read-only disk); "
+                       "nothing was written.")
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an env file that cannot be written, by writing its temporary
+    file and removing it (on a read-only file system or directory, or a path
+    under a file); `os.access` says yes to root on a read-only directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        tmp.unlink()
+    except OSError as error:
+        raise _unwritable(path, error) from None
+
+
+def write_env(path: Path, values: dict[str, str]) -> None:
+    """Merge `values` into the env file atomically: other variables stay."""
+    try:
+        _write_env(path, values)
+    except OSError as error:
+        try:  # a temporary file written halfway goes; the old env file was never touched
+            path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise _unwritable(path, error) from None
+
+
+def _write_env(path: Path, values: dict[str, str]) -> None:
+    kept = {}
+    if path.exists():
+        kept = {k: v for k, (v, _) in read_env_file(path).items() if k not in values and not k.startswith(PREFIX)}
+    lines = ["# Written by `llmcustoms setup`. See .env.example for every variable.", ""]
+    lines += [f"{k}={_quote(v)}" for k, v in values.items()]
+    if kept:
+        lines += ["", "# Kept from the previous file"] + [f"{k}={_quote(v)}" for k, v in kept.items()]
+    # It may hold HF_TOKEN: a new file is the owner's alone (0600); an existing one
+    # keeps the mode its owner gave it. The temporary file never has a wider one.
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write("\n".join(lines) + "\n")
+        os.fchmod(file.fileno(), mode)
+    os.replace(tmp, path)
+
+
+def _quote(value: str) -> str:
+    return f'"{value}"' if any(c in value for c in " #'\"") else value

@@ -1,0 +1,421 @@
+"""`llmcustoms tune`: an Optuna study around the same `FineTuner` and `Plan` as `train`.
+
+Each trial is a short real training run, scored by eval loss on one fixed,
+seeded held-out split. The search space is learning rate (log scale), LoRA
+rank, alpha as a ratio of rank, dropout and warmup fraction; ranks whose
+estimated memory does not fit are left out before the study starts. Eval loss
+is reported during each trial so a median pruner can stop poor trials early.
+The study lives in a storage (SQLite in the output directory by default), so
+running the same command again continues it, and several processes can share
+one study through an RDB or journal storage. `commands/tune_studies.py` holds the study's
+name, storage, identity and sampler; this module runs its trials.
+
+Ctrl-C or SIGTERM in a trial stops it after the micro-batch: the trial is
+recorded as interrupted (Optuna's `pruned`, with the signal in its
+attributes), the study stops, and the command exits 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from llmcustoms.reporting import SilentReporter
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.memory import MemoryOptimizer
+from llmcustoms.planning.plan import LoraSettings, Plan
+from llmcustoms.commands.preparation import PreparedRun
+from llmcustoms.planning.presets import TrainingPreset, load_families, find_model_spec
+from llmcustoms.runs import run_lock as runlock
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.commands.tune_studies import (FullDisk, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
+                                claim, fail_stale_trials, open_storage, redact_storage, shown_storage, storage_full,
+                                study_dir, study_identity)
+from llmcustoms.commands.tune_results import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
+
+RANKS = (4, 8, 16, 32, 64)
+ALPHA_RATIOS = (0.5, 1.0, 2.0, 4.0)
+DROPOUTS = (0.0, 0.05, 0.1)
+WARMUPS = (0.0, 0.03, 0.1)
+LR_SPAN = 10.0  # search lr within [preset lr / 10, preset lr * 10]
+DEFAULT_TRIAL_STEPS = 100
+REPORTS_PER_TRIAL = 5
+# A trial that drew the values of an earlier one is skipped and another drawn in
+# its place, in at most this many rounds (an exhausted grid draws only repeats).
+REDRAW_ROUNDS = 3
+
+
+class TrialFailed(Exception):
+    """A trial that could not finish (out of memory or divergence beyond recovery)."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    lr_low: float
+    lr_high: float
+    ranks: tuple[int, ...]
+    alpha_ratios: tuple[float, ...] = ALPHA_RATIOS
+    dropouts: tuple[float, ...] = DROPOUTS
+    warmups: tuple[float, ...] = WARMUPS
+    lora: bool = True
+    excluded_ranks: tuple[int, ...] = ()
+    lr_centre: float | None = None  # from `lr-find`; None: the base plan's lr
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        params: dict[str, Any] = {"lr": trial.suggest_float("lr", self.lr_low, self.lr_high, log=True),
+                                  "warmup_ratio": trial.suggest_categorical("warmup_ratio", list(self.warmups))}
+        if self.lora:
+            params["lora_r"] = trial.suggest_categorical("lora_r", list(self.ranks))
+            params["alpha_ratio"] = trial.suggest_categorical("alpha_ratio", list(self.alpha_ratios))
+            params["lora_dropout"] = trial.suggest_categorical("lora_dropout", list(self.dropouts))
+        return params
+
+    def grid(self) -> dict[str, list[Any]]:
+        """The same space, discrete, for the grid sampler (lr on 5 log-spaced points)."""
+        lrs = [self.lr_low * (self.lr_high / self.lr_low) ** (i / 4) for i in range(5)]
+        grid: dict[str, list[Any]] = {"lr": lrs, "warmup_ratio": list(self.warmups)}
+        if self.lora:
+            grid.update(lora_r=list(self.ranks), alpha_ratio=list(self.alpha_ratios), lora_dropout=list(self.dropouts))
+        return grid
+
+    def describe(self) -> list[tuple[str, str]]:
+        rows = [("learning rate", f"{self.lr_low:.1e} .. {self.lr_high:.1e} (log scale)")]
+        if self.lr_centre is not None:
+            rows.append(("lr centred on", f"{self.lr_centre:.1e}, lr-find's suggestion"))
+        rows.append(("warmup fraction", ", ".join(f"{w:g}" for w in self.warmups)))
+        if self.lora:
+            ranks = ", ".join(map(str, self.ranks))
+            if self.excluded_ranks:
+                ranks += f" ({', '.join(map(str, self.excluded_ranks))} left out: they do not fit)"
+            rows += [("LoRA rank", ranks), ("LoRA alpha / rank", ", ".join(f"{a:g}" for a in self.alpha_ratios)),
+                     ("LoRA dropout", ", ".join(f"{d:g}" for d in self.dropouts))]
+        return rows
+
+
+def search_space(base: Plan, hardware: Hardware, centre: float | None = None) -> SearchSpace:
+    """The space around the base plan (its lr range around `centre` when given,
+    `lr-find`'s suggestion); ranks the memory estimate rules out are dropped."""
+    middle = base.lr if centre is None else centre
+    high = min(0.1, middle * LR_SPAN)
+    low = min(max(1e-6, middle / LR_SPAN), high)
+    if base.lora is None:
+        return SearchSpace(low, high, ranks=(), lora=False, lr_centre=centre)
+    families = load_families()
+    spec = find_model_spec(base.model, families)
+    fitting, excluded = [], []
+    for rank in RANKS:
+        fits = True
+        if spec is not None and base.memory:
+            estimate = MemoryOptimizer(spec, hardware.has_gpu, base.memory["budget_bytes"]).estimate(
+                base.method, base.micro_batch_size, base.max_seq_len, base.mixed_precision,
+                base.gradient_checkpointing, lora_rank=rank, lora_targets=base.lora.target_modules)
+            fits = estimate.fits
+        (fitting if fits else excluded).append(rank)
+    if not fitting:
+        raise ConfigError("No LoRA rank fits in memory with this plan.", "Try --method qlora or a smaller --max-seq-len.")
+    return SearchSpace(low, high, ranks=tuple(fitting), excluded_ranks=tuple(excluded), lr_centre=centre)
+
+
+def trial_steps(base: Plan, max_steps: int | None, budget_tokens: int | None, mean_tokens: float) -> int:
+    """Optimizer steps per trial: given, or from a token budget, or a default."""
+    if max_steps:
+        return max_steps
+    if budget_tokens:
+        return max(1, math.ceil(budget_tokens / (base.effective_batch_size * max(1.0, mean_tokens))))
+    return min(base.total_steps, DEFAULT_TRIAL_STEPS)
+
+
+def trial_plan(base: Plan, params: dict[str, Any], steps: int) -> Plan:
+    """The base plan with one trial's values, shortened to `steps` and evaluated often."""
+    lora = base.lora
+    if lora is not None and "lora_r" in params:
+        rank = params["lora_r"]
+        lora = LoraSettings(r=rank, alpha=max(1, round(rank * params["alpha_ratio"])), dropout=params["lora_dropout"],
+                            target_modules=lora.target_modules)
+    return replace(base, lr=params["lr"], lora=lora, total_steps=steps, warmup_steps=int(params["warmup_ratio"] * steps),
+                   eval_every=max(1, steps // REPORTS_PER_TRIAL), early_stopping_patience=0, save_every=steps + 1)
+
+
+@dataclass
+class TuneSettings:
+    trials: int
+    steps: int
+    study_name: str
+    study_dir: Path
+    storage: str | None = None
+    sampler: str = "tpe"
+    timeout: float | None = None
+    seed: int = 42
+    lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
+    note: str = ""  # why the study is not the one of the name asked for (`studies.choose_study`)
+
+    @property
+    def where(self) -> str:
+        """Where the study is stored, as shown: the URL without its password."""
+        return shown_storage(self.storage, self.study_dir)
+
+
+@dataclass(frozen=True)
+class StudyRequest:
+    """What `tune` was asked for, besides the plan's values."""
+
+    trials: int
+    max_steps: int | None = None
+    budget_tokens: int | None = None
+    timeout: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    sampler: str = "tpe"
+
+
+@dataclass
+class PreparedStudy:
+    prepared: PreparedRun
+    hardware: Hardware
+    settings: TuneSettings
+    space: SearchSpace
+    tokens_per_trial: int
+
+
+def prepare_study(options: Any, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
+    """The base plan (as `train` would make it), the trial length and the study's name and place."""
+    from llmcustoms.training.preflight import usable_hardware
+    from llmcustoms.commands.preparation import no_progress, prepare_run
+
+    if request.max_steps and request.budget_tokens:
+        raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
+    if request.study_name is not None:
+        study_dir(output_dir, request.study_name)  # a name that leaves --output-dir: refused before any work
+    if request.storage is not None:
+        open_storage(request.storage, output_dir)  # unreachable, or no driver: said before the data is prepared
+    hardware = usable_hardware()
+    prepared = prepare_run(options, hardware, progress=progress or no_progress)
+    base = prepared.plan
+    mean_tokens = float(prepared.train.lengths.mean())
+    steps = trial_steps(base, request.max_steps, request.budget_tokens, mean_tokens)
+    name, note = choose_study(request.storage, output_dir, request.study_name or default_name(options.data, base.model),
+                              request.study_name is not None, study_identity(base, steps))
+    settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=study_dir(output_dir, name),
+                            storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed,
+                            note=note)
+    return PreparedStudy(prepared, hardware, settings, search_space(base, hardware),
+                         round(steps * base.effective_batch_size * mean_tokens))
+
+
+def make_sampler(name: str, space: SearchSpace, seed: int) -> Any:
+    import optuna
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(space.grid(), seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
+              on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None,
+              warn: Callable[[str], None] = lambda text: None) -> StudyOutcome:
+    """Run `settings.trials` more trials of the study (creating it if needed). A
+    storage that fails (a full disk, a lost database) ends it with one message:
+    what the storage holds stays, and the same command continues it."""
+    from llmcustoms.recovery.faults import FaultInjector, disk_full_from
+
+    base = prepared.plan
+    if base.eval_rows == 0 or not prepared.evaluation:
+        raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
+                          "Pass --eval-split 0.1 (or more), or --eval-data FILE.")
+    space = search_space(base, hardware, settings.lr_centre)
+    settings.study_dir.mkdir(parents=True, exist_ok=True)
+    full_disk = FullDisk(disk_full_from())
+    storage = open_storage(settings.storage, settings.study_dir, full_disk)
+    trials = StudyTrials(prepared, settings, space, open_study(settings, space, storage),
+                         faults or FaultInjector.from_env(), on_update, warn, full_disk)  # one injector: faults fire once
+    outcome = trials.outcome
+    try:
+        check_identity(outcome.study, study_identity(base, settings.steps))
+        outcome.stale = fail_stale_trials(storage, outcome.study, settings.study_dir)
+        trials.optimize()
+        outcome.rows = trial_rows(outcome.study)
+        write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
+        if best_trial(outcome.study) is not None:
+            outcome.best_preset_path = write_best_preset(outcome.study, base, preset, prepared, settings)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        failure = _storage_failure(error, settings)
+        if failure is error:
+            raise
+        raise failure from None
+    return outcome
+
+
+def _storage_failure(error: Exception, settings: TuneSettings) -> Exception:
+    """The one message for a study whose storage failed; `error` itself when it was no storage's."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    again = "run the same command again to continue the study (the trial that was running is marked failed)."
+    if storage_full(error):
+        return ConfigError(f"The disk is full: the study {settings.study_name} could not be saved in {settings.where}. "
+                           "Its trials finished before are kept.", f"Make room on that disk, then {again}")
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, SQLAlchemyError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return error  # not the storage's: a bug, with its traceback
+    first = redact_storage(str(cause).splitlines()[0] if str(cause) else type(cause).__name__, settings.storage)
+    return ConfigError(f"The study's storage {settings.where} failed: {first}. Its trials finished before are kept.",
+                       f"Check the database is reachable and has room, then {again}")
+
+
+class StudyTrials:
+    """One `tune` command's trials in a study: the objective Optuna calls, and what they did."""
+
+    def __init__(self, prepared: PreparedRun, settings: TuneSettings, space: SearchSpace, study: Any, faults: Any,
+                 on_update: Callable[[list[dict[str, Any]]], None], warn: Callable[[str], None], full_disk: FullDisk):
+        self.prepared, self.settings, self.space, self.study = prepared, settings, space, study
+        self.faults, self.on_update, self.warn, self.full_disk = faults, on_update, warn, full_disk
+        self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
+        self.redraws = 0  # trials skipped for drawing an earlier trial's values
+
+    def optimize(self) -> None:
+        """`settings.trials` trials, plus one for each skipped as a repeat (`studies.duplicate_of`)."""
+        deadline = None if self.settings.timeout is None else time.monotonic() + self.settings.timeout
+        remaining = self.settings.trials
+        try:
+            for _ in range(REDRAW_ROUNDS + 1):
+                before = self.redraws
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.study.optimize(self.objective, n_trials=remaining, timeout=timeout, catch=(TrialFailed,),
+                                    callbacks=[self.after_trial])
+                remaining = self.redraws - before
+                if not remaining or self.outcome.interrupted or (deadline is not None and time.monotonic() >= deadline):
+                    break
+        except KeyboardInterrupt:  # Ctrl-C between trials (in one, the trial records it)
+            self.outcome.signum = signal.SIGINT
+
+    def objective(self, trial: Any) -> float:
+        import optuna
+
+        claim(trial)  # first: another `tune` of this study must see the trial is alive
+        params = self.space.suggest(trial)
+        same = duplicate_of(self.study, trial, params)
+        if same is not None:
+            self.redraws += 1
+            trial.set_user_attr("reason", f"drew the values of trial {same}: skipped, another drawn")
+            raise optuna.TrialPruned(f"same values as trial {same}")
+        # Trial numbers are unique in a shared study; the lock keeps a stray second `tune` out anyway.
+        run_dir = RunDirectory(self.settings.study_dir / f"trial-{trial.number:04d}")
+        with runlock.owning(run_dir.path, "running a trial in it"):
+            return self.run_trial(trial, params, run_dir)
+
+    def run_trial(self, trial: Any, params: dict[str, Any], run_dir: RunDirectory) -> float:
+        import optuna
+
+        from llmcustoms.training.finetuner import FineTuner
+        from llmcustoms.training.position import StopCause
+        from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
+
+        plan = trial_plan(self.prepared.plan, params, self.settings.steps)
+        run_dir.create(overwrite=True)
+        run_dir.write_plan(plan)
+        last: dict[str, float] = {}
+        tuner = FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
+                          SilentReporter(self.warn), faults=self.faults, on_evaluate=self._pruning_report(trial, last),
+                          save_artifacts=False, baseline=False)  # every trial starts from the same base model
+        started, steps_before = time.perf_counter(), self.outcome.steps_run
+        try:
+            result = tuner.run()
+        except TrainingFailed as failed:
+            trial.set_user_attr("reason", failed.report["reason"])
+            raise TrialFailed(failed.report["reason"]) from None
+        except TrainingInterrupted as stopped:
+            self._interrupted(trial, stopped.signum, stopped.step)
+        except KeyboardInterrupt:  # a second Ctrl-C: the trial stops at once
+            self._interrupted(trial, signal.SIGINT, tuner.position.step)
+        finally:
+            self.outcome.steps_run = steps_before + tuner.position.step
+            self.outcome.steps_budgeted += self.settings.steps
+            _note_trial(trial, run_dir, tuner.position.step, time.perf_counter() - started)
+        if tuner.signals.received is not None:  # it came in the last step: the trial is whole, the study stops
+            self.outcome.signum = tuner.signals.received
+            self.study.stop()
+        if result.stop is not None and result.stop.cause is StopCause.CALLER:
+            trial.set_user_attr("reason", f"pruned at step {tuner.position.step}")
+            raise optuna.TrialPruned(f"pruned at step {tuner.position.step}")
+        return last.get("eval_loss", float("nan"))
+
+    def _interrupted(self, trial: Any, signum: int, step: int) -> None:
+        """A trial stopped by a signal: recorded as interrupted (pruned, for Optuna:
+        neither a failure nor a result), and no trial after it."""
+        import optuna
+
+        name = signal.Signals(signum).name
+        self.outcome.signum = signum
+        trial.set_user_attr("interrupted", name)
+        trial.set_user_attr("reason", f"interrupted by {name} at step {step}")
+        self.study.stop()
+        raise optuna.TrialPruned(f"interrupted by {name}")
+
+    def after_trial(self, study: Any, trial: Any) -> None:
+        self.outcome.trials_this_run += 1
+        _refresh(study, self.on_update)
+
+    def _pruning_report(self, trial: Any, last: dict[str, float]) -> Callable[[int, float], bool]:
+        """The trial's `on_evaluate`: reports eval loss to Optuna (keeping the latest
+        in `last`) and says whether the pruner stops the trial."""
+        reported: set[int] = set()
+        steps_before = self.outcome.steps_run
+
+        def report(step: int, eval_loss: float) -> bool:
+            self.full_disk.steps = steps_before + step
+            last["eval_loss"] = eval_loss
+            if step not in reported:  # a rollback replays steps; each is reported once
+                reported.add(step)
+                trial.report(eval_loss, step)
+            _refresh(self.study, self.on_update, running=(trial.number, step, eval_loss))
+            return trial.should_prune()
+
+        return report
+
+
+def open_study(settings: TuneSettings, space: SearchSpace, storage: Any) -> Any:
+    """The study in its storage, created if it is new."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial's traceback: the table gives its reason
+    sampler = TrialSeededSampler(lambda seed: make_sampler(settings.sampler, space, seed), settings.seed)
+    try:
+        return optuna.create_study(study_name=settings.study_name, storage=storage, sampler=sampler,
+                                   pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+                                   direction="minimize", load_if_exists=True)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"Cannot open the study {settings.study_name} in {settings.where}: "
+                          f"{redact_storage(str(exc), settings.storage)}",
+                          "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
+
+
+def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, seconds: float) -> None:
+    """What a trial did, kept with it in the study: steps, time, recoveries."""
+    trial.set_user_attr("steps", steps)
+    trial.set_user_attr("seconds", round(seconds, 2))
+    recoveries = run_dir.read_status().get("recoveries", [])
+    if recoveries:
+        trial.set_user_attr("recoveries", [f"{r['kind']} at step {r['step']}: {r['action']}" for r in recoveries])
+
+
+def _refresh(study: Any, on_update: Callable[[list[dict[str, Any]]], None],
+             running: tuple[int, int, float] | None = None) -> None:
+    rows = trial_rows(study)
+    if running is not None:
+        number, step, loss = running
+        for row in rows:
+            if row["trial"] == number:
+                row.update(state="running", eval_loss=loss, steps=step)
+    on_update(rows)
+
+

@@ -1,0 +1,188 @@
+"""How a row is rendered as text, and which pieces of that text are learned.
+
+Chat rows are rendered with the tokenizer's own chat template. To know exactly
+which text belongs to the assistant, the conversation is rendered once per
+assistant turn (the prompt up to the turn with `add_generation_prompt=True`,
+then the prompt plus the reply) and the text is cut at those boundaries.
+
+Tool calling goes through the same template: the row's tools are passed as
+`tools=` and its calls and results as the turns' `tool_calls` and `tool`
+messages, so the model's own template writes them (Qwen2.5's <tool_call>
+blocks, Mistral's [TOOL_CALLS]). A tool's result is part of the prompt of the
+next assistant turn, so only the calls and replies are learned. A template
+that cannot show tool calls is refused (`tool_support_error`), never trained
+on with the calls silently left out.
+
+prompt/completion rows go through the template too, as one user and one
+assistant turn, when it is the model's own (`has_own_template`); with the
+fallback template, or when asked (`--raw-prompts`), they are joined raw.
+
+Tokenizers without a chat template get `FALLBACK_CHAT_TEMPLATE` (documented
+in the README); it is saved with the adapter so generation uses the same one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmcustoms.errors import ModelError
+from llmcustoms.data.row_formats import Example, Message, base_format
+
+
+# Used when a tokenizer has no chat template (Phi-2, base Llama checkpoints).
+# `{bos}` is filled with the BOS token for tokenizers that normally start with one.
+FALLBACK_CHAT_TEMPLATE = (
+    "{bos}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '### System:\\n' + message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '### User:\\n' + message['content'] + '\\n\\n' }}"
+    "{% else %}{{ '### Assistant:\\n' + message['content'] + eos_token + '\\n\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
+)
+
+
+def starts_with_bos(tokenizer) -> bool:
+    """Whether this tokenizer puts BOS in front of plain text by default."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give the tokenizer the fallback template if it has none. Returns True if it did."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    bos = "{{ bos_token }}" if starts_with_bos(tokenizer) else ""
+    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE.replace("{bos}", bos)
+    return True
+
+
+def _fallback_templates() -> set[str]:
+    return {FALLBACK_CHAT_TEMPLATE.replace("{bos}", bos) for bos in ("", "{{ bos_token }}")}
+
+
+def has_own_template(tokenizer) -> bool:
+    """Whether the tokenizer's chat template is the model's own, not the fallback."""
+    template = getattr(tokenizer, "chat_template", None)
+    # Some tokenizers hold several named templates (a dict); ours is one string.
+    return bool(template) and not (isinstance(template, str) and template in _fallback_templates())
+
+
+def prompts_use_template(tokenizer, fmt: str, raw_prompts: bool) -> bool:
+    """Whether rows of format `fmt` are shown to this model through its chat
+    template: always for chat rows, never for text, and for prompt/completion
+    rows when the template is the model's own and --raw-prompts is off."""
+    base = base_format(fmt)
+    if base == "text":
+        return False
+    if base == "prompt_completion":
+        return has_own_template(tokenizer) and not raw_prompts
+    return True
+
+
+def _render(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None, generation_prompt: bool) -> str:
+    # `tools` only when there are some: templates test `tools is not none`.
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template([m.as_dict() for m in messages], tokenize=False,
+                                         add_generation_prompt=generation_prompt, **extra)
+
+
+def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None = None,
+                  learned_from: int = 0) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_learned_reply) pieces.
+    An assistant turn's piece holds its reply and its tool calls; assistant
+    turns before `learned_from` (a preference pair's prompt) are not learned."""
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for k, message in enumerate(messages):
+        if message.role != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:k], tools, generation_prompt=True)
+        full = _render(tokenizer, messages[: k + 1], tools, generation_prompt=False)
+        if not (prefix.startswith(done) and full.startswith(prefix)):
+            return _last_turn_segments(tokenizer, messages, tools)
+        segments.append((prefix[len(done):], False))
+        segments.append((full[len(prefix):], k >= learned_from))
+        done = full
+    return segments
+
+
+def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None) -> list[tuple[str, bool]]:
+    # Some templates rewrite earlier turns (e.g. drop reasoning) as the
+    # conversation grows, so per-turn cuts do not line up; then only the last
+    # reply is trained on, which is still exact.
+    last = max(i for i, message in enumerate(messages) if message.role == "assistant")
+    prefix = _render(tokenizer, messages[:last], tools, generation_prompt=True)
+    full = _render(tokenizer, messages[: last + 1], tools, generation_prompt=False)
+    if not full.startswith(prefix):
+        raise ModelError(
+            "This model's chat template renders a conversation differently from its prompt, "
+            "so the reply cannot be separated from the prompt.",
+            "Pass --train-on-prompt to train on whole conversations, or use a model with a standard template.",
+        )
+    return [(prefix, False), (full[len(prefix):], True)]
+
+
+# What a template's refusal is about, from the words templates use (Gemma's "System role
+# not supported", Llama 2's "roles must alternate"), told in ours: a template's own
+# text may quote the row (raise_exception('bad role: ' + message['content'])), so it is never shown.
+_REFUSALS = (("system", "it does not accept a system turn"),
+             ("alternate", "it needs user and assistant turns to alternate"),
+             ("tool", "it does not accept tool calls or tool results"),
+             ("role", "it does not accept one of the turns' roles"))
+
+
+def template_refused(what: str, error: Exception, hint: str) -> ModelError:
+    """The error for a chat template that raised while rendering `what` ("row 12",
+    "the conversation"): what it refused, never its text."""
+    said = str(error).lower()
+    reason = next((why for word, why in _REFUSALS if word in said), f"it raised an error ({type(error).__name__})")
+    return ModelError(f"This model's chat template refused {what}: {reason}.", hint)
+
+
+def raw_segments(tokenizer, example: Example) -> list[tuple[str, bool]]:
+    """prompt/completion and text rows: no template, BOS if the model uses one."""
+    bos = tokenizer.bos_token if starts_with_bos(tokenizer) else ""
+    return [(bos + example.prompt, False), (example.completion, True)]
+
+
+
+# A conversation that uses every tool feature, with marks that appear in the
+# rendered text only if the template shows the call and the result.
+_PROBE_CALL_MARK = "llmcustoms_probe_argument_value"
+_PROBE_RESULT_MARK = "llmcustoms_probe_result"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "llmcustoms_probe", "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"value": {"type": "string"}}}}}]
+_PROBE_TURNS = [
+    {"role": "user", "content": "Probe."},
+    # The id has nine letters and digits: Mistral's template checks that.
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "probe0001", "function": {
+        "name": "llmcustoms_probe", "arguments": {"value": _PROBE_CALL_MARK}}}]},
+    {"role": "tool", "tool_call_id": "probe0001", "name": "llmcustoms_probe", "content": _PROBE_RESULT_MARK},
+    {"role": "assistant", "content": "Done."},
+]
+
+
+def supports_tools(tokenizer) -> bool:
+    """Whether the chat template shows tool calls and tool results. Rendered,
+    not read from the Jinja source: a template may name `tools` and still
+    drop the calls (or refuse the `tool` role)."""
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(_PROBE_TURNS, tools=_PROBE_TOOLS, tokenize=False)
+    except (TemplateError, TypeError, KeyError, ValueError):
+        return False
+    return _PROBE_CALL_MARK in text and _PROBE_RESULT_MARK in text
+
+
+def tool_support_error(example: Example) -> ModelError:
+    return ModelError(
+        f"The data has tool calls (role 'tool' / tool_calls, or a 'tools' list; first at row {example.row}), "
+        "but this model's chat template cannot show them, so the model could not learn to call tools.",
+        "Use a model whose chat template supports tool calling, such as Qwen2.5 Instruct (e.g. "
+        "Qwen/Qwen2.5-1.5B-Instruct) or Mistral-7B-Instruct-v0.3, or leave the tool-calling rows out of the data.",
+    )

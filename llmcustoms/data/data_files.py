@@ -1,0 +1,317 @@
+"""Read the rows of a data file one at a time, each with its location.
+
+Supported files: `.jsonl`, `.json` (an array, or JSON Lines saved as .json),
+`.csv`, `.parquet`, and a directory written by `datasets.save_to_disk`.
+
+Every reader streams: memory stays bounded by the largest row, not the file,
+so a file larger than RAM can be read. A row that cannot be parsed is yielded
+with its `problem` (the caller's bad-row policy decides); a file whose
+structure is broken (a JSON array cut in half) raises `DataError` naming the
+line. Nothing here shows a row's content: the data may be private. No torch.
+
+The limits on one row are `data/raw_rows.py`'s: a row with a lone surrogate, or
+nested too deeply for the json module, is a bad row. One longer than
+`MAX_ROW_BYTES` (64 MiB) is a bad row in JSON Lines, skipped unread; in a
+JSON array, a single JSON object or a CSV file it is a `DataError` (so is a
+row of a JSON array nested too deeply), since where the next row starts
+cannot be found without reading it. `data/table_files.py` reads CSV, Parquet and
+the Arrow rows of saved datasets, a batch at a time.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import IO, Iterator
+
+from llmcustoms.data import raw_rows as rawrows
+from llmcustoms.errors import DataError
+from llmcustoms.data.raw_rows import NOT_UNICODE, TOO_DEEP, TOO_LONG, BeyondLimits, RawRow, lone_surrogate, parse_json
+from llmcustoms.data.table_files import read_arrow_rows, read_csv, read_parquet
+
+__all__ = ["RawRow", "SUPPORTED_SUFFIXES", "fingerprint", "read_rows"]
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# Bytes read at a time from a JSON array; doubled while one row is larger.
+JSON_CHUNK = 1 << 20
+_SPACE = re.compile(r"[ \t\r\n]*")
+JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRow]:
+    row = 0
+    with open(path, "rb") as f:
+        for line_no, line in rawrows.lines(f):
+            if line is None:
+                row += 1
+                yield RawRow(row, line_no, problem=TOO_LONG)
+                continue
+            if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[3:]
+            if not line.strip():
+                continue
+            row += 1
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRow(row, line_no, problem=f"not valid UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})")
+                continue
+            try:
+                yield RawRow(row, line_no, value=parse_json(text))
+            except json.JSONDecodeError as exc:
+                yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
+            except BeyondLimits as exc:
+                yield RawRow(row, line_no, problem=str(exc))
+
+
+class _TextStream:
+    """A UTF-8 file read in chunks. `buffer[pos:]` is what is not consumed yet
+    and `line` the line number at `pos`; the consumed part is dropped only
+    when more is read, so consuming a row costs no copy of the rest."""
+
+    def __init__(self, path: Path, f: IO[bytes]):
+        self.path, self.f = path, f
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
+        self.column0 = 0  # the column of buffer[0], which need not start a line
+
+    def more(self, size: int) -> bool:
+        """Append up to `size` more bytes of text; False at the end of the file."""
+        if self.eof:
+            return False
+        self.compact()
+        raw = self.f.read(size)
+        try:
+            self.buffer += self.decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as exc:
+            # exc.object holds the decoder's leftover bytes and then `raw`.
+            line = self.line + self.buffer.count("\n") + exc.object[: exc.start].count(b"\n")
+            raise DataError(f"{self.path.name}, line {line}: not valid UTF-8 text (byte 0x{exc.object[exc.start]:02x}"
+                            f"{', and the file ends there' if not raw else ''}).",
+                            "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').") from None
+        self.eof = not raw
+        return bool(raw)
+
+    def compact(self) -> None:
+        """Drop what was consumed, keeping the column of what is left."""
+        done = self.buffer[: self.pos]
+        newline = done.rfind("\n")
+        self.column0 = len(done) - newline - 1 if newline >= 0 else self.column0 + len(done)
+        self.buffer, self.pos = self.buffer[self.pos:], 0
+
+    def at(self, text: str) -> bool:
+        return self.buffer.startswith(text, self.pos)
+
+    def rest(self) -> bool:
+        return self.pos < len(self.buffer)
+
+    def consume_to(self, end: int) -> None:
+        self.line += self.buffer.count("\n", self.pos, end)
+        self.pos = end
+
+    def skip_space(self) -> None:
+        while True:
+            self.consume_to(_SPACE.match(self.buffer, self.pos).end())
+            if self.rest() or not self.more(JSON_CHUNK):
+                return
+
+    def fail(self, at: int, msg: str) -> DataError:
+        line = self.line + self.buffer.count("\n", self.pos, at)
+        newline = self.buffer.rfind("\n", 0, at)
+        col = at - newline if newline >= 0 else self.column0 + at + 1
+        return DataError(f"{self.path.name}, line {line}: not valid JSON ({msg} at column {col}).",
+                         "Check the file with a JSON validator; a missing comma or quote is the usual cause.")
+
+
+def _cut_short(error: json.JSONDecodeError, buffer: str) -> bool:
+    """Whether decoding failed because the text ends, not because it is wrong."""
+    return error.pos >= len(buffer.rstrip()) - 1 or error.msg.startswith("Unterminated string")
+
+
+def _array_elements(text: _TextStream) -> Iterator[RawRow]:
+    """The elements of a JSON array, decoded one at a time from a stream."""
+    decoder = json.JSONDecoder()
+    text.consume_to(text.pos + 1)  # the "["
+    text.skip_space()
+    if text.at("]"):
+        return
+    row = 0
+    while True:
+        text.skip_space()
+        size = JSON_CHUNK
+        while True:
+            try:
+                value, end = decoder.raw_decode(text.buffer, text.pos)
+                # A value that ends the buffer may be cut short (a number); a
+                # whole row is always followed by "," or "]".
+                if end < len(text.buffer) or text.eof:
+                    break
+            except json.JSONDecodeError as exc:
+                # Read on only if the row may just be cut short by the chunk;
+                # a mistake in the middle fails here, not after the whole file.
+                if text.eof or not _cut_short(exc, text.buffer):
+                    raise text.fail(exc.pos, exc.msg) from None
+            except (ValueError, RecursionError):  # the json module's limits: nesting, digits
+                raise _unreadable_row(text, row + 1, TOO_DEEP) from None
+            if len(text.buffer) - text.pos > rawrows.MAX_ROW_BYTES:
+                raise _unreadable_row(text, row + 1, TOO_LONG)
+            text.more(size)
+            size *= 2
+        if end - text.pos > rawrows.MAX_ROW_BYTES:  # parsed whole, but too long all the same
+            raise _unreadable_row(text, row + 1, TOO_LONG)
+        row += 1
+        # Parsed, so the array reads on past it: a bad row like any other.
+        bad = lone_surrogate(value, text.buffer, text.pos, end)
+        yield RawRow(row, text.line, problem=NOT_UNICODE) if bad else RawRow(row, text.line, value=value)
+        text.consume_to(end)
+        text.skip_space()
+        if text.at(","):
+            text.consume_to(text.pos + 1)
+            continue
+        if text.at("]"):
+            text.consume_to(text.pos + 1)
+            text.skip_space()
+            if text.rest():
+                raise text.fail(text.pos, "Extra data after the array")
+            return
+        raise text.fail(text.pos, "Expecting ',' or ']' between array elements")
+
+
+def _unreadable_row(text: _TextStream, row: int, problem: str) -> DataError:
+    # Where the next row starts cannot be found without reading this one whole.
+    return DataError(f"{text.path.name}, line {text.line}: row {row} of the JSON array is {problem}.",
+                     "A JSON array cannot skip such a row: fix it, or save the file as JSON Lines (one row per "
+                     "line), where it is skipped as a bad row.")
+
+
+def _is_json_lines(text: _TextStream) -> bool:
+    """Whether a .json file that is not an array is JSON Lines (many are):
+    a first line that is JSON, and more after it."""
+    text.compact()
+    while "\n" not in text.buffer and len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+        pass
+    first_line, _, rest = text.buffer.partition("\n")
+    if len(first_line) > rawrows.MAX_ROW_BYTES:
+        return True  # too long for a row either way: JSON Lines reading says so, and reads on
+    if not rest.strip() and text.more(JSON_CHUNK):
+        rest = text.buffer.partition("\n")[2]
+    try:
+        json.loads(first_line)
+    except json.JSONDecodeError:
+        return False
+    except (ValueError, RecursionError):
+        pass  # JSON beyond the limits: a bad row if more lines follow
+    return bool(rest.strip())
+
+
+def _single_object(text: _TextStream) -> dict:
+    """The one row of a .json file that holds a single object."""
+    name = text.path.name
+    while len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+        pass
+    if len(text.buffer) > rawrows.MAX_ROW_BYTES:
+        raise DataError(f"{name}: the JSON object is {TOO_LONG}.", JSON_HINT)
+    try:
+        value = parse_json(text.buffer)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{name}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}).",
+                        JSON_HINT) from None
+    except BeyondLimits as exc:
+        raise DataError(f"{name}, the JSON object: {exc}.", JSON_HINT) from None
+    if not isinstance(value, dict):
+        raise DataError(f"{name}: the file holds a JSON {type(value).__name__}, not an array of objects.", JSON_HINT)
+    return value
+
+
+def _read_json(path: Path) -> Iterator[RawRow]:
+    with open(path, "rb") as f:
+        text = _TextStream(path, f)
+        text.skip_space()
+        if text.at("["):
+            yield from _array_elements(text)
+            return
+        if not _is_json_lines(text):
+            yield RawRow(1, 1, value=_single_object(text))
+            return
+    yield from _read_jsonl(path)
+
+
+def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises FileNotFoundError or its own errors
+        raise DataError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({type(exc).__name__}).",
+                        f"Pass a data file ({', '.join(SUPPORTED_SUFFIXES)}) or a saved dataset directory.") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{path}: the saved DatasetDict has no 'train' split (splits: {', '.join(loaded)}).",
+                            "Save the training rows under a split named 'train'.")
+        loaded = loaded["train"]
+    yield from read_arrow_rows(path, iter(loaded))  # Arrow files are memory-mapped: this streams
+
+
+def _is_empty(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return not head.removeprefix(codecs.BOM_UTF8).strip() and path.stat().st_size <= 4096
+
+
+def read_rows(path: Path) -> Iterator[RawRow]:
+    """Every row of a supported file, in order, with its location."""
+    if not path.exists():
+        raise DataError(f"Data file not found: {path}", "Check the path; it is relative to the current directory.")
+    if path.is_dir():
+        yield from _read_saved_dataset(path)
+        return
+    if not path.is_file():
+        # A FIFO would wait forever for a writer; a device such as /dev/zero (or a
+        # link to one) never ends and would fill the memory.
+        raise DataError(f"{path} is not a regular file (a pipe, device or socket).",
+                        "Save the data to a file first and pass that file.")
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise DataError(f"{path.name}: unsupported file type '{suffix or '(none)'}'.",
+                        f"Use one of {', '.join(SUPPORTED_SUFFIXES)} or a saved `datasets` directory.")
+    if suffix == ".parquet":
+        yield from read_parquet(path)
+        return
+    try:
+        empty = _is_empty(path)
+    except OSError as exc:
+        raise DataError(f"Cannot read {path}: {exc.strerror}.") from None
+    if empty:
+        raise DataError(f"{path.name} is empty.", "Add at least one row of data.")
+    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": read_csv}[suffix]
+    yield from reader(path)
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 over a data file (or every file of a saved dataset directory), so
+    `resume` can tell that the data it trains on is the data the run began with."""
+    path = Path(path)
+    if path.is_file():  # asked for more than once per command: remembered while the file is unchanged
+        stat = path.stat()
+        return _file_fingerprint(str(path.absolute()), stat.st_size, stat.st_mtime_ns)
+    return _fingerprint(path)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    return _fingerprint(Path(path))
+
+
+def _fingerprint(path: Path) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,76 @@
+"""Which rows train and which are held out for evaluation.
+
+A seeded split of the data file's usable rows (the same seed, the same split,
+so `resume` rebuilds exactly the rows a run began with), or every row of a
+second file (`--eval-data`). It is made before the model is chosen: the
+choice plans on the training rows. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from llmcustoms.data.dataset import Dataset, read_dataset
+from llmcustoms.errors import DataError
+from llmcustoms.planning.presets import TrainingPreset
+
+# Held-out rows beyond this make each evaluation slower without making it
+# more telling: a 2% split of a million rows is capped here.
+MAX_EVAL_ROWS = 2000
+
+
+def split_eval(n_rows: int, fraction: float, seed: int, most: int | None = MAX_EVAL_ROWS) -> tuple[list[int], list[int]]:
+    """Seeded train/eval split of row indices; the same seed gives the same split."""
+    if fraction <= 0 or n_rows < 2:
+        return list(range(n_rows)), []
+    n_eval = min(n_rows - 1, max(1, round(n_rows * fraction)), most or n_rows)
+    order = np.random.default_rng(seed).permutation(n_rows)
+    eval_idx = np.sort(order[:n_eval])
+    keep = np.ones(n_rows, bool)
+    keep[eval_idx] = False
+    return np.flatnonzero(keep).tolist(), eval_idx.tolist()
+
+
+def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
+    """The share of rows held out for evaluation, and where it came from.
+    Needed before planning proper, since the split decides the training rows;
+    so before the model is known, which is why a preset cannot set it by model
+    size (`NOT_BY_MODEL_SIZE`) and the dataset-size bucket alone decides it."""
+    if "eval_split" in overrides:
+        return overrides["eval_split"]
+    values, bucket = preset.for_dataset_size(total_rows)
+    return values["eval_split"], f"preset {preset.name} ({bucket} dataset)"
+
+
+@dataclass
+class Split:
+    """Which rows train and which evaluate: positions in the data file's usable
+    rows, or (with --eval-data) every usable row of a second file."""
+
+    train: list[int]
+    evaluation: list[int]
+    eval_dataset: Dataset | None
+    source: str
+    fraction: float
+
+
+def split_rows(options: Any, dataset: Dataset, preset: Any, progress: Callable[[str, int, "int | None"], None],
+           most: int | None = MAX_EVAL_ROWS) -> Split:
+    if options.eval_data:
+        eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))
+        kept = min(eval_set.rows, most or eval_set.rows)
+        first = f", its first {kept:,} rows" if kept < eval_set.rows else ""
+        return Split(list(range(dataset.rows)), list(range(kept)), eval_set,
+                     f"from {Path(options.eval_data).name}{first}", 0.0)
+    seed = options.override("seed", 42)
+    fraction, fraction_source = eval_fraction(preset, dataset.rows, options.overrides)
+    train_idx, eval_idx = split_eval(dataset.rows, fraction, seed, most)
+    if not train_idx:
+        raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
+                        "Lower --eval-split or add more rows.")
+    capped = f", at most {MAX_EVAL_ROWS:,} rows" if len(eval_idx) == MAX_EVAL_ROWS else ""
+    return Split(train_idx, eval_idx, None, f"{fraction:.0%} split{capped}, seed {seed}, {fraction_source}", fraction)

@@ -1,0 +1,119 @@
+"""The rows of a table: a CSV file, a Parquet file, or the Arrow rows of a
+saved `datasets` directory, each streamed with its location (`data/data_files.py`
+picks the reader). A CSV cell of JSON text (a messages column) is parsed
+within the limits of `data/raw_rows.py`; a CSV line or cell longer than
+`MAX_ROW_BYTES` is a `DataError`, since skipping it would leave the csv
+module's quoting out of step. Nothing here shows a row's content. No torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from llmcustoms.data import raw_rows as rawrows
+from llmcustoms.errors import DataError
+from llmcustoms.data.raw_rows import TOO_LONG, BeyondLimits, RawRow, parse_json
+
+# Columns that hold JSON text in a CSV: a chat's turns, a row's tools, a pair's replies.
+JSON_COLUMNS = ("messages", "conversations", "tools", "chosen", "rejected")
+
+
+def _csv_rows(path: Path, reader: Any) -> Iterator[RawRow]:
+    header: list[str] | None = None
+    row = 0
+    start_line = 1
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            # The csv module's own words, except for its limit on a cell, which is ours.
+            said = TOO_LONG if "field limit" in str(exc) else f"not valid CSV ({exc})"
+            raise DataError(f"{path.name}, line {start_line}: {said}.",
+                            "Check the quoting on that line; a cell with commas or line breaks needs double quotes.") from None
+        line, start_line = start_line, reader.line_num + 1
+        if not cells:
+            continue
+        if header is None:
+            header = [name.strip() for name in cells]
+            if len(set(header)) != len(header):
+                raise DataError(f"{path.name}, line {line}: the header repeats a column name.",
+                                "Give every column a unique name.")
+            continue
+        row += 1
+        if len(cells) > len(header):
+            yield RawRow(row, line, problem=f"has more cells than the header's {len(header)} columns")
+            continue
+        value, problem = {}, None
+        for name, cell in zip(header, cells):
+            if name in JSON_COLUMNS and cell.strip().startswith("["):
+                try:
+                    cell = parse_json(cell)
+                except json.JSONDecodeError as exc:
+                    problem = f"column '{name}' is not valid JSON ({exc.msg})"
+                    break
+                except BeyondLimits as exc:
+                    problem = f"column '{name}': {exc}"
+                    break
+            value[name] = cell
+        yield RawRow(row, line, problem=problem) if problem else RawRow(row, line, value=value)
+
+
+def _decoded_lines(path: Path, f: IO[bytes]) -> Iterator[str]:
+    """The file's lines as text, naming the line of a byte that is not UTF-8."""
+    for line_no, line in rawrows.lines(f):
+        if line is None:
+            raise DataError(f"{path.name}, line {line_no}: {TOO_LONG}.",
+                            "Check that line: a missing line break or quote can make one line of the whole file.")
+        try:
+            yield line.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path.name}, line {line_no}: not valid UTF-8 text (byte 0x{line[exc.start]:02x}).",
+                            "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').") from None
+
+
+def read_csv(path: Path) -> Iterator[RawRow]:
+    # The csv module refuses cells over 128 KiB by default; long documents are normal here.
+    csv.field_size_limit(rawrows.MAX_ROW_BYTES)
+    with open(path, "rb") as f:
+        # csv.reader, not DictReader: DictReader skips blank lines without saying
+        # so, and the line numbers of every later row would be off.
+        # strict: a stray quote is an error at its line, not a cell that
+        # silently swallows every row after it.
+        yield from _csv_rows(path, csv.reader(_decoded_lines(path, f), strict=True))
+
+
+def read_arrow_rows(path: Path, rows: Iterator[dict]) -> Iterator[RawRow]:
+    """Rows from Arrow. Arrow decodes its strings as UTF-8, so they hold no
+    surrogate; JSON text in them is checked where it is parsed."""
+    i = 0
+    while True:
+        try:
+            value = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # pyarrow and datasets raise several types for a damaged file
+            raise DataError(f"{path.name}: cannot read past row {i:,} ({type(exc).__name__}).",
+                            "Check that the file was written completely, and that its text columns are UTF-8.") from None
+        i += 1
+        yield RawRow(i, None, value=value)
+
+
+def read_parquet(path: Path) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise DataError(f"{path.name}: not a readable Parquet file ({type(exc).__name__}).",
+                        "Check that the file was written completely.") from None
+
+    def rows() -> Iterator[dict]:
+        for batch in parquet.iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+
+    yield from read_arrow_rows(path, rows())

@@ -1,0 +1,119 @@
+"""How long a run will take: its training and evaluation tokens over a rate.
+
+The rate is the one measured on this machine for the same model and method
+when a run has been trained here before (`runs/speeds.py` keeps them), else compute
+per token over the machine's nominal rate: a rough figure for the plan (shown,
+never acted on), so the constants are measured once and rounded, not tuned
+per model. The plan says which it is, and the live display replaces it with
+the measured step time from the first step on.
+"""
+
+from __future__ import annotations
+
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.memory import parameter_counts
+from llmcustoms.planning.plan import DataStats
+from llmcustoms.planning.presets import ModelSpec
+
+# Share of the GPU's tensor-core peak a fine-tuning step reaches (model FLOPs utilisation).
+GPU_MFU = 0.35
+# Effective FLOP/s per CPU core in fp32 training steps: 42-44 GFLOP/s measured
+# on the reference machine (2 AVX-512 cores; LoRA and full fine-tuning of a
+# 45M-parameter Llama at 512 tokens). Rounded down for smaller machines.
+CPU_FLOPS_PER_CORE = 40e9
+# bf16 autocast on a CPU with native bf16 (AVX512-BF16, AMX) against fp32: 1.58x
+# measured for a LoRA step of SmolLM2-135M on the reference machine (frozen weights
+# in bf16; benchmarks/NOTES.md). Full fine-tuning keeps fp32 weights and gains less.
+CPU_BF16_SPEEDUP = {"lora": 1.5, "qlora": 1.5, "full": 1.2}
+# Extra time QLoRA spends dequantising 4-bit weights in every forward and backward.
+QLORA_SLOWDOWN = 1.3
+# Without a GPU the preset's CPU models are planned best first and the first
+# expected to finish within this is trained: half an hour is a wait a first
+# try can afford, and it still leaves time to change something and run again.
+CPU_TIME_LIMIT_S = 30 * 60
+
+
+def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
+    """Forward 2N; backward 4N when every weight gets a gradient, about 2N when
+    the base is frozen (only activation gradients); checkpointing adds a forward."""
+    n = _computed_params(arch)
+    backward = 4 * n if method == "full" else 2 * n
+    return 2 * n + backward + (2 * n if gradient_checkpointing else 0)
+
+
+def _computed_params(arch: ModelSpec) -> int:
+    """The weights a token multiplies through: the embedding lookup is free, the head is not."""
+    linear, _ = parameter_counts(arch)
+    return linear + arch.vocab_size * arch.hidden_size
+
+
+def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware,
+                     eval_tokens: float = 0.0) -> float:
+    """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs)."""
+    per_token = flops_per_token(arch, method, gradient_checkpointing)
+    work = tokens + eval_tokens * 2 * _computed_params(arch) / per_token  # in training tokens
+    measured = hardware.measured_speed(arch.hub_id, method)
+    if measured is not None:
+        return work / measured
+    if hardware.has_gpu:
+        rate = hardware.peak_tflops * 1e12 * GPU_MFU
+    else:
+        rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores * (CPU_BF16_SPEEDUP[method] if hardware.cpu_bf16 else 1.0)
+    seconds = work * per_token / rate
+    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+
+
+def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
+                     gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
+                     evaluations: int) -> float:
+    """Notes the rows truncation cuts or drops; returns the estimated seconds of
+    training and evaluating (`evaluations` passes over the evaluation rows)."""
+    truncated = stats.rows_truncated(max_seq_len)
+    if truncated:
+        reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
+                       + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
+                          if train_rows < stats.train_rows else ""))
+    length = stats.mean_length(max_seq_len)
+    seconds = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
+                               evaluations * stats.eval_rows * length)
+    reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None))
+    return seconds
+
+
+def duration_reason(seconds: float, hardware: Hardware, measured: bool = False) -> str:
+    hours = seconds / 3600
+    text = f"estimated duration {human_duration(seconds)}"
+    text += (" (from the speed measured on this machine with this model and method)" if measured
+             else " (rough: from this machine's nominal speed; the live display measures it from the first step)")
+    if not hardware.has_gpu and hours >= 1:
+        return (text + ": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
+                "minutes to an hour; on this machine try --preset highspeed, a smaller model or --max-steps")
+    return text
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"about {max(1, round(seconds))} s"
+    if seconds < 5400:
+        return f"about {round(seconds / 60)} min"
+    return f"about {seconds / 3600:.1f} h"
+
+
+def cpu_choice(estimates: list[tuple[str, float]], smallest: str) -> tuple[str, str]:
+    """Which CPU model to train, and why: the first of `estimates` (name and
+    estimated seconds, best model first) within `CPU_TIME_LIMIT_S`, else `smallest`."""
+    if not estimates:
+        return smallest, "the preset's smallest CPU model"
+    names, seconds = [name for name, _ in estimates], dict(estimates)
+    limit = f"{CPU_TIME_LIMIT_S // 60} min"
+    chosen = next((name for name in names if seconds[name] <= CPU_TIME_LIMIT_S), None)
+    if chosen is None:
+        others = "; ".join(f"{name.split('/')[-1]} {human_duration(seconds[name])}" for name in names if name != smallest)
+        return smallest, (f"the smallest CPU model, estimated {human_duration(seconds[smallest])}; none is expected "
+                          f"to finish within {limit}" + (f" ({others})" if others else ""))
+    estimate = f"estimated {human_duration(seconds[chosen])}"
+    skipped = names[:names.index(chosen)]  # the better models, all over the limit
+    if not skipped:
+        return chosen, f"the preset's first CPU model, {estimate}, within {limit}"
+    slower = "; ".join(f"{name.split('/')[-1]} would take {human_duration(seconds[name])}" for name in skipped)
+    return chosen, f"{estimate} ({slower}, over {limit})"

@@ -1,0 +1,229 @@
+"""The plan and what planning reads: the frozen `Plan` a run trains by (saved
+as plan.json), the model choice, the data statistics and the LoRA settings.
+
+Values and the arithmetic on them (plan.json in and out, percentiles of row
+lengths); the choices themselves are made in `planning/planner.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning.presets import ModelSpec
+
+# Older plan.json files kept warnings among the reasons with this prefix.
+_OLD_WARNING_PREFIX = "warning: "
+
+
+def total_steps(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps for `epochs` passes (a fraction of one counts as a step)."""
+    return max(1, math.ceil(epochs * steps_per_epoch))
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model to train, as far as planning needs to know it."""
+
+    name: str  # hub id or local path, as given
+    family: str
+    model_type: str
+    target_modules: tuple[str, ...]
+    max_context: int
+    source: str  # where the choice came from: flag, env, preset, optimizer
+    arch: ModelSpec  # architecture facts for the memory estimate
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """What planning needs to know about the data, per training row."""
+
+    lengths: tuple[int, ...]  # tokens per row, before truncation
+    first_loss_positions: tuple[int, ...]  # index of each row's first trained label
+    eval_rows: int
+    format: str = ""
+    length_source: str = "tokenizer"
+
+    @property
+    def train_rows(self) -> int:
+        return len(self.lengths)
+
+    def percentile(self, q: float) -> int:
+        ordered = sorted(self.lengths)
+        return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
+
+    def rows_kept(self, max_seq_len: int) -> int:
+        """Rows that still have a trained token after truncation to max_seq_len."""
+        return sum(1 for p in self.first_loss_positions if p < max_seq_len)
+
+    def rows_truncated(self, max_seq_len: int) -> int:
+        return sum(1 for n in self.lengths if n > max_seq_len)
+
+    def trained_fraction(self, max_seq_len: int) -> float:
+        """Share of a row's positions that get logits (those predicting a trained
+        token), at the 90th percentile over rows: the memory peak comes from the
+        batch with the most, not the average one."""
+        shares = sorted(max(0.0, (min(n, max_seq_len) - p) / max(1, min(n, max_seq_len)))
+                        for n, p in zip(self.lengths, self.first_loss_positions) if p < max_seq_len)
+        return shares[min(len(shares) - 1, int(0.9 * len(shares)))] if shares else 1.0
+
+    def mean_length(self, max_seq_len: int) -> float:
+        """Mean tokens per kept row after truncation: what a step really computes."""
+        kept = [min(n, max_seq_len) for n, p in zip(self.lengths, self.first_loss_positions) if p < max_seq_len]
+        return sum(kept) / max(1, len(kept))
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    family: str
+    model_type: str
+    preset: str
+    method: str
+    micro_batch_size: int
+    grad_accum: int
+    effective_batch_size: int
+    max_seq_len: int
+    gradient_checkpointing: bool
+    mixed_precision: str
+    lr: float
+    lr_scheduler: str
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    epochs: float
+    steps_per_epoch: int
+    total_steps: int
+    eval_every: int
+    early_stopping_patience: int
+    save_every: int
+    keep_checkpoints: int
+    seed: int
+    train_on_prompt: bool
+    trust_remote_code: bool
+    train_rows: int
+    eval_rows: int
+    lora: LoraSettings | None
+    memory: dict[str, int] | None = None
+    estimated_seconds: float | None = None
+    # Processes training together; effective batch = micro x accumulation x world size.
+    world_size: int = 1
+    # How the processes share the work: "none" (one process), "ddp" (each holds
+    # the whole model) or "fsdp" (weights, gradients and optimizer state sharded).
+    distributed: str = "none"
+    # "adamw", or bitsandbytes' "adamw_8bit", "paged_adamw", "paged_adamw_8bit".
+    optimizer: str = "adamw"
+    # A micro-batch's rows as one padding-free sequence (`models/packing.py`).
+    packing: bool = False
+    # torch.compile of the model.
+    compile: bool = False
+    # Where the rows came from, so `resume` rebuilds exactly the same ones.
+    data: str = ""
+    data_format: str = ""
+    data_sha256: str = ""
+    eval_data_sha256: str = ""
+    # The length rows were cut to when the run began (recovery may shorten
+    # max_seq_len later; resume rebuilds the rows at this length first).
+    row_max_len: int = 0
+    eval_data: str | None = None
+    eval_split: float = 0.0
+    skip_bad_rows: bool = False
+    # "default" (skip up to 5% of rows), "strict" or "skip"; and what reading found.
+    bad_row_policy: str = "default"
+    raw_prompts: bool = False
+    # "sft" (learn the replies) or "dpo" (preference pairs); DPO's beta.
+    objective: str = "sft"
+    beta: float = 0.1
+    # A finished run whose adapter this one starts from (`--from-run`), "" for none.
+    from_run: str = ""
+    # Whether weights may load from pickle files (--allow-pickle-weights). Only
+    # the command that loads decides: `resume` sets it from its own flag.
+    allow_pickle_weights: bool = False
+    data_report: dict[str, Any] = field(default_factory=dict)
+    # What the training rows' token ids depend on (`tokencache.tokenization_cache_key`):
+    # resume refuses to go on with ids made another way.
+    tokens_key: str = ""
+    # The base model's files when the run began (`runs/model_files.py`): resume refuses
+    # other weights unless told. Empty in plans written before it existed.
+    model_fingerprint: dict[str, str] = field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+    # What is likely to go wrong with this plan (e.g. out of memory), apart from
+    # the reasons so a caller can show them as warnings without parsing text.
+    warnings: tuple[str, ...] = ()
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["reasons"] = list(self.reasons)
+        data["warnings"] = list(self.warnings)
+        if self.lora is not None:
+            data["lora"]["target_modules"] = list(self.lora.target_modules)
+        return data
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("lora") is not None:
+            lora = dict(values["lora"])
+            lora["target_modules"] = tuple(lora["target_modules"])
+            values["lora"] = LoraSettings(**lora)
+        reasons = list(values.get("reasons", ()))
+        # Written before warnings had a field of their own: they were prefixed reasons.
+        old_warnings = [r.removeprefix(_OLD_WARNING_PREFIX) for r in reasons if r.startswith(_OLD_WARNING_PREFIX)]
+        values["reasons"] = tuple(r for r in reasons if not r.startswith(_OLD_WARNING_PREFIX))
+        values["warnings"] = tuple(values.get("warnings", ())) + tuple(old_warnings)
+        if "distributed" not in values and values.get("world_size", 1) > 1:
+            values["distributed"] = "ddp"  # written before FSDP existed: several processes meant DDP
+        return cls(**values)
+
+    def with_changes(self, reason: str | None = None, **changes: Any) -> "Plan":
+        """A copy with some values changed by the optimizer, noting why."""
+        sources = dict(self.sources)
+        sources.update({name: "optimizer" for name in changes})
+        reasons = self.reasons + ((reason,) if reason else ())
+        return replace(self, sources=sources, reasons=reasons, **changes)
+
+    def with_warning(self, warning: str) -> "Plan":
+        return replace(self, warnings=self.warnings + (warning,))
+
+    @property
+    def epochs_planned(self) -> float:
+        """The passes the plan's steps make: its epochs, or what --max-steps comes to."""
+        return self.total_steps / self.steps_per_epoch if self.sources.get("total_steps") == "flag" else self.epochs
+
+    def extended_to(self, epochs: float) -> "Plan":
+        """The plan for `epochs` passes in all (`resume --epochs`), its steps counted
+        as planning counts them; an error if that is no more steps than it has.
+
+        Warmup keeps its steps: they are behind the run, and a longer warmup would
+        rewrite what they were. The decay is stretched over the new length, so from
+        the restored step on the learning rate is what a run planned this long (with
+        this warmup) has there, the continuation a user asking for more epochs
+        expects. After a finished cosine or linear decay that means the rate rises
+        again at the restored step: kept near zero, the extra steps would learn nothing."""
+        steps = total_steps(epochs, self.steps_per_epoch)
+        if steps <= self.total_steps:
+            raise ConfigError(f"--epochs {epochs:g} would not extend the run: it is planned for "
+                              f"{self.epochs_planned:g} epochs ({self.total_steps} steps) already.",
+                              f"Give more epochs than that, e.g. --epochs {math.floor(self.epochs_planned) + 1}.")
+        seconds = self.estimated_seconds * steps / self.total_steps if self.estimated_seconds is not None else None
+        reason = (f"extended to {epochs:g} epochs by `resume --epochs`: {self.total_steps} -> {steps} steps; the "
+                  f"learning-rate decay is stretched over the new length (warmup kept at {self.warmup_steps} steps)")
+        return replace(self, epochs=float(epochs), total_steps=steps, estimated_seconds=seconds,
+                       reasons=self.reasons + (reason,),
+                       sources={**self.sources, "epochs": "flag", "total_steps": "optimizer"})

@@ -1,0 +1,68 @@
+"""How the steps run, beyond their shape: how processes share them, padding-free
+packing and torch.compile.
+
+Planning, so pure like the rest (no torch). Neither changes what is learned:
+packing gives the same loss as padded rows (`models/packing.py`), and compiling the
+model gives the same function. The optimizer is chosen with the batch it lets
+fit (`sizing.fit_with_optimizer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning.hardware import Hardware
+
+KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
+
+
+def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -> bool:
+    """On with Ampere or newer GPUs, varlen attention and half precision (what the
+    kernels need), for SFT; preference pairs are never packed, and a model with
+    its own code may not use transformers' attention functions. `r`: the planner's resolver."""
+    if objective == "dpo":
+        if r.given_value("packing"):
+            r.reasons.append("--packing ignored: preference pairs run as padded pairs")
+        r.sources.pop("packing", None)
+        return False
+    if r.given("packing"):
+        return bool(r.get("packing"))
+    if hardware.supports_bf16 and hardware.varlen_attention and precision != "no" \
+            and not r.given_value("trust_remote_code"):
+        return r.chose("packing", True, f"packing on: each micro-batch's rows run as one sequence with per-row "
+                                        f"positions ({KERNELS[hardware.varlen_attention]}), so no compute goes to "
+                                        "padding and short rows share a forward pass; same loss (--no-packing: off)")
+    r.sources["packing"] = "default"
+    return False
+
+
+def choose_compile(r: Any) -> bool:
+    """Off unless asked for: compiling costs minutes up front, and where it pays off (long GPU runs) is not measured yet."""
+    compiled = bool(r.get("compile", False))
+    if compiled:
+        r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")
+    return compiled
+
+
+def choose_distributed(r: Any, world_size: int) -> str:
+    """"none", "ddp" or "fsdp"; FSDP means full fine-tuning (it sets the method
+    when none was given; an adapter method was refused with the given values,
+    since its few trained weights gain nothing from sharding while every layer
+    would pay for gathering)."""
+    if world_size == 1:
+        if r.given("distributed"):
+            r.reasons.append(f"--distributed {r.get('distributed')} ignored: one process")
+            r.sources.pop("distributed", None)
+        return "none"
+    if not r.given("distributed"):
+        r.sources["distributed"] = "optimizer"
+        return "ddp"
+    choice = r.get("distributed")
+    if choice == "fsdp" and r.given_value("optimizer") not in (None, "adamw"):
+        raise ConfigError(f"--optimizer {r.given_value('optimizer')} cannot work on FSDP's shards.",
+                          "Use --optimizer adamw with --distributed fsdp.")
+    if choice == "fsdp" and not r.given("method"):
+        r.overrides["method"] = ("full", r.sources["distributed"])
+        r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")
+    return choice

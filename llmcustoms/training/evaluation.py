@@ -1,0 +1,138 @@
+"""Eval loss: the mean loss per trained token (per pair, for DPO) over the held-out rows, as `FineTuner` measures it.
+
+Out of memory while evaluating is caught here, not in the training step, and
+recovered like there (the caller lowers the micro-batch), but nothing rolls
+back: the weights are fine. With several processes they agree on it before the
+loss is summed; under FSDP the forwards are collectives, so the process asks
+for a restart instead.
+
+A stop (SIGINT, SIGTERM) ends an evaluation before its next micro-batch, with
+any number of processes: they agree before each one (`stopsignals.stop_agreed`),
+which also tells them at once of another's out-of-memory. The step before it is
+finished: the caller saves its checkpoint and ends the run, and a resumed run
+evaluates again (`cut_short`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from llmcustoms.training.batching import TrainingRows
+from llmcustoms.runs.measures import perplexity
+from llmcustoms.losses.dpo import SUMS, preference_metrics
+from llmcustoms.recovery.stop_signals import StopRequested, stop_agreed
+
+# loss(batch, normaliser): the run's loss of one micro-batch and its sums (FineTuner's, under autocast).
+BatchLoss = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class FailedElsewhere(Exception):
+    """Another process ran out of memory, learnt between micro-batches: agreed on already."""
+
+
+class Evaluation:
+    def __init__(self, data: TrainingRows, processes: Any, loss: BatchLoss, free_memory: Callable[[], None],
+                 activity: Callable[[str | None], None] = lambda text: None):
+        """`activity(text)` is told how far an evaluation is, and None when it is done."""
+        self.activity = activity
+        self.data = data
+        self.processes = processes
+        self.batch_loss = loss
+        self.free_memory = free_memory
+        self.micro_batches: list[dict[str, torch.Tensor]] = []
+        self.metrics: dict[str, float] = {}  # the last evaluation's besides the loss (DPO's eval_reward_accuracy, ...)
+
+    def __bool__(self) -> bool:
+        """Whether there is anything to evaluate."""
+        return bool(self.micro_batches)
+
+    def row(self, eval_loss: float) -> dict[str, float]:
+        """An evaluation's row of metrics.jsonl: the loss, and its perplexity or DPO's metrics."""
+        return {"eval_loss": eval_loss, **(self.metrics if self.data.pairs else {"eval_ppl": perplexity(eval_loss)})}
+
+    def untrained(self) -> float | None:
+        """The untrained model's eval loss when it is known without a forward:
+        under DPO it is its own reference, so every reward is 0, each pair's
+        loss log 2 and the accuracy chance (ties count half). None otherwise."""
+        if not self.data.pairs:
+            return None
+        self.metrics = preference_metrics([0.0, 0.0, 0.5], 1, "eval_")
+        return math.log(2)
+
+    def use_micro_batch(self, size: int) -> None:
+        """Evaluation micro-batches, built once (and again when recovery changes their size)."""
+        self.micro_batches = self.data.evaluation_batches(size)
+
+    def due(self, step: int, plan: Any) -> bool:
+        """Whether an evaluation follows `step`: every `plan.eval_every` steps, and after the last."""
+        return bool(self) and bool(plan.eval_every) and (step % plan.eval_every == 0 or step == plan.total_steps)
+
+    def cut_short(self, step: int, plan: Any, run_dir: Any) -> bool:
+        """Whether the evaluation after `step` (a resumed run's first) is due and
+        not in metrics.jsonl: a stop cut it short, after its step's checkpoint
+        was saved. The main process decides, from its file."""
+        missing = step > 0 and self.due(step, plan) and not any(
+            row.get("step") == step and "eval_loss" in row for row in run_dir.read_metrics())
+        return self.processes.main_decides(missing)
+
+    def loss(self, model: Any, step: int, lower_micro_batch: Callable[[], None],
+             stop: Callable[[], None] | None = None) -> float:
+        """The eval loss after `step`; `lower_micro_batch()` is called (and
+        evaluation starts again) each time memory runs out. `stop()`, if given,
+        is called when a stop (SIGINT, SIGTERM) is agreed between micro-batches:
+        it ends the run (raises)."""
+        while True:
+            failure = agreed = None
+            try:
+                loss_sum = self._share(model, stop is not None)
+            except torch.OutOfMemoryError:
+                failure = "oom"
+            except FailedElsewhere:
+                agreed = "oom"
+            except StopRequested:
+                agreed = "stop"
+            if agreed == "stop" and stop is not None:
+                stop()
+                raise StopRequested  # only if `stop` did not end the run: no loss to give
+            if failure is not None:
+                self.free_memory()
+                self.processes.restart_if_sharded(failure, step + 1)
+            if agreed is None and self.processes.agree(failure) is None:
+                loss, *sums = self.processes.sum(loss_sum).tolist()
+                self.metrics = preference_metrics(sums, self._units(), "eval_") if sums else {}
+                return loss
+            lower_micro_batch()
+
+    def _units(self) -> int:
+        return max(1, sum(self.data.batch_units(mb) for mb in self.micro_batches))
+
+    @torch.no_grad()
+    def _share(self, model: Any, stoppable: bool) -> torch.Tensor:
+        """This rank's share of the loss (and of its sums), normalised by the
+        trained tokens (pairs) of the whole set. `stoppable`: every process asks
+        before each micro-batch whether to stop (StopRequested) or another ran
+        out of memory (FailedElsewhere), as often as the one with the most."""
+        device = self.processes.device
+        normaliser = torch.tensor(self._units(), device=device)
+        model.eval()
+        share = self.processes.evaluation_share(self.micro_batches)
+        rounds = -(-len(self.micro_batches) // self.processes.world) if stoppable else len(share)
+        total = torch.zeros(1 + (len(SUMS) if self.data.pairs else 0), device=device)
+        try:
+            for done in range(rounds):
+                agreed = stop_agreed(self.processes) if stoppable else None
+                if agreed is not None:
+                    raise StopRequested if agreed == "stop" else FailedElsewhere
+                if done >= len(share):  # one fewer than another process's share
+                    continue
+                mb, weight = share[done]
+                self.activity(f"evaluating {done}/{len(share)}")
+                loss, sums = self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser)
+                total += torch.cat([loss.reshape(1)] + ([sums] if sums is not None else [])) * weight
+            return total
+        finally:
+            model.train()
+            self.activity(None)

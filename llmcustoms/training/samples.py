@@ -1,0 +1,160 @@
+"""Sample replies: what the model says to a few held-out prompts, before and after training.
+
+Eval loss says *that* the model changed; a reply shows *how*. A few prompts
+are drawn (seeded, so a resumed run draws the same) from the user's own
+held-out rows and answered greedily with a short `max_new_tokens`: by the base
+model before the first step, by the model kept at the end, and at each
+evaluation when that is cheap next to the training between evaluations.
+Rows go to the run's samples.jsonl:
+
+    {"step": 0, "label": "base", "row": 17, "prompt": "...", "reply": "...", "reference": "..."}
+
+`label` is "base", "eval" or "trained". The prompts are the user's data, so
+they stay in the terminal and the run directory; the exported model card
+never shows them. A sample is a look, never worth the run: a prompt too long
+for the plan's sequence length is not drawn, a failure to answer is a
+warning, and a stop asked for (SIGINT, SIGTERM) ends the answering at the next
+token, writing none of them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llmcustoms.data.dataset import usable_examples
+from llmcustoms.data.row_formats import Example
+from llmcustoms.recovery.stop_signals import StopRequested
+
+SAMPLE_PROMPTS = 3
+MAX_NEW_TOKENS = 48
+# Answer at evaluations too when it takes at most this share of the time the
+# training between two evaluations took.
+CHEAP_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    row: int
+    messages: tuple[dict[str, str], ...]  # the conversation up to the first reply
+    reference: str  # the reply the data gives
+
+    @property
+    def text(self) -> str:
+        """The last thing said before the reply: what a person reads as "the prompt"."""
+        return self.messages[-1]["content"]
+
+
+def prompt_of(example: Example) -> SamplePrompt | None:
+    """The first reply's prompt in a row, or None (plain text has no prompt)."""
+    if example.uses_tools:
+        # Answering it fairly would need the tools and calls passed to the
+        # template too; a sample is a look, so such rows are not drawn.
+        return None
+    if example.is_chat:
+        for index, message in enumerate(example.messages):
+            # A preference pair's earlier assistant turns are its prompt: its reply comes at `learned_from`.
+            if message.role == "assistant" and index > 0 and index >= example.learned_from:
+                before = tuple({"role": m.role, "content": m.content} for m in example.messages[:index])
+                return SamplePrompt(example.row, before, message.content) if before[-1]["role"] == "user" else None
+        return None
+    if example.prompt:
+        return SamplePrompt(example.row, ({"role": "user", "content": example.prompt},), example.completion)
+    return None
+
+
+def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SamplePrompt]:
+    """Up to `count` prompts from `examples`, the same for the same seed, in row order."""
+    prompts = [p for p in map(prompt_of, examples) if p is not None]
+    chosen = random.Random(seed).sample(prompts, min(count, len(prompts)))
+    return sorted(chosen, key=lambda p: p.row)
+
+
+def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
+    """Prompts from the run's evaluation rows (none without evaluation), each
+    short enough to be answered within the plan's sequence length."""
+    room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
+    evaluation = prepared.evaluation
+    rows = set(evaluation.row_numbers[evaluation.first_loss <= room].tolist()) if evaluation is not None else set()
+    if not rows:
+        return []
+    plan = prepared.plan
+    source = plan.eval_data or plan.data
+    return pick_prompts([e for e in usable_examples(source) if e.row in rows], count, plan.seed)
+
+
+class SampleReplies:
+    """Answers the prompts with a model and appends the replies to samples.jsonl."""
+
+    def __init__(self, prompts: list[SamplePrompt], tokenizer: Any, plan: Any, run_dir: Any,
+                 max_new_tokens: int = MAX_NEW_TOKENS, warn: Callable[[str], None] = lambda text: None):
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.run_dir = run_dir
+        self.max_new_tokens = max_new_tokens
+        self.warn = warn
+        self.seconds: float | None = None  # how long answering took last time
+
+    def answer_in_run(self, processes: Any, model: Any, step: int, label: str,
+                      activity: Callable[[str | None], None], due: bool = True) -> None:
+        """Answer from the main process of a run (`processes.Processes`) when it finds
+        it `due` and no stop was asked of it; the others wait. Not under FSDP, where
+        every forward is a collective."""
+        def stopped() -> bool:  # asked of the main process's own signals: it alone answers
+            return processes.signals.received is not None
+
+        if processes.fsdp or not processes.main_decides(due and not stopped()):
+            return
+        if processes.is_main:
+            activity(f"sample replies ({label})")
+            self.answer(processes.accelerator.unwrap_model(model), step, label, stopped)
+            activity(None)
+        processes.accelerator.wait_for_everyone()
+
+    def answer(self, model: Any, step: int, label: str,
+               stopped: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
+        """Greedy replies of `model` (in eval mode while answering), written and
+        returned; none, with a warning, if answering fails (out of memory, ...),
+        and none, silently, once `stopped()` says so (asked after every token)."""
+        from llmcustoms.models.generation import generate
+
+        def token(text: str) -> None:
+            if stopped():
+                raise StopRequested
+
+        started = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            replies = [generate(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0, token)
+                       for p in self.prompts]
+        except StopRequested:
+            return []
+        except Exception as error:  # noqa: BLE001 - whatever it was, training goes on
+            self.warn(f"sample replies at step {step} skipped ({type(error).__name__}: {error})")
+            return []
+        finally:
+            model.train(was_training)
+        self.seconds = time.perf_counter() - started
+        rows = [{"step": step, "label": label, "row": p.row, "prompt": p.text, "reply": reply,
+                 "reference": p.reference} for p, reply in zip(self.prompts, replies)]
+        self.run_dir.append_samples(rows)
+        return rows
+
+    def cheap(self, training_seconds: float) -> bool:
+        """Whether answering at an evaluation costs little next to `training_seconds`."""
+        return bool(self.prompts) and self.seconds is not None and self.seconds <= CHEAP_SHARE * training_seconds
+
+
+def side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """One entry per prompt: its text, the data's reply, the base model's and the trained model's."""
+    by_row: dict[int, dict[str, str]] = {}
+    for row in rows:
+        entry = by_row.setdefault(row["row"], {"prompt": row["prompt"], "reference": row.get("reference", ""),
+                                               "base": "", "trained": ""})
+        if row["label"] in ("base", "trained"):
+            entry[row["label"]] = row["reply"]
+    return [by_row[r] for r in sorted(by_row)]

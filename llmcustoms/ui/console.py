@@ -1,0 +1,394 @@
+"""Everything the user sees: tables, panels and error messages.
+
+The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
+Rich directly; `ui/train_view.py` holds its Rich implementations (the live
+training display). Rich appears here, in `ui/train_view.py`, in `ui/data_view.py`
+(the data), in `ui/tune_view.py` (what `tune` and `lr-find` show) and in
+`ui/dialog.py` (what llmcustoms asks) only, and none computes: what they show
+comes worked out (`fitting.fit_table`, `rundir.list_runs`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from llmcustoms.runs import measures
+from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
+from llmcustoms.runs.preference_report import held_out_line
+from llmcustoms.planning.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
+                                TINY_MODEL_PARAMS)
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def print_warning(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(message)}")
+
+
+def print_error(message: str, hint: str | None) -> None:
+    text = f"[bold red]Error:[/] {escape(message)}"
+    if hint:
+        text += f"\n{escape(hint)}"
+    err_console.print(text)
+
+
+def print_notice(message: str, hint: str | None) -> None:
+    """Something the user asked for, such as a stop: said calmly, not as an error."""
+    err_console.print(f"[bold]{escape(message)}[/]" + (f"\n{escape(hint)}" if hint else ""))
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+MEMORY_PARTS = (("weights", "weights_bytes"), ("LoRA adapters", "trainable_bytes"), ("gradients", "gradients_bytes"),
+                ("optimizer state", "optimizer_bytes"), ("activations", "activations_bytes"),
+                ("logits", "logits_bytes"), ("gathered from other shards", "gathered_bytes"),
+                ("overhead", "overhead_bytes"))
+
+
+def memory_table(memory: dict[str, int], where: str) -> Table:
+    total, budget = memory["total_bytes"], memory["budget_bytes"]
+    table = Table(title=f"Estimated peak memory ({escape(where)})", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right")
+    table.add_column()
+    for label, key in MEMORY_PARTS:
+        if memory.get(key):
+            table.add_row(label, _gib(memory[key]), "")
+    share = total / budget if budget else 0
+    colour = "green" if share <= 0.9 else "red"
+    width = 30
+    filled = min(width, round(share * width))
+    table.add_row("[bold]total", f"[bold]{_gib(total)}",
+                  f"[{colour}]{'#' * filled}[/]{'.' * (width - filled)} {share:.0%} of {_gib(budget)}")
+    return table
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024 ** 3:.2f} GiB"
+
+
+DISTRIBUTED_LABELS = {"ddp": "data-parallel (each holds the whole model)",
+                      "fsdp": "FSDP (weights, gradients and optimizer state sharded)"}
+# plan.json and --mixed-precision keep accelerate's "no"; what it means is fp32.
+PRECISION_LABELS = {"no": "fp32"}
+OPTIMIZER_LABELS = {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)",
+                    "paged_adamw": "paged AdamW (bitsandbytes)", "paged_adamw_8bit": "paged 8-bit AdamW (bitsandbytes)"}
+
+
+def plan_table(plan: Any) -> Table:
+    table = Table(title="Training plan", show_header=True, header_style="bold")
+    table.add_column("setting", no_wrap=True)
+    table.add_column("value")
+    table.add_column("source", style="dim", no_wrap=True)
+    src = plan.sources
+    rows = [
+        ("model", plan.model, "model"),
+        ("family", plan.family, None),
+        ("method", plan.method, "method"),
+        ("preset", plan.preset, "preset"),
+        ("micro-batch x accumulation", f"{plan.micro_batch_size} x {plan.grad_accum} = {plan.effective_batch_size}", "micro_batch_size")
+        if plan.world_size == 1 else
+        ("micro-batch x accumulation x processes", f"{plan.micro_batch_size} per process x {plan.grad_accum} x "
+                                                    f"{plan.world_size} = {plan.effective_batch_size}", "micro_batch_size"),
+        ("max sequence length", str(plan.max_seq_len), "max_seq_len"),
+        ("learning rate", f"{plan.lr:.2e} ({plan.lr_scheduler}, {plan.warmup_steps} warmup steps)", "lr"),
+        ("steps", f"{plan.total_steps} ({plan.steps_per_epoch}/epoch)", "total_steps"),
+        ("precision", PRECISION_LABELS.get(plan.mixed_precision, plan.mixed_precision), "mixed_precision"),
+        ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off", "gradient_checkpointing"),
+        ("optimizer", OPTIMIZER_LABELS.get(plan.optimizer, plan.optimizer), "optimizer"),
+        ("packing", "on (padding-free)" if plan.packing else "off", "packing"),
+        ("torch.compile", "on" if plan.compile else "off", "compile"),
+        ("evaluate every", f"{plan.eval_every} steps" if plan.eval_every else "never (no eval rows)", "eval_every"),
+        ("checkpoint every", f"{plan.save_every} steps", "save_every"),
+        ("seed", str(plan.seed), "seed"),
+    ]
+    if plan.world_size > 1:
+        rows.insert(3, ("processes", f"{plan.world_size}, " + DISTRIBUTED_LABELS.get(plan.distributed, plan.distributed),
+                        "distributed"))
+    if plan.lora is not None:
+        rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout}", "lora.r"))
+        rows.insert(4, ("LoRA targets", " ".join(plan.lora.target_modules), None))
+    for name, value, key in rows:
+        table.add_row(name, escape(str(value)), _short_source(src.get(key, "")) if key else "")
+    return table
+
+
+def _short_source(source: str) -> str:
+    """'preset quality (small dataset)' -> 'preset'; plan.json keeps the detail."""
+    return source.split(" ")[0]
+
+
+def show_plan(plan: Any, hardware: Any = None) -> None:
+    console.print(plan_table(plan))
+    if plan.memory:
+        where = "RAM" if hardware is None or not hardware.has_gpu else f"GPU: {hardware.gpus[0].name}"
+        console.print(memory_table(plan.memory, where + (", per process" if plan.world_size > 1 else "")))
+    lines = [f"- {escape(r)}" for r in plan.reasons] + [f"- [yellow]warning:[/] {escape(w)}" for w in plan.warnings]
+    if lines:
+        console.print(Panel("\n".join(lines), title="Why", expand=False))
+
+
+def show_summary(result: Any) -> None:
+    table = Table(title="Training finished" if result.status == "completed" else f"Training {result.status}",
+                  show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("steps", f"{result.steps}")
+    if result.final_loss is not None:
+        table.add_row("final train loss", f"{result.final_loss:.4f}")
+    if result.held_out:  # DPO: perplexity means nothing; how often the chosen reply wins does
+        table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (DPO loss; 0.6931 before training; step "
+                                        f"{result.best_eval_step})")
+        table.add_row("preference", held_out_line(result.held_out))
+    elif result.base_eval_loss is not None:
+        table.add_row("base model eval loss", f"{result.base_eval_loss:.4f} (perplexity "
+                                              f"{measures.perplexity(result.base_eval_loss):.2f})")
+    if result.best_eval_loss is not None and not result.held_out:
+        table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step})")
+        table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
+    table.add_row("time", _duration(result.seconds))
+    table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+    if result.memory.get("peak_bytes"):
+        table.add_row("memory", memory_text(result.memory))
+    if result.stop_reason:
+        table.add_row("stopped", escape(result.stop_reason))
+    table.add_row("saved to", escape(str(result.output_path)))
+    if result.kept:
+        table.add_row("weights kept", escape(result.kept))
+    console.print(table)
+    show_samples(result.samples)
+
+
+def memory_text(memory: dict[str, Any]) -> str:
+    """"peak 1.21 GiB, plan 1.30 GiB (0.93x)": `resourceuse.compare`'s values."""
+    text = f"peak {_gib(memory['peak_bytes'])}"
+    if memory.get("predicted_bytes") and memory.get("ratio"):
+        text += f", plan {_gib(memory['predicted_bytes'])} ({memory['ratio']:.2f}x)"
+    if memory.get("gpu_util") is not None:
+        text += f"; GPU busy {memory['gpu_util']:.0f}%"
+    return text
+
+
+# A reply longer than this is cut in the summary (samples.jsonl has it whole).
+SAMPLE_CHARS = 240
+
+
+def show_samples(entries: list[dict[str, str]]) -> None:
+    """Sample replies side by side: the prompt, the data's reply, the base model's, the trained model's."""
+    if not entries:
+        return
+    def cut(text: str) -> str:
+        text = " ".join(text.split())
+        return escape(text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 3] + "...")
+    blocks = []
+    for entry in entries:
+        lines = [f"[bold]prompt[/]     {cut(entry['prompt'])}", f"[dim]data[/]       {cut(entry['reference'])}",
+                 f"[yellow]base model[/] {cut(entry['base']) or '-'}"]
+        if entry["trained"]:
+            lines.append(f"[green]trained[/]    {cut(entry['trained'])}")
+        blocks.append("\n".join(lines))
+    console.print(Panel("\n\n".join(blocks), title="Sample replies (held-out prompts, greedy)", expand=False))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def confirm(question: str) -> bool:
+    """Ask yes/no on an interactive terminal; say yes when there is no one to ask."""
+    if not sys.stdin.isatty():
+        return True
+    from rich.prompt import Confirm
+
+    return Confirm.ask(question, default=True, console=console)
+
+
+def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
+    """The machine, and `fitting.FitTable`: which models and methods fit it, and
+    `where` each model would load from (`hubaccess.availability`)."""
+    console.print(machine_table(hardware))
+    console.print(fits_table(fits, where))
+    if "offline: no" in where.values():
+        console.print("The Hugging Face Hub cannot be reached: only cached models (or --model PATH to a local "
+                      "model directory) can be trained.")
+    if hardware.torch_note:  # GPUs found that the installed torch cannot use: the table is the CPU's
+        console.print(f"[yellow]warning:[/] {escape(hardware.torch_note)}")
+    if not hardware.has_gpu:
+        console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
+                      "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
+    elif len(hardware.gpus) > 1:
+        n = len(hardware.gpus)
+        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; "
+                      f"full fine-tuning of a model one card cannot hold shards with `--distributed fsdp` "
+                      f"(`llmcustoms plan DATA --num-processes {n} --distributed fsdp` shows the fit).")
+
+
+def machine_table(hardware: Any) -> Table:
+    table = Table(title="This machine", show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for i, gpu in enumerate(hardware.gpus):
+        table.add_row(f"GPU {i}", f"{escape(gpu.name)}: {_gib(gpu.total_bytes)} ({_gib(gpu.free_bytes)} free), "
+                                  f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
+                                  f"bf16 {'yes' if gpu.supports_bf16 else 'no'}")
+    if not hardware.gpus:
+        table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
+    bf16 = f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""
+    table.add_row("CPU cores", f"{hardware.cpu_cores}{bf16}")
+    table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
+    table.add_row("precision", PRECISION_LABELS.get(hardware.mixed_precision, hardware.mixed_precision))
+    return table
+
+
+def fits_table(fits: Any, where: dict[str, str] | None = None) -> Table:
+    """`fitting.FitTable` as a table: per model and method, yes with the largest micro-batch, or why not."""
+    table = Table(title=f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
+                        f"({fits.seq_len}-token sequences; largest micro-batch)")
+    for column in ("model", "size", *fits.methods, *(("here",) if where else ())):
+        table.add_column(column, no_wrap=True)
+    for model in fits.models:
+        here = (escape(where.get(model.hub_id, "")),) if where else ()
+        table.add_row(escape(model.hub_id.split("/")[-1]), f"{model.params / 1e9:.1f}B",
+                      *(_fit_cell(model.methods[m]) for m in fits.methods), *here)
+    table.caption = "yes N: fits, micro-batch up to N; ckpt: with gradient checkpointing; no: needs that much"
+    return table
+
+
+def _fit_cell(fit: Any) -> str:
+    if fit.micro_batch:
+        return f"[green]yes[/] {fit.micro_batch}"
+    if fit.needs_checkpointing:
+        return "[yellow]ckpt[/]"  # fits with gradient checkpointing (the footnote says so)
+    return f"[red]no[/] {fit.need_bytes / 1024 ** 3:.0f}G"
+
+
+def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
+    table = Table(title="Presets (llmcustoms train DATA --preset NAME)")
+    for column in ("preset", "LoRA r", "epochs", "lr", "batch", "length"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("what for")
+    for p in presets:
+        table.add_row(f"[bold]{p.name}", str(p.lora_r), f"{p.epochs:g}", f"{p.lr:.0e}", str(p.effective_batch_size),
+                      str(p.max_seq_len), escape(p.description))
+    console.print(table)
+    for p in presets:
+        console.print(f"[bold]{p.name}[/] uses the first that fits a GPU: "
+                      + escape(", ".join(m.split("/")[-1] for m in p.models))
+                      + ("; without a GPU, the first expected to finish in "
+                         f"{CPU_TIME_LIMIT_S // 60:.0f} minutes: " + escape(", ".join(m.split("/")[-1] for m in p.cpu_models))
+                         if p.cpu_models else ""))
+    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < "
+                  f"{SMALL_DATASET_ROWS:,} rows, medium < {MEDIUM_DATASET_ROWS:,}, large), then lr and LoRA "
+                  f"shape by model size (tiny < {TINY_MODEL_PARAMS / 1e6:.0f}M parameters, small < "
+                  f"{SMALL_MODEL_PARAMS / 1e9:.0f}B, medium < {MEDIUM_MODEL_PARAMS / 1e9:.0f}B, large). "
+                  "`--preset FILE.yaml` takes your own preset of the same shape.\n")
+    table = Table(title="Model families")
+    table.add_column("family", no_wrap=True)
+    table.add_column("models")
+    table.add_column("LoRA targets")
+    for family in families.values():
+        models = "\n".join(f"{m.hub_id.split('/')[-1]} ({m.params / 1e9:.1f}B)" for m in family.models)
+        targets = "\n".join(f"{mt}: {' '.join(t)}" for mt, t in family.lora_target_modules.items())
+        table.add_row(f"[bold]{family.name}", escape(models), escape(targets))
+    console.print(table)
+
+
+def show_failure(report: dict[str, Any], run_path: Any) -> None:
+    text = f"[bold red]Training stopped:[/] {escape(report['reason'])}\n"
+    text += "\n".join(f"- {escape(s)}" for s in report["suggestions"])
+    text += f"\nThe run directory is {escape(str(run_path))}; status.json holds this report."
+    err_console.print(Panel(text, expand=False))
+
+
+def show_runs(output_dir: Any, runs: list[Any]) -> None:
+    """`rundir.list_runs(output_dir)` as a table."""
+    if not runs:
+        console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
+        return
+    console.print(runs_table(output_dir, runs))
+
+
+RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow", "stopped": "yellow", "failed": "red"}
+
+
+def runs_table(output_dir: Any, runs: list[Any]) -> Table:
+    """`rundir.RunSummary` rows as a table."""
+    from pathlib import Path
+
+    from rich import box
+
+    # No vertical rules, the method beside the model, names that fold and cells
+    # that wrap at their spaces: all six columns fit 80 columns, one line a run
+    # when wider. A ratio column would be squeezed out by the others (Rich).
+    table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time memory"):
+        table.add_column(column, overflow="fold", no_wrap=column == "status")
+    for run in runs:
+        change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
+        table.add_row(escape(run.name), f"{escape(Path(run.model).name)} ({run.method})",
+                      f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
+                      f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
+                      + ("" if run.kept_step is None else f" (kept {run.kept_step})"),
+                      "" if run.best_eval_loss is None else f"dpo loss {run.best_eval_loss:.3f}" if run.objective == "dpo"
+                      else f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})"),
+                      _time_and_memory(run))
+    return table
+
+
+def _time_and_memory(run: Any) -> str:
+    """"2m 05s 1.2G 0.93x": how long, the measured peak and its ratio to the plan's."""
+    parts = [] if run.seconds is None else [_duration(run.seconds)]
+    if run.peak_bytes:
+        parts.append(f"{run.peak_bytes / 1024 ** 3:.1f}G" + ("" if run.memory_ratio is None else f" {run.memory_ratio:.2f}x"))
+    return " ".join(parts)
+
+
+def show_report(report: Any) -> None:
+    table = Table(title=f"Report: {escape(report.name)} ({report.status}, {report.steps}/{report.total_steps} steps)",
+                  show_header=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column()
+    for finding in report.findings:
+        table.add_row(finding.topic, finding.verdict, escape(finding.detail))
+    console.print(table)
+    show_samples(report.samples)
+    console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
+                        expand=False))
+
+
+@contextmanager
+def waiting(what: str) -> Iterator[Callable[[str], None]]:
+    """A wait the user can see, on stderr (stdout is for results, such as
+    `generate`'s reply): on a terminal a spinner with what is happening and the
+    time so far; elsewhere (a pipe, a log) a line as it starts. Either way a line
+    with the time it took at the end. Yields `say(text)`: the stage it is at,
+    shown by the spinner in place of `what`."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    started = time.monotonic()
+    if err_console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                      transient=True) as progress:
+            task = progress.add_task(escape(what))
+            yield lambda text: progress.update(task, description=escape(text))
+    else:
+        err_console.print(f"{escape(what)}...", soft_wrap=True)
+        yield lambda text: None  # a line per stage would only clutter a log
+    seconds = time.monotonic() - started
+    err_console.print(f"{escape(what)}: done in " + (f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)),
+                      soft_wrap=True)

@@ -1,0 +1,206 @@
+"""What llmcustoms asks at the terminal: `setup`'s questions and screens, and
+the `chat` conversation.
+
+`ui/console.py` shows results; this module reads answers. These two are the
+UI, the only modules that import Rich: the wizard (`commands/setup.py`) decides which
+questions to ask and what to write, and `models/generation.py` how to answer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+from rich.prompt import Prompt
+from rich.table import Table
+
+from llmcustoms.ui.console import console, escape
+from llmcustoms.planning.hardware import GIB
+
+Messages = list[dict[str, str]]
+
+
+# Set once an answer found no input left; every later answer is its default.
+_input_ended = False
+
+
+def ask(question: str, default: str | None = None, choices: list[str] | None = None) -> str:
+    """A prompt whose answer is the default on Enter, or when input has run out."""
+    global _input_ended
+    try:
+        if sys.stdin is None:  # started with stdin closed: as if piped input had run out
+            console.print(f"{escape(question)}:", end=" ")
+            raise EOFError
+        answer = Prompt.ask(question, default=default, choices=choices, console=console, show_choices=bool(choices))
+    except EOFError:
+        _input_ended = True
+        answer = default
+    answer = (answer or "").strip()
+    if sys.stdin is None or not sys.stdin.isatty():
+        console.print(answer)  # piped input is not echoed; keep the transcript readable
+    return answer
+
+
+def can_ask_again() -> bool:
+    """Whether a refused answer can be asked for again: not once input has run
+    out (piped answers used up, stdin closed) nor under CI, where no one would
+    answer and asking again would only repeat the default."""
+    ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
+    return not _input_ended and not ci
+
+
+def say(text: str) -> None:
+    console.print(escape(text))
+
+
+def ask_again(why: str) -> None:
+    """Why the last answer was refused, before the question comes again."""
+    console.print(f"[yellow]{escape(why)}[/]")
+
+
+def show_setup_start(hardware: Any) -> None:
+    console.rule("llmcustoms setup")
+    where = (f"{hardware.gpus[0].name}, {hardware.gpus[0].total_bytes / GIB:.0f} GiB" if hardware.has_gpu
+             else f"no GPU; {hardware.cpu_cores} CPU cores, {hardware.ram_bytes / GIB:.0f} GiB RAM")
+    console.print(f"This machine: {escape(where)}")
+    if hardware.torch_note:  # GPUs found that the installed torch cannot use
+        console.print(f"[yellow]{escape(hardware.torch_note)}[/]")
+    if not hardware.has_gpu:
+        console.print("[yellow]Without a GPU, training works but is slow: expect hours for real models.[/]")
+
+
+def show_data_problem(message: str, hint: str | None) -> None:
+    console.print(f"[red]{escape(message)}[/]" + (f"\n{escape(hint)}" if hint else ""))
+
+
+def show_data_checked(description: str, rows: int, median_tokens: int, p95_tokens: int) -> None:
+    console.print(f"  [green]ok[/]: {escape(description)}, {rows:,} rows, "
+                  f"about {median_tokens} tokens per row (95% under {p95_tokens})")
+
+
+def show_bad_rows(count: int, reasons: list[str], skip_all: bool, share: float) -> None:
+    """Bad rows that `train` will skip, by reason with their first places (`BadRows.lines`)."""
+    rows = "1 bad row" if count == 1 else f"{count:,} bad rows"
+    why = "you chose to skip them" if skip_all else f"as `train` does with up to {share:.0%} of the rows"
+    console.print(f"  [yellow]{rows} will be skipped[/] ({escape(why)}):")
+    for reason in reasons:
+        console.print(f"    {escape(reason)}")
+
+
+def show_too_many_bad_rows(name: str, count: int, total: int, share: float, reasons: list[str],
+                           description: str) -> None:
+    console.print(f"[yellow]{escape(name)}: {count:,} of {total:,} rows ({count / total:.0%}) fail validation[/], "
+                  f"more than the {share:.0%} `train` skips without asking:")
+    for reason in reasons:
+        console.print(f"    {escape(reason)}")
+    console.print(f"If the format was misread (detected: {escape(description)}), fix the file instead.")
+
+
+def show_goals(goals: list[tuple[str, str]]) -> None:
+    """(preset name, what it is for), one per line."""
+    table = Table(show_header=False, box=None)
+    for name, purpose in goals:
+        table.add_row(f"[bold]{name}", purpose)
+    console.print(table)
+
+
+MODEL_WHERE_STYLE = {"local": "green", "cached": "green", "download": "yellow", "offline: no": "red"}
+
+
+def show_model_choices(offers: list[Any], seq_len: int, suggested: str | None, reason: str, offline: str | None) -> None:
+    """`wizard.ModelOffer`s, numbered from 1 so a number answers the next question:
+    size, method, memory, the estimated training time here and where each loads from."""
+    console.print(f"Models that fit this machine ({seq_len}-token sequences), with the estimated training time "
+                  "for this data:")
+    # Memory is the column to leave out at 80 columns: the time and availability are what decide here.
+    wide = console.width >= 100
+    table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False)
+    columns = [("#", "right"), ("model", "left"), ("size", "right"), ("method", "left")]
+    columns += [("memory", "right")] if wide else []
+    columns += [("est. time", "right"), ("available", "left"), ("", "left")]
+    # The number and the name are what a user types: narrow terminals squeeze the other columns.
+    widths = {"model": max((len(offer.hub_id) for offer in offers), default=0), "#": len(f"{len(offers)}.")}
+    for header, justify in columns:
+        table.add_column(header, justify=justify, header_style="dim", no_wrap=True, min_width=widths.get(header))
+    for index, offer in enumerate(offers, start=1):
+        style = MODEL_WHERE_STYLE.get(offer.where, "")
+        memory = [f"{offer.total_bytes / GIB:.1f} GiB"] if wide else []
+        table.add_row(f"{index}.", escape(offer.hub_id), f"{offer.params / 1e9:.1f}B", offer.method, *memory,
+                      escape(offer.estimate.removeprefix("about ")),
+                      f"[{style}]{escape(offer.where)}[/]" if style else escape(offer.where),
+                      "[bold]<-[/]" if offer.hub_id == suggested else "")
+    if offers:
+        console.print(table)
+    else:
+        console.print("  [red]none of the catalog's models fits; llmcustoms will say why when you run `plan`[/]")
+    if offline:
+        console.print(f"[yellow]Offline[/]: {escape(offline)}: those marked cached, or a local model directory.")
+    console.print(f"Suggested (<-): {escape(reason)}." if suggested else f"[yellow]No suggestion[/]: {escape(reason)}.")
+
+
+def show_model_accepted(name: str, where: str, detail: str) -> None:
+    """The model answer, checked: where it loads from and what training it here means."""
+    how = {"local": "a local model directory", "cached": "in the local Hugging Face cache",
+           "download": "downloaded from the Hugging Face Hub when training starts"}.get(where, where)
+    console.print(f"  [green]ok[/]: {escape(name)}: {escape(how)}" + (f"; {escape(detail)}" if detail else ""))
+
+
+def write_piece(text: str) -> None:
+    """Streamed model output, as it comes: plain stdout, so no markup is read into it."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Messages, run: str, weights: str) -> None:
+    """Talk until /exit, /quit, Ctrl-D, or Ctrl-C at the prompt; /reset goes back
+    to `start` (the system message, if any). `reply(messages, on_text)` answers
+    the conversation so far, streaming its text to `on_text`, and returns it.
+
+    Ctrl-C during a reply stops that reply only. What was shown of it stays in
+    the conversation, so the model's memory matches the screen; if nothing was
+    shown yet, the unanswered message is dropped too (most chat templates
+    refuse two user turns in a row). `weights`: what is loaded (`Weights.describe`)."""
+    console.print(f"Chatting with [bold]{escape(run)}[/] ({escape(weights)}). "
+                  "/exit or Ctrl-D to quit, /reset to start over, Ctrl-C stops a reply.")
+    messages = list(start)
+    while True:
+        try:
+            text = console.input("[bold green]you>[/] ")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            break
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            messages = list(start)
+            console.print("[dim](conversation cleared" + ("; the system message stays" if start else "") + ")[/]")
+            continue
+        if not text.strip():
+            continue
+        asked = [*messages, {"role": "user", "content": text}]
+        answer = _answer(reply, asked)
+        if answer is not None:
+            messages = [*asked, {"role": "assistant", "content": answer}]
+
+
+def _answer(reply: Callable[[Messages, Callable[[str], None]], str], messages: Messages) -> str | None:
+    """The reply, streamed as it comes. After Ctrl-C, what was shown of it, or
+    None when nothing was."""
+    shown: list[str] = []
+
+    def show(piece: str) -> None:
+        write_piece(piece)
+        shown.append(piece)
+
+    console.print("[bold blue]model>[/] ", end="")
+    try:
+        answer = reply(messages, show)
+    except KeyboardInterrupt:
+        write_piece("\n")
+        partial = "".join(shown).strip()
+        console.print("[dim](stopped; " + ("the reply so far stays in the conversation)[/]" if partial
+                                          else "your message is left out of the conversation)[/]"))
+        return partial or None
+    write_piece("\n")
+    return answer

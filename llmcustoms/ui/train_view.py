@@ -1,0 +1,127 @@
+"""What a user watches while a run trains: the live display, or warnings only.
+
+Waits are never silent: before the display starts (loading the model) a
+spinner says what is happening and for how long; in the display a status line
+does (the first step, an evaluation with its progress, a checkpoint being
+written). The numbers, the ETA among them, are worked out in `trainprogress`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from llmcustoms.reporting import Reporter
+from llmcustoms.ui.train_progress import TrainingProgress, clock
+
+
+
+class QuietReporter:
+    """For scripts (--quiet): only warnings, on stderr."""
+
+    def __init__(self, console: Console):
+        self.console = console
+
+    def message(self, text: str, warning: bool = False) -> None:
+        if warning:
+            self.console.print(f"[yellow]warning:[/] {text}")
+
+    def activity(self, text: str | None) -> None:
+        pass  # scripts want the result, not the waits
+
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
+        pass  # nothing to draw
+
+    def step(self, row: dict[str, Any]) -> None:
+        pass  # scripts want the result, not the steps
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        pass  # scripts want the result, not the steps
+
+    def training_finished(self) -> None:
+        pass  # nothing to tear down
+
+
+class RichReporter:
+    """A spinner while setting up, then a live display: bar, step, loss, eval
+    loss with its step, lr; epoch, tokens/s, elapsed, ETA and what is happening."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress: TrainingProgress | None = None
+        self.live: Live | None = None
+        self.status: Live | None = None  # the spinner
+
+    def message(self, text: str, warning: bool = False) -> None:
+        self.console.print(f"[yellow]warning:[/] {text}" if warning else text)
+
+    def activity(self, text: str | None) -> None:
+        if self.progress is not None:
+            self.progress.set_activity(text, time.monotonic())
+        elif text is None:
+            self._stop_status()
+        else:  # before or after the display: a spinner with the time spent
+            self._stop_status()
+            self.status = spinner(self.console, text)
+
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
+        self._stop_status()
+        self.progress = TrainingProgress(total_steps, start_step, time.monotonic(), memory)
+        self.live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False)
+        self.live.start()
+
+    def render(self) -> Group:
+        """The display as it is now (a frame of the live display)."""
+        assert self.progress is not None
+        first, second = self.progress.lines(time.monotonic())
+        bar = ProgressBar(total=max(1, self.progress.total), completed=self.progress.done, width=20)
+        row = Table.grid(padding=(0, 1))
+        row.add_row(bar, Text(first))
+        lines = [row, Text(second, style="dim", no_wrap=True, overflow="ellipsis")]
+        lines += [Text(self.progress.resources_line(), style="dim", no_wrap=True, overflow="ellipsis")]
+        plateau = self.progress.plateau_line()
+        lines += [Text(plateau, style="yellow", no_wrap=True, overflow="ellipsis")] if plateau else []
+        return Group(*lines)
+
+    def step(self, row: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.step(row, time.monotonic())
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.evaluated(row, time.monotonic())
+
+    def training_finished(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+        self.live, self.progress = None, None
+        self._stop_status()
+
+    def _stop_status(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def spinner(console: Console, text: str) -> Live:
+    """A started spinner with `text` and the time spent on it; gone when stopped."""
+    started, spin = time.monotonic(), Spinner("dots")
+
+    def render() -> Spinner:
+        spin.update(text=f"{text} ({clock(time.monotonic() - started)})")
+        return spin
+
+    live = Live(get_renderable=render, console=console, refresh_per_second=4, transient=True)
+    live.start()
+    return live
+
+
+def make_reporter(quiet: bool, console: Console, err_console: Console) -> Reporter:
+    return QuietReporter(err_console) if quiet else RichReporter(console)
