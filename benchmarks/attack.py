@@ -7,7 +7,7 @@ two finished runs side by side), then runs each case in a fresh copy of it: a co
 real CLI, in a process of its own, with the exit code it must end with, a phrase its output
 must hold, phrases it must never show (a traceback, a password, a data row), and the files that
 must come out of it unchanged (compared byte for byte, symlinks by target). A case passes when
-all of that holds. `--reduced` runs the cases marked for CI (tests/test_attack.py), the rest
+all of that holds. `--reduced` runs the cases marked for CI (tests/cli/test_attack.py), the rest
 run by hand; each case names the problem of issue 32 it guards. The cases are in attack_cases.py.
 Exit code: 0 when every case passed.
 """

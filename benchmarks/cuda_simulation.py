@@ -22,7 +22,7 @@ So it measures the tensors a step holds, with CPU kernels' choices (which SDPA
 kernel runs and what it saves), the chunked loss instead of Liger's, padded rows
 (no packing: varlen attention is CUDA-only), and no caching allocator rounding
 or fragmentation, cuBLAS workspace or CUDA context. On a tiny model the fake
-step's peak equals the real step's, to the byte (tests/test_cuda_simulation.py).
+step's peak equals the real step's, to the byte (tests/benchmarks/test_cuda_simulation.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The tests sit in folders that mirror llmcustoms/'s; some reuse another test
+# module's small helpers (`from test_checkpoints import save`), by name, from any folder.
+sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                 if folder.is_dir() and folder.name not in ("fixtures", "__pycache__")]
 
 from tiny_models import FIXTURES, build_model  # noqa: E402
 

@@ -106,7 +106,7 @@ def build_models(kit, deadline: float) -> dict:
 
 def cuda_tests(kit, deadline: float) -> dict:
     report = kit.work / "test_cuda.xml"
-    ran = kit.command("test_cuda", python(kit, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
+    ran = kit.command("test_cuda", python(kit, "-m", "pytest", "tests/training/test_cuda.py", "-q", "-p", "no:cacheprovider",
                                          f"--junitxml={report}"), deadline)
     if not report.exists():
         raise StepFailed(f"pytest wrote no report (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
@@ -265,7 +265,7 @@ def _run_measures(run: Path) -> dict:
 STEPS = [
     Step("env", 15, "card, driver, torch/CUDA, every package imported", check_environment),
     Step("models", 30, "random models at TinyLlama-1.1B's and Qwen2.5-0.5B's shapes", build_models),
-    Step("test_cuda", 40, "tests/test_cuda.py: varlen kernel, Liger loss, 8-bit/paged AdamW", cuda_tests),
+    Step("test_cuda", 40, "tests/training/test_cuda.py: varlen kernel, Liger loss, 8-bit/paged AdamW", cuda_tests),
     Step("user_run", 55, "llmcustoms plan, then train in an 80-column terminal: estimates vs measured", user_run),
     Step("throughput_lora", 75, "LoRA tokens/s, peak, eval loss: llmcustoms vs Trainer, Liger, TRL", throughput("lora")),
     Step("memory", 70, "memory estimate vs max_memory_allocated: LoRA, QLoRA, full, 7B QLoRA", memory),

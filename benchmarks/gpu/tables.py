@@ -52,7 +52,7 @@ def _header(kit_json: dict, env: dict | None) -> str:
 
 def _tests(step: dict) -> str:
     r = step["result"]
-    lines = [f"## tests/test_cuda.py: {r['passed']} passed, {r['failures'] + r['errors']} failed, {r['skipped']} skipped"]
+    lines = [f"## tests/training/test_cuda.py: {r['passed']} passed, {r['failures'] + r['errors']} failed, {r['skipped']} skipped"]
     lines += [f"- `{p['test']}`: {p['message'][:300]}" for p in r.get("problems", [])]
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ exports (16-bit for the models in the presets).
 Under FSDP the memory estimate is per process (1/world_size of the trained
 weights) while a checkpoint holds whole tensors: the sizes are scaled back up.
 The estimate of one checkpoint is at least the bytes a tiny test model's
-checkpoint holds and within 10% of them (`tests/test_preflight.py`); for real
+checkpoint holds and within 10% of them (`tests/training/test_preflight.py`); for real
 models, whose trained weights are megabytes, the small files are under 1%.
 
 While a run trains, the disk may fill up for reasons of its own (other

@@ -19,7 +19,7 @@ long replies against one of short ones), hence 10x. Nothing is judged before
 MIN_HISTORY steps: the first steps of a run move fast by design (warmup, a
 LoRA adapter leaving zero). The thresholds were checked against the per-step
 losses and norms of real runs on the shared datasets
-(tests/fixtures/traces/, `tests/test_stability.py`): none of their steps
+(tests/fixtures/traces/, `tests/recovery/test_stability.py`): none of their steps
 counts as a spike.
 
 A step that spiked once and spikes again when it is retried after the

@@ -16,7 +16,7 @@ from llmcustoms.data.chat_turns import Message
 from llmcustoms.errors import DataError
 from llmcustoms.data.row_formats import FORMAT_DESCRIPTIONS
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 SECRET = "SECRET-ROW-CONTENT-12345"
 
 

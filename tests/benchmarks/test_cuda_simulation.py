@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).parent.parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import cuda_simulation  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 from llmcustoms.planning.presets import load_families, load_preset
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parent.parent.parent
 # Loaded from its file, not by putting benchmarks/ on sys.path, where its other
 # scripts' names (common, quality, shapes) would shadow modules for later tests.
 _SPEC = importlib.util.spec_from_file_location("gpu_plans", ROOT / "benchmarks" / "gpu_plans.py")

@@ -16,7 +16,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.planning.settings import SETTINGS, example_file, load_settings
 
 runner = CliRunner()
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parent.parent.parent
 
 
 pytestmark = pytest.mark.usefixtures("clean_environment")

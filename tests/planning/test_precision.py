@@ -75,12 +75,12 @@ def test_measured_speeds_of_fp32_and_bf16_cpus_are_kept_apart():
 
 def test_the_plan_command_names_the_precision_and_why(cli, tmp_path, tiny_models):
     # In a subprocess, so the machine is this one: the answer depends on its CPU's flags.
-    result = cli("plan", str(Path(__file__).parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
+    result = cli("plan", str(Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
                  cwd=tmp_path, env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     expected = "precision bf16 (CPU supports it" if THIS_CPU_HAS_BF16 else "precision fp32: no GPU, and this CPU"
     assert expected in result.stdout
-    forced = cli("plan", str(Path(__file__).parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
+    forced = cli("plan", str(Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
                  "--mixed-precision", "no", cwd=tmp_path, env={"COLUMNS": "200"})
     assert forced.returncode == 0 and "precision bf16" not in forced.stdout
 

@@ -1,7 +1,7 @@
 """What only a CUDA GPU runs: torch's varlen FlashAttention under packing,
 Liger-Kernel's fused linear cross-entropy, bitsandbytes' 8-bit and paged AdamW
 on the GPU. Skipped without one (CI has none); run on a GPU machine with
-`python -m pytest tests/test_cuda.py`."""
+`python -m pytest tests/training/test_cuda.py`."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_every_sequence_ends_with_the_stop_token(tiny_models, family):
 
 
 def test_raw_prompt_completion_trains_on_completion_only_and_keeps_bos(tiny_models):
-    # --raw-prompts; without it the model's own template renders the row (tests/test_formats.py).
+    # --raw-prompts; without it the model's own template renders the row (tests/data/test_formats.py).
     tokenizer = load_tokenizer(tiny_models["llama"])
     example = Example(row=1, prompt="Question: What do bees make?\nAnswer:", completion=" Honey.")
     encoded = Tokenizer(tokenizer, raw_prompts=True).encode(example)

@@ -19,7 +19,7 @@ from llmcustoms.planning.planner import OVERRIDABLE
 from llmcustoms.planning.presets import TUNABLE_FIELDS, validate_preset_values
 from llmcustoms.planning.settings import SETTINGS, example_file
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parent.parent.parent
 # Flags that steer a command rather than set a value: no variable, on purpose.
 STEERING = {"--run-name", "--overwrite", "--yes", "--quiet", "--env-file", "--num-processes", "--num-machines",
             "--machine-rank", "--main-process-ip", "--main-process-port", "--help"}

@@ -195,7 +195,7 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, cli):
 def test_no_module_unpickles_anything():
     """Checkpoints are safetensors and JSON only: no pickle, no torch.load."""
     forbidden_modules = {"pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
-    package = Path(__file__).parent.parent / "llmcustoms"
+    package = Path(__file__).parent.parent.parent / "llmcustoms"
     for path in package.rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):

@@ -13,7 +13,7 @@ import pytest
 from conftest import DATA_FILES
 
 pytestmark = pytest.mark.slow
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).parent.parent.parent / "benchmarks"
 
 
 def run(script: str, *args: str) -> dict:
@@ -61,8 +61,8 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
     # The shared datasets' shapes, from the project's own fixtures.
     data = tmp_path / "data"
     data.mkdir()
-    (data / "sharegpt_identity.json").write_text((Path(__file__).parent / "fixtures" / "sharegpt.json").read_text())
-    rows = [json.loads(line) for line in (Path(__file__).parent / "fixtures" / "alpaca.jsonl").read_text().splitlines()]
+    (data / "sharegpt_identity.json").write_text((Path(__file__).parent.parent / "fixtures" / "sharegpt.json").read_text())
+    rows = [json.loads(line) for line in (Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl").read_text().splitlines()]
     (data / "code_alpaca_2k.json").write_text(json.dumps(rows))
     results = tmp_path / "quality.json"
     summary = run("quality.py", "--model", str(tiny_models["llama"]), "--data-dir", str(data), "--rows", "12,6,4",

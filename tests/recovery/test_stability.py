@@ -14,7 +14,7 @@ from conftest import DATA_FILES
 from llmcustoms.recovery.stability import LOSS_FACTOR, MIN_HISTORY, NORM_FACTOR, StabilityCheck
 from llmcustoms.ui.train_progress import TrainingProgress
 
-TRACES = Path(__file__).parent / "fixtures" / "traces"
+TRACES = Path(__file__).parent.parent / "fixtures" / "traces"
 
 
 def steady(check: StabilityCheck, steps: int = MIN_HISTORY, loss: float = 2.0, norm: float = 1.0) -> None:

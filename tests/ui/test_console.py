@@ -23,7 +23,7 @@ def test_the_fit_table_says_how_each_method_fits():
 
 def test_the_fit_table_agrees_with_the_planner_on_8bit_adamw():
     """Qwen2.5-1.5B full fine-tuning on 24 GiB fits only with 8-bit AdamW: the table says
-    it fits, as `train` plans it (tests/test_gpu_speedups.py)."""
+    it fits, as `train` plans it (tests/training/test_gpu_speedups.py)."""
     rows = {m.hub_id: m.methods for m in fit_table(Hardware.with_gpu(24), load_families(), seq_len=576).models}
     assert rows["Qwen/Qwen2.5-1.5B-Instruct"]["full"].fits
 

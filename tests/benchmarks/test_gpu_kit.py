@@ -16,7 +16,7 @@ import pytest
 
 from conftest import DATA_FILES
 
-KIT = Path(__file__).parent.parent / "benchmarks" / "gpu"
+KIT = Path(__file__).parent.parent.parent / "benchmarks" / "gpu"
 sys.path.insert(0, str(KIT))
 
 import kit  # noqa: E402  (benchmarks/gpu/kit.py)
@@ -129,6 +129,6 @@ def test_the_dry_run_runs_every_step_on_this_cpu(tmp_path):
     assert [r["name"] for r in steps["memory"]["result"]["rows"]] == measurements.SIZES["dry"]["memory"]
     assert steps["precision"]["result"]["passed"] is True
     summary = (out / "summary.md").read_text()
-    for heading in ("tests/test_cuda.py", "as a user runs them", "Throughput, LoRA", "Throughput, QLoRA",
+    for heading in ("tests/training/test_cuda.py", "as a user runs them", "Throughput, LoRA", "Throughput, QLoRA",
                     "Memory estimate", "bf16 against fp32"):
         assert heading in summary

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).parent.parent.parent / "benchmarks"
 
 
 def test_the_reduced_attack_finds_nothing():

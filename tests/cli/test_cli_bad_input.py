@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 SECRET = "SECRET-ROW-CONTENT-12345"
 
 
