@@ -4,7 +4,7 @@ preset on 8, 16, 24, 48 and 80 GB NVIDIA cards, from the planner itself.
     python benchmarks/gpu_plans.py                  # print the tables (markdown)
     python benchmarks/gpu_plans.py --check FILE     # exit 1 with a diff if FILE's copy is stale
     python benchmarks/gpu_plans.py --write FILE     # replace FILE's copy
-    python benchmarks/gpu_plans.py --preset quality --write README.md   # one preset's table (the README's)
+    python benchmarks/gpu_plans.py --preset quality --write docs/benchmarks.md   # one preset (the docs' table)
 
 FILE's copy lies between `<!-- gpu-plans:start -->` and `<!-- gpu-plans:end -->`;
 without both markers --check and --write exit 2 and change nothing.

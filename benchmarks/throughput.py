@@ -33,7 +33,7 @@ The model is a real one: --model DIR, by default SmolLM2-135M-Instruct built (on
 offline) by ../shared/tools/make_real_model.py into ~/.cache/llmcustoms-dev/; --shape a
 random model at a real model's shape (benchmarks/shapes.py) with --tokenizer's tokenizer;
 --toy a small random Llama-architecture model and a BPE tokenizer trained on the data (the
-README's footnote row). Rows: 256 by default (512 with --toy, every row with --device cuda).
+footnote row in docs/benchmarks.md). Rows: 256 by default (512 with --toy, every row with --device cuda).
 
 Each system runs in its own process. Reported for each: real (non-padding)
 training tokens per second (on a GPU the clock is read with its queue drained),

@@ -1,4 +1,4 @@
-"""The GPU kit: every GPU claim of the README measured in one call, inside a time budget.
+"""The GPU kit: every GPU claim of docs/benchmarks.md measured in one call, inside a time budget.
 
     bash benchmarks/gpu/run.sh OUT_DIR [--budget SECONDS] [--only STEP ...]   (on a GPU machine)
     bash benchmarks/gpu/run.sh --dry-run OUT_DIR                              (here, tiny shapes)

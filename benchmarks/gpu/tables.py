@@ -1,5 +1,5 @@
 """The kit's summary.md: one table per step from kit.json, the card named at the top, so the
-tables can go into the README as they are. Reads only what the steps wrote; computes ratios."""
+tables can go into docs/benchmarks.md as they are. Reads only what the steps wrote; computes ratios."""
 
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ log lr, looking only below the lr of its minimum. fastai's other common rule,
 the minimum's lr / 10, is reported beside it. A curve whose smoothed loss never
 falls by `MIN_DROP` gets no suggestion rather than a number read from noise.
 
-The loop is its own, not `FineTuner`'s: FineTuner's recovery would fight a run
+The loop is its own, not `FineTuner`'s (FineTuner's recovery would fight a run
 that is meant to diverge, and this one needs no checkpoints, evaluation or
-schedule. Out of memory is caught in one place, `_train`, and ends the
+schedule), but each step's gradients are taken as `train` takes them
+(`training/step.py`: the same micro-batches, packed or not, and the run's loss). Out of memory is caught in one place, `_train`, and ends the
 command with a hint. `tune --lr-find` centres its search on the suggestion
 (`centre_study`).
 """
@@ -312,9 +313,10 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     import torch
     from accelerate.utils import set_seed
 
-    from llmcustoms.training.batching import TrainingRows
-    from llmcustoms.losses.sft import select_logits
+    from llmcustoms.losses.choice import loss_for
+    from llmcustoms.losses.objective import LoopParts
     from llmcustoms.models.loading import load_model
+    from llmcustoms.training.batching import TrainingRows
     from llmcustoms.training.optimization import make_optimizer
     from llmcustoms.training.processes import accelerator_for
 
@@ -323,16 +325,18 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     model = load_model(plan, 0 if torch.cuda.is_available() else None)
     if plan.method != "qlora" or not torch.cuda.is_available():  # 4-bit models are placed by their device_map
         model = model.to(accelerator.device)
-    select_logits(model)
+    data = TrainingRows(rows, [], tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1, packing=plan.packing)
+    loss = loss_for(plan)
+    # No run directory or other processes: a loss that needs them (DPO's cached reference) was refused before.
+    loss.setup(model, LoopParts(plan, data, None, None, accelerator.autocast, lambda text: None))
     optimizer = accelerator.prepare_optimizer(make_optimizer(model, plan))
-    data = TrainingRows(rows, [], tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1)
     model.train()
     curve: list[Row] = []
     losses: list[float] = []
     out_of_memory = False
     try:
         for lr, step in zip(lrs, _steps(data.lengths, plan)):
-            losses.append(_step(model, optimizer, accelerator, data, step, plan, lr))
+            losses.append(_step(model, loss, optimizer, accelerator, data, step, plan, lr))
             smoothed = smooth(losses)
             row = {"step": len(losses), "lr": lr, "loss": _finite(losses[-1]), "smoothed": _finite(smoothed[-1])}
             curve.append(row)
@@ -360,27 +364,22 @@ def _steps(lengths: list[int], plan: Any) -> Iterator[list[int]]:
         epoch += 1
 
 
-def _step(model: Any, optimizer: Any, accelerator: Any, data: Any, rows: list[int], plan: Any, lr: float) -> float:
-    """One optimizer step at `lr`; its loss (the update is skipped if that is not finite)."""
+def _step(model: Any, loss: Any, optimizer: Any, accelerator: Any, data: Any, rows: list[int], plan: Any,
+          lr: float) -> float:
+    """One optimizer step at `lr`, its gradients taken as `train` takes them;
+    its loss (the update is skipped if that is not finite)."""
     import torch
 
-    from llmcustoms.training.batching import micro_batches
-    from llmcustoms.losses.dpo import loss_for
+    from llmcustoms.training.step import accumulate_gradients, step_micro_batches
 
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = accelerator.device
-    # The run's own loss; summed over the step's trained tokens (pairs, for DPO), as in
-    # `FineTuner`: any split gives the same update.
-    loss_of = loss_for(plan)
+    packed_to = plan.max_seq_len if data.packing else 0
+    batches = [(data.collate(b), 1.0) for b in step_micro_batches(rows, data.lengths, plan.micro_batch_size, packed_to)]
     normaliser = torch.tensor(max(1, data.token_counts(rows)[0]), device=device)
-    total = torch.zeros((), device=device)
-    for batch in micro_batches(rows, data.lengths, plan.micro_batch_size):
-        inputs = {k: v.to(device) for k, v in data.collate(batch).items()}
-        with accelerator.autocast():
-            loss, _ = loss_of(model, inputs, normaliser)
-        accelerator.backward(loss)
-        total += loss.detach()
+    totals = accumulate_gradients(model, loss, batches, normaliser, device, accelerator.autocast, accelerator.backward)
+    total = totals[0]
     trainable = [p for p in model.parameters() if p.requires_grad]
     accelerator.clip_grad_norm_(trainable, plan.max_grad_norm if plan.max_grad_norm > 0 else float("inf"))
     value = total.item()  # the one host sync per step

@@ -1,4 +1,4 @@
-"""DPO's loss (Rafailov et al. 2023), as a `losses.Loss` for `FineTuner`.
+"""DPO's loss (Rafailov et al. 2023), as a `losses.objective.Loss`.
 
 A batch holds preference pairs as consecutive sequences, chosen then rejected
 (`pairrows.PairRows`), so both replies of a pair go through the model in one
@@ -21,12 +21,16 @@ rewards/margins.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from llmcustoms.losses import sft as losses
-from llmcustoms.losses.sft import Loss, learned_logits
+from llmcustoms.losses.dpo_reference import cached_reference
+from llmcustoms.losses.objective import LoopParts
+from llmcustoms.losses.sft import learned_logits, select_logits
+from llmcustoms.planning.objectives import needs_cached_reference
+from llmcustoms.runs.preference_report import evaluation_at
 
 SUMS = ("chosen_reward", "rejected_reward", "correct")
 
@@ -56,9 +60,30 @@ def adapter_off_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
 class PreferenceLoss:
     """`loss(model, batch, normaliser)`: summed DPO loss / normaliser (the
     step's pairs), and the `SUMS` of the batch."""
+    sums = SUMS
 
     def __init__(self, beta: float):
         self.beta = beta
+
+    def setup(self, model: Any, loop: LoopParts) -> None:
+        select_logits(model)
+        if needs_cached_reference(loop.plan) and loop.data.reference is None:  # no adapter to switch off
+            loop.data.reference = cached_reference(model, loop.data, loop.run_dir, 2 * loop.plan.micro_batch_size,
+                                                   loop.processes, loop.autocast, loop.activity)
+
+    def step_metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        return preference_metrics(sums, count)
+
+    def eval_metrics(self, eval_loss: float, sums: list[float], count: int) -> dict[str, float]:
+        return preference_metrics(sums, count, "eval_")
+
+    def untrained(self) -> tuple[float, dict[str, float]]:
+        """Before any training the policy is its own reference: every reward is 0,
+        each pair's loss log 2 and the accuracy chance (ties count half)."""
+        return math.log(2), preference_metrics([0.0, 0.0, 0.5], 1, "eval_")
+
+    def held_out(self, rows: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
+        return evaluation_at(rows, step)
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor],
                  normaliser: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +100,6 @@ class PreferenceLoss:
         correct = (chosen_reward > rejected_reward).float() + 0.5 * (chosen_reward == rejected_reward).float()
         sums = torch.stack([chosen_reward.sum(), rejected_reward.sum(), correct.sum()])
         return loss, sums
-
-
-def loss_for(plan: Any) -> Loss:
-    """The loss a plan trains with."""
-    return PreferenceLoss(plan.beta) if plan.objective == "dpo" else losses.token_cross_entropy
 
 
 def preference_metrics(sums: list[float], pairs: int, prefix: str = "") -> dict[str, float]:

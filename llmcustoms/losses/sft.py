@@ -1,12 +1,11 @@
-"""The training loss: a function `loss(model, batch, normaliser) -> (Tensor, sums)`.
+"""Supervised fine-tuning's loss: cross-entropy on the learned tokens (the
+replies), as a `losses.objective.Loss` (`TokenCrossEntropy`), and the pieces
+other losses share (`select_logits`, `learned_logits`).
 
-`FineTuner` takes the loss as an argument; this module holds the default,
-`token_cross_entropy` (DPO's is in `losses/dpo.py`). A loss returns the
-summed loss of `batch` divided by `normaliser`, the count of whatever it sums
-over in the whole optimizer step (or evaluation), so that any split of a step
-into micro-batches, or over processes, gives the same update; and beside it a
-1-D tensor of sums to report (DPO's rewards), or None. It runs under the
-accelerator's autocast.
+`token_cross_entropy` returns the summed loss of `batch` divided by
+`normaliser`, the trained-token count of the whole optimizer step (or
+evaluation), so that any split of a step into micro-batches, or over
+processes, gives the same update. It runs under the accelerator's autocast.
 
 The default computes the LM head's logits only at positions the loss uses
 (`select_logits`): for a big vocabulary the head is a large share of the
@@ -20,16 +19,16 @@ installed its fused linear cross-entropy (Triton) does the same in one kernel.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from llmcustoms.planning.memory import CHUNK_LOGITS
-from llmcustoms.models.packing import model_inputs
 from llmcustoms.data.tokenization import IGNORE_INDEX
-
-Loss = Callable[[Any, dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+from llmcustoms.losses.objective import LoopParts
+from llmcustoms.models.packing import model_inputs
+from llmcustoms.planning.memory import CHUNK_LOGITS
+from llmcustoms.runs.measures import perplexity
 
 
 def select_logits(model: Any) -> None:
@@ -146,6 +145,30 @@ def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor],
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / normaliser, None
     hidden = _head_output(model, batch, selection, hidden_only=True)
     return head_cross_entropy(hidden, head, targets) / normaliser, None
+
+
+class TokenCrossEntropy:
+    """SFT: the mean cross-entropy per learned token; evaluations add perplexity."""
+    sums: tuple[str, ...] = ()
+
+    def setup(self, model: Any, loop: LoopParts) -> None:
+        select_logits(model)
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor],
+                 normaliser: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return token_cross_entropy(model, batch, normaliser)
+
+    def step_metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        return {}
+
+    def eval_metrics(self, eval_loss: float, sums: list[float], count: int) -> dict[str, float]:
+        return {"eval_ppl": perplexity(eval_loss)}
+
+    def untrained(self) -> None:
+        return None  # only a forward pass says
+
+    def held_out(self, rows: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
+        return {}  # the eval loss and perplexity are in the result already
 
 
 # Config fields of models whose forward changes the head's logits (Gemma's softcap,

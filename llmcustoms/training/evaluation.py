@@ -15,14 +15,12 @@ evaluates again (`cut_short`).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
+from llmcustoms.losses.objective import Loss
 from llmcustoms.training.batching import TrainingRows
-from llmcustoms.runs.measures import perplexity
-from llmcustoms.losses.dpo import SUMS, preference_metrics
 from llmcustoms.recovery.stop_signals import StopRequested, stop_agreed
 
 # loss(batch, normaliser): the run's loss of one micro-batch and its sums (FineTuner's, under autocast).
@@ -34,33 +32,35 @@ class FailedElsewhere(Exception):
 
 
 class Evaluation:
-    def __init__(self, data: TrainingRows, processes: Any, loss: BatchLoss, free_memory: Callable[[], None],
-                 activity: Callable[[str | None], None] = lambda text: None):
-        """`activity(text)` is told how far an evaluation is, and None when it is done."""
+    def __init__(self, data: TrainingRows, processes: Any, objective: Loss, loss: BatchLoss,
+                 free_memory: Callable[[], None], activity: Callable[[str | None], None] = lambda text: None):
+        """`objective` says what the sums of `loss` (the objective under the run's autocast) mean;
+        `activity(text)` is told how far an evaluation is, and None when it is done."""
         self.activity = activity
         self.data = data
         self.processes = processes
+        self.objective = objective
         self.batch_loss = loss
         self.free_memory = free_memory
         self.micro_batches: list[dict[str, torch.Tensor]] = []
-        self.metrics: dict[str, float] = {}  # the last evaluation's besides the loss (DPO's eval_reward_accuracy, ...)
+        self.metrics: dict[str, float] = {}  # the last evaluation's besides the loss (eval_ppl, ...)
 
     def __bool__(self) -> bool:
         """Whether there is anything to evaluate."""
         return bool(self.micro_batches)
 
     def row(self, eval_loss: float) -> dict[str, float]:
-        """An evaluation's row of metrics.jsonl: the loss, and its perplexity or DPO's metrics."""
-        return {"eval_loss": eval_loss, **(self.metrics if self.data.pairs else {"eval_ppl": perplexity(eval_loss)})}
+        """An evaluation's row of metrics.jsonl: the loss, and what the objective adds (perplexity, rewards)."""
+        return {"eval_loss": eval_loss, **self.metrics}
 
     def untrained(self) -> float | None:
-        """The untrained model's eval loss when it is known without a forward:
-        under DPO it is its own reference, so every reward is 0, each pair's
-        loss log 2 and the accuracy chance (ties count half). None otherwise."""
-        if not self.data.pairs:
+        """The untrained model's eval loss when the objective knows it without a
+        forward (DPO's: the model is its own reference); None otherwise."""
+        known = self.objective.untrained()
+        if known is None:
             return None
-        self.metrics = preference_metrics([0.0, 0.0, 0.5], 1, "eval_")
-        return math.log(2)
+        loss, self.metrics = known
+        return loss
 
     def use_micro_batch(self, size: int) -> None:
         """Evaluation micro-batches, built once (and again when recovery changes their size)."""
@@ -102,7 +102,7 @@ class Evaluation:
                 self.processes.restart_if_sharded(failure, step + 1)
             if agreed is None and self.processes.agree(failure) is None:
                 loss, *sums = self.processes.sum(loss_sum).tolist()
-                self.metrics = preference_metrics(sums, self._units(), "eval_") if sums else {}
+                self.metrics = self.objective.eval_metrics(loss, sums, self._units())
                 return loss
             lower_micro_batch()
 
@@ -120,7 +120,7 @@ class Evaluation:
         model.eval()
         share = self.processes.evaluation_share(self.micro_batches)
         rounds = -(-len(self.micro_batches) // self.processes.world) if stoppable else len(share)
-        total = torch.zeros(1 + (len(SUMS) if self.data.pairs else 0), device=device)
+        total = torch.zeros(1 + len(self.objective.sums), device=device)
         try:
             for done in range(rounds):
                 agreed = stop_agreed(self.processes) if stoppable else None

@@ -34,21 +34,19 @@ from llmcustoms.runs.best_weights import BestWeights
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
 from llmcustoms.training.evaluation import Evaluation
 from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
-from llmcustoms.losses.sft import Loss, select_logits
-from llmcustoms.losses.dpo import SUMS, loss_for, preference_metrics
-from llmcustoms.runs.preference_report import evaluation_at
+from llmcustoms.losses.choice import loss_for
+from llmcustoms.losses.objective import LoopParts, Loss
 from llmcustoms.models.loading import load_model
 from llmcustoms.training.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.planning.plan import Plan
 from llmcustoms.training.position import Position, StopCause, StopReason, TrainResult
 from llmcustoms.training.processes import Processes
-from llmcustoms.planning.objectives import needs_cached_reference
-from llmcustoms.losses.dpo_reference import cached_reference
 from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.training.resource_use import ResourceUse
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.training.samples import SampleReplies, side_by_side
+from llmcustoms.training.step import accumulate_gradients
 from llmcustoms.recovery.stability import StabilityCheck
 from llmcustoms.recovery.stop_signals import StopRequested, StopSignals, record_quit, stopped_by
 
@@ -65,7 +63,7 @@ class FineTuner:
         """`on_evaluate(step, eval_loss)` may return True to stop (tuning prunes
         this way); `save_artifacts=False` writes no checkpoints and no adapter;
         `samples` answers sample prompts; `baseline=False` skips evaluating the
-        base model. `loss(model, batch, normaliser)` (default: the plan's objective's), `steps(lengths,
+        base model. `loss` (a `losses.objective.Loss`; default: the plan's objective's), `steps(lengths,
         step_rows, seed, epoch)` (an epoch's steps, as row indices) and `schedule(step, plan)` replace the defaults."""
         self.plan, self.tokenizer, self.run_dir, self.reporter = plan, tokenizer, run_dir, reporter
         self.faults = faults or FaultInjector.from_env()
@@ -129,7 +127,7 @@ class FineTuner:
         self.device = self.processes.device
         # Before the model loads: on a CPU, the resident size the training's memory is counted from.
         self.usage = ResourceUse.start(self.device, self.plan, self.run_dir.read_status())
-        self.evaluation = Evaluation(self.data, self.processes, self._loss, self._free_memory,
+        self.evaluation = Evaluation(self.data, self.processes, self.loss, self._loss, self._free_memory,
                                      lambda text: self.reporter.activity(text))
         self.faults.rank = self.processes.rank
         if not self.processes.is_main:
@@ -154,10 +152,8 @@ class FineTuner:
         self.reporter.activity("loading the model")
         self.model = self.processes.place(load_model(self.plan, device_index), self.plan, self.reporter.message)
         model = self.accelerator.unwrap_model(self.model)
-        select_logits(model)
-        if needs_cached_reference(self.plan) and self.data.reference is None:  # DPO without an adapter to switch off
-            self.data.reference = cached_reference(model, self.data, self.run_dir, 2 * self.plan.micro_batch_size,
-                                                   self.processes, self.accelerator.autocast, self.reporter.activity)
+        self.loss.setup(model, LoopParts(self.plan, self.data, self.run_dir, self.processes, self.accelerator.autocast,
+                                         self.reporter.activity))
         # Out-of-memory injection happens inside a forward pass, after the
         # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         model.get_input_embeddings().register_forward_hook(
@@ -259,7 +255,7 @@ class FineTuner:
         elapsed = time.perf_counter() - started
         return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": tokens, "batch_tokens": widest,
                 "tokens_per_s": tokens / elapsed, "seconds": elapsed,
-                **(preference_metrics(sums, len(rows)) if sums else {})}, None
+                **self.loss.step_metrics(sums, len(rows))}, None
 
     def _forward_backward(self, rows: list[int]) -> tuple[torch.Tensor, int, int]:
         """Local gradients of this rank's share of a step; ([summed loss, its sums...], the step's input
@@ -270,24 +266,22 @@ class FineTuner:
         # The whole step's trained tokens (pairs, for DPO), over every rank: each rank knows all rows.
         loss_units, input_tokens = self.data.token_counts(rows)
         normaliser = torch.tensor(max(1, loss_units), device=self.device)
-        self.model.train()
-        totals = torch.zeros(1 + (len(SUMS) if self.data.pairs else 0), device=self.device)  # DPO: its rewards too
-        for mb, weight in batches:
-            if self.processes.stop_now():
-                raise StopRequested
-            mb = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
-            # Summed over tokens and divided by the step's token count, not
-            # averaged per micro-batch: any split, over micro-batches or ranks,
-            # gives the same update.
-            loss, sums = self._loss(mb, normaliser)
-            loss = loss * weight
-            if self.faults.due("nan", self.position.step + 1):
-                loss = loss * float("nan")
-            elif self.faults.due("spike", self.position.step + 1):
-                loss = loss * SPIKE_FACTOR
-            self.accelerator.backward(loss * self.processes.backward_scale)
-            totals = totals + torch.cat([loss.detach().reshape(1)] + ([sums * weight] if sums is not None else []))
+        totals = accumulate_gradients(self.model, self.loss, batches, normaliser, self.device, self.accelerator.autocast,
+                                      lambda loss: self.accelerator.backward(loss * self.processes.backward_scale),
+                                      before=self._raise_if_stopping, alter=self._injected)
         return totals, input_tokens, max((mb["input_ids"].numel() for mb, _ in batches), default=0)
+
+    def _raise_if_stopping(self) -> None:
+        if self.processes.stop_now():
+            raise StopRequested
+
+    def _injected(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as fault injection makes it: NaN, or a spike (`nan@N`, `spike@N`)."""
+        if self.faults.due("nan", self.position.step + 1):
+            return loss * float("nan")
+        if self.faults.due("spike", self.position.step + 1):
+            return loss * SPIKE_FACTOR
+        return loss
 
     def _loss(self, batch: dict[str, torch.Tensor], normaliser: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.accelerator.autocast():
@@ -446,4 +440,4 @@ class FineTuner:
             self.reporter.message(stop.text)
         return TrainResult.finished(position, stop, seconds, tokens, self.run_dir.output_path(self.plan.method), kept,
                                     side_by_side(self.run_dir.read_samples()),
-                                    evaluation_at(self.run_dir.read_metrics(), position.best_step), memory)
+                                    self.loss.held_out(self.run_dir.read_metrics(), position.best_step), memory)

@@ -92,7 +92,7 @@ class TrainResult:
     kept: str | None = None  # which weights output_path holds, and why
     last_output: str | None = None  # where the last step's weights went, when not kept
     samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
-    held_out: dict[str, float] = field(default_factory=dict)  # DPO: the best evaluation's row (reward accuracy, ...)
+    held_out: dict[str, float] = field(default_factory=dict)  # the loss's `held_out`: DPO's best evaluation row
     memory: dict[str, Any] = field(default_factory=dict)  # measured peak against the plan's (`resourceuse.compare`)
 
     @classmethod

@@ -31,17 +31,16 @@ from typing import Any, Callable
 import torch
 
 from llmcustoms.training import launching, preflight
-from llmcustoms.training.batching import micro_batches
 from llmcustoms.runs.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
                                     set_rng_state)
 from llmcustoms.runs.checkpoint_content import (TensorInfo, Unusable, fit_problem, optimizer_fit_problem, rng_fit_problem,
                                           safetensors_header, torch_dtype_name)
 from llmcustoms.models.loading import save_trained
-from llmcustoms.models.packing import packed_micro_batches
 from llmcustoms.planning.plan import Plan
 from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, create_failure_report
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.recovery.stop_signals import StopSignals
+from llmcustoms.training.step import step_micro_batches
 from llmcustoms.training.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
 
 # Gradients are all-reduced this many bytes at a time (DDP's default bucket size).
@@ -143,10 +142,7 @@ class Processes:
         Under FSDP every rank runs as many as the busiest one (each forward and
         backward is a collective); the extra ones repeat rows with weight 0."""
         def split(rank: int) -> list[list[int]]:
-            share = self.share(rows, lengths, rank)
-            if packed_to:
-                return packed_micro_batches(share, lengths, size * packed_to, packed_to)
-            return micro_batches(share, lengths, size)
+            return step_micro_batches(self.share(rows, lengths, rank), lengths, size, packed_to)
 
         mine = [(batch, 1.0) for batch in split(self.rank)]
         if self.fsdp:

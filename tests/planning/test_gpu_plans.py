@@ -86,7 +86,7 @@ def test_a_card_too_small_gets_the_planners_refusal():
 
 
 def test_check_catches_a_stale_copy_and_write_fixes_it(tmp_path, capsys, generated):
-    path = tmp_path / "README.md"
+    path = tmp_path / "page.md"
     path.write_text(f"# Title\n\nBefore.\n\n{gpu_plans.START}\nold table\n{gpu_plans.END}\n\nAfter.\n")
     assert gpu_plans.main(["--check", str(path)]) == 1
     assert "-old table" in capsys.readouterr().out
@@ -98,14 +98,15 @@ def test_check_catches_a_stale_copy_and_write_fixes_it(tmp_path, capsys, generat
 
 
 def test_write_without_markers_fails_and_leaves_the_file(tmp_path, capsys):
-    path = tmp_path / "README.md"
+    path = tmp_path / "page.md"
     path.write_text("# No markers here\n")
     assert gpu_plans.main(["--write", str(path)]) == 2
     assert gpu_plans.START in capsys.readouterr().err
     assert path.read_text() == "# No markers here\n"
 
 
-@pytest.mark.parametrize("name,presets", [("README.md", ["--preset", "quality"]), ("benchmarks/gpu/PLANS.md", [])])
+@pytest.mark.parametrize("name,presets", [("docs/benchmarks.md", ["--preset", "quality"]),
+                                           ("benchmarks/gpu/PLANS.md", [])])
 def test_the_committed_copies_are_current(name, presets, capsys):
     path = ROOT / name
     assert gpu_plans.START in path.read_text()

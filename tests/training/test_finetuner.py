@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from llmcustoms.losses.sft import TokenCrossEntropy
 from llmcustoms.training.batching import collate
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.training.finetuner import FineTuner
@@ -231,14 +232,20 @@ def test_a_caller_stopping_the_run_is_a_typed_reason_not_a_message(tmp_path, tin
     assert json.loads(run_dir.status_path.read_text())["reason"] == result.stop_reason == result.stop.text
 
 
+class Counted(TokenCrossEntropy):
+    """SFT's loss, noting the rows of every micro-batch it is given."""
+
+    def __init__(self, seen: list[int]):
+        self.seen = seen
+
+    def __call__(self, model, batch, normaliser):
+        self.seen.append(batch["input_ids"].shape[0])
+        return super().__call__(model, batch, normaliser)
+
+
 def test_the_loss_and_the_schedule_are_arguments(tmp_path, tiny_models):
-    from llmcustoms.losses.sft import token_cross_entropy
-
     calls = []
-
-    def counted(model, batch, normaliser):
-        calls.append(batch["input_ids"].shape[0])
-        return token_cross_entropy(model, batch, normaliser)
+    counted = Counted(calls)
 
     tuner, _, run_dir, reporter = train(tmp_path, tiny_models["llama"], max_steps=2, micro_batch_size=4, grad_accum=2,
                                         eval_every=0, tuner_args={"loss": counted, "schedule": lambda step, plan: 0.5})
@@ -253,12 +260,7 @@ def test_which_rows_make_up_a_step_is_an_argument(tmp_path, tiny_models):
     def fixed_steps(lengths, step_rows, seed, epoch):
         return [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
-    def counted(model, batch, normaliser):
-        seen.append(batch["input_ids"].shape[0])
-        return token_cross_entropy(model, batch, normaliser)
-
-    from llmcustoms.losses.sft import token_cross_entropy
-
+    counted = Counted(seen)
     tuner, result, _, reporter = train(tmp_path, tiny_models["llama"], max_steps=5, micro_batch_size=4, grad_accum=2,
                                        eval_every=0, tuner_args={"steps": fixed_steps, "loss": counted})
     assert result.steps == 5 and seen == [4] * 5  # one micro-batch of 4 rows per step, not the planned 8 rows
