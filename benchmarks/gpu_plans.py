@@ -33,7 +33,7 @@ from llmcustoms.errors import ConfigError  # noqa: E402
 from llmcustoms.planning.hardware import GIB, Gpu, Hardware  # noqa: E402
 from llmcustoms.models.loading import choice_from_spec  # noqa: E402
 from llmcustoms.planning.plan import DataStats, ModelChoice, Plan  # noqa: E402
-from llmcustoms.planning.planner import ParameterOptimizer  # noqa: E402
+from llmcustoms.planning.planner import Planner  # noqa: E402
 from llmcustoms.planning.presets import Family, TrainingPreset, find_model_spec, load_families, load_preset  # noqa: E402
 from llmcustoms.data.splits import eval_fraction, split_eval  # noqa: E402
 
@@ -106,7 +106,7 @@ def candidates(preset: TrainingPreset, family: Family, families: dict[str, Famil
     others = sorted((s for s in family.models if s.hub_id not in listed),
                     key=lambda s: (-s.params, -family.models.index(s)))  # equal sizes: the newer (later) first
     specs = [find_model_spec(hub_id, families) for hub_id in listed] + others
-    return [choice_from_spec(spec, families, "optimizer") for spec in specs]
+    return [choice_from_spec(spec, families, "planner") for spec in specs]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Row:
 def plan_row(card: Card, family: Family, preset: TrainingPreset, families: dict[str, Family]) -> Row:
     """What `llmcustoms plan --preset P` makes on this card when the model is this family's."""
     catalog = tuple(spec for f in families.values() for spec in f.models)
-    optimizer = ParameterOptimizer(hardware(card), preset, catalog=catalog)
+    optimizer = Planner(hardware(card), preset, catalog=catalog)
     stats = data_stats(preset)
     try:
         model, _ = optimizer.choose_model(candidates(preset, family, families), stats, {})

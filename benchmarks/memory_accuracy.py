@@ -16,7 +16,7 @@ blocks at once (MALLOC_MMAP_THRESHOLD_), so the peak follows live tensors.
 On a GPU: `torch.cuda.max_memory_allocated()`, plus the CUDA context the
 estimate also counts.
 
-The prediction comes from `MemoryOptimizer` with architecture facts only.
+The prediction comes from `MemoryEstimator` with architecture facts only.
 Target: every ratio measured/predicted within 0.8-1.25.
 
 --real-shapes runs other configurations instead, at the real sizes of TinyLlama-1.1B
@@ -204,10 +204,10 @@ def measure(config: Config, model_dir: Path, device: str, precision: str) -> dic
 
 
 def predict(config: Config, device: str, precision: str) -> dict:
-    from llmcustoms.planning.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryEstimator
 
     targets = ("all-linear",)
-    estimate = MemoryOptimizer(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
+    estimate = MemoryEstimator(config.arch, on_gpu=device == "cuda", budget_bytes=0).estimate(
         config.method, config.micro_batch, config.seq_len, precision,
         config.gradient_checkpointing, lora_rank=config.lora_rank, lora_targets=targets, optimizer=config.optimizer)
     data = estimate.to_json()

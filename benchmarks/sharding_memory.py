@@ -9,7 +9,7 @@ with llmcustoms' own `FineTuner` on rows of exactly `seq_len` tokens. Every
 process measures its own peak resident memory during the training steps
 (Linux `clear_refs` after set-up, as benchmarks/memory_accuracy.py does) minus
 its resident memory before the model was loaded. The prediction is
-`MemoryOptimizer` with `shards=2` for FSDP. On CPU both processes share one
+`MemoryEstimator` with `shards=2` for FSDP. On CPU both processes share one
 machine's RAM; on GPUs each would have its own card.
 """
 
@@ -73,9 +73,9 @@ def measure(model_dir: Path, distributed: str) -> dict:
 
 
 def predict(distributed: str) -> dict:
-    from llmcustoms.planning.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryEstimator
 
-    return MemoryOptimizer(ARCH, on_gpu=False, budget_bytes=0).estimate(
+    return MemoryEstimator(ARCH, on_gpu=False, budget_bytes=0).estimate(
         "full", MICRO_BATCH, SEQ_LEN, "no", False, shards=WORLD if distributed == "fsdp" else 1).to_json()
 
 

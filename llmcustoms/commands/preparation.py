@@ -29,7 +29,7 @@ from llmcustoms.models.from_run import with_starting_point
 from llmcustoms.planning.objectives import check_eval_data, preference_reason, with_objective
 from llmcustoms.data.pair_rows import PairRows
 from llmcustoms.planning.plan import DataStats, Plan
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.data.row_formats import is_preference
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.planning.settings import Settings
@@ -196,7 +196,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     families = load_families()
     catalog = tuple(spec for family in families.values() for spec in family.models)
     hardware = with_measured_speeds(hardware, cache_dir(options.cache_dir), world_size)  # a measured duration
-    optimizer = ParameterOptimizer(hardware, preset, budget_bytes, catalog)
+    optimizer = Planner(hardware, preset, budget_bytes, catalog)
     trust_remote_code = bool(options.override("trust_remote_code", False))
     split = split_rows(options, dataset, preset, progress)
     if split.eval_dataset:
@@ -204,7 +204,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                         split.eval_dataset.path.name, split.eval_dataset.format_description)
     read_seconds = dataset.seconds + (split.eval_dataset.seconds if split.eval_dataset else 0.0)
 
-    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "optimizer")
+    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "planner")
                   for m in preset.model_candidates(hardware.has_gpu)]
 
     def estimate() -> DataStats:  # from characters: to choose the model, or to plan without its tokenizer

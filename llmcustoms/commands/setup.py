@@ -33,7 +33,7 @@ from llmcustoms.planning.fitting import fitting_models
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.models.loading import looks_like_path
 from llmcustoms.planning.plan import DataStats
-from llmcustoms.planning.planner import DEFAULT_SEED, ParameterOptimizer
+from llmcustoms.planning.planner import DEFAULT_SEED, Planner
 from llmcustoms.commands.preparation import estimated_stats
 from llmcustoms.data.splits import eval_fraction, split_eval
 from llmcustoms.planning.presets import (TrainingPreset, builtin_preset_names, family_for_model_type, find_model_spec,
@@ -200,10 +200,10 @@ def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, s
     from llmcustoms.models.loading import choice_from_spec
 
     families = load_families()
-    optimizer = ParameterOptimizer(hardware, preset)
+    optimizer = Planner(hardware, preset)
     offers = []
     for fit in fitting_models(hardware, families, seq_len):
-        choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "optimizer")
+        choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "planner")
         offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hubaccess.availability(fit.hub_id))
         try:
             plan = optimizer.plan(choice, stats, {})
@@ -226,10 +226,10 @@ def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats
     where = {offer.hub_id: offer.where for offer in offers}
     fitting = [m for m in preset.model_candidates(hardware.has_gpu) if m in where]
     usable = [m for m in fitting if where[m] != hubaccess.UNAVAILABLE]
-    candidates = [choice_from_spec(find_model_spec(m, families), families, "optimizer") for m in usable]
+    candidates = [choice_from_spec(find_model_spec(m, families), families, "planner") for m in usable]
     if candidates:
         try:
-            choice, reason = ParameterOptimizer(hardware, preset).choose_model(candidates, stats, {})
+            choice, reason = Planner(hardware, preset).choose_model(candidates, stats, {})
         except ConfigError:
             pass
         else:
@@ -325,7 +325,7 @@ def local_estimate(hardware: Hardware, preset: TrainingPreset, stats: DataStats,
     family = family_for_model_type(spec.model_type, families, spec)
     choice = choice_from_spec(replace(spec, family=family.name if family else "other"), families, "env")
     try:
-        plan = ParameterOptimizer(hardware, preset).plan(choice, stats, {})
+        plan = Planner(hardware, preset).plan(choice, stats, {})
     except ConfigError as error:
         return f"but `train` would refuse it here: {error.message}"
     return f"estimated training time here {human_duration(plan.estimated_seconds)}"

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.planning.memory import MemoryOptimizer
+from llmcustoms.planning.memory import MemoryEstimator
 from llmcustoms.planning.plan import LoraSettings, Plan
 from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.planning.presets import TrainingPreset, load_families, find_model_spec
@@ -111,7 +111,7 @@ def search_space(base: Plan, hardware: Hardware, centre: float | None = None) ->
     for rank in RANKS:
         fits = True
         if spec is not None and base.memory:
-            estimate = MemoryOptimizer(spec, hardware.has_gpu, base.memory["budget_bytes"]).estimate(
+            estimate = MemoryEstimator(spec, hardware.has_gpu, base.memory["budget_bytes"]).estimate(
                 base.method, base.micro_batch_size, base.max_seq_len, base.mixed_precision,
                 base.gradient_checkpointing, lora_rank=rank, lora_targets=base.lora.target_modules)
             fits = estimate.fits

@@ -3,7 +3,7 @@ command's table (per model and method) and the models `setup` offers.
 (`planning/sizing.py` answers the planner's own question: which method and
 micro-batch for the one model being planned, or why nothing fits.)
 
-Pure, like the rest of planning: `MemoryOptimizer` estimates only, no torch.
+Pure, like the rest of planning: `MemoryEstimator` estimates only, no torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.planning.memory import MemoryOptimizer
+from llmcustoms.planning.memory import MemoryEstimator
 from llmcustoms.planning.planner import MICRO_BATCH_CAP
 from llmcustoms.planning.presets import Family
 
@@ -60,7 +60,7 @@ class FittingModel:
     total_bytes: int
 
 
-def _method_fit(memory: MemoryOptimizer, method: str, seq_len: int, precision: str) -> MethodFit:
+def _method_fit(memory: MemoryEstimator, method: str, seq_len: int, precision: str) -> MethodFit:
     # On a GPU full fine-tuning can take 8-bit AdamW, as the planner would where it helps
     # (`sizing.fit_with_optimizer`); for adapters the optimizer's state is too small to matter.
     optimizer = "adamw_8bit" if memory.on_gpu and method == "full" else "adamw"
@@ -78,7 +78,7 @@ def fit_table(hardware: Hardware, families: dict[str, Family], seq_len: int = TA
     models = []
     for family in families.values():
         for spec in family.models:
-            memory = MemoryOptimizer(spec, hardware.has_gpu, budget)
+            memory = MemoryEstimator(spec, hardware.has_gpu, budget)
             models.append(ModelFit(spec.hub_id, spec.params, {
                 method: _method_fit(memory, method, seq_len, hardware.mixed_precision) for method in TABLE_METHODS}))
     return FitTable(budget, hardware.has_gpu, seq_len, TABLE_METHODS, tuple(models))
@@ -90,7 +90,7 @@ def fitting_models(hardware: Hardware, families: dict[str, Family], seq_len: int
     fits = []
     for family in families.values():
         for spec in family.models:
-            memory = MemoryOptimizer(spec, hardware.has_gpu, hardware.memory_budget_bytes)
+            memory = MemoryEstimator(spec, hardware.has_gpu, hardware.memory_budget_bytes)
             for method in ("lora", "qlora"):
                 estimate = memory.estimate(method, 1, seq_len, hardware.mixed_precision, True)
                 if estimate.fits:

@@ -187,6 +187,8 @@ class Plan:
         old_warnings = [r.removeprefix(_OLD_WARNING_PREFIX) for r in reasons if r.startswith(_OLD_WARNING_PREFIX)]
         values["reasons"] = tuple(r for r in reasons if not r.startswith(_OLD_WARNING_PREFIX))
         values["warnings"] = tuple(values.get("warnings", ())) + tuple(old_warnings)
+        # Written when the planner was called the optimizer: that source is the planner's choice.
+        values["sources"] = {k: "planner" if v == "optimizer" else v for k, v in values.get("sources", {}).items()}
         if "distributed" not in values and values.get("world_size", 1) > 1:
             values["distributed"] = "ddp"  # written before FSDP existed: several processes meant DDP
         return cls(**values)
@@ -194,7 +196,7 @@ class Plan:
     def with_changes(self, reason: str | None = None, **changes: Any) -> "Plan":
         """A copy with some values changed by the optimizer, noting why."""
         sources = dict(self.sources)
-        sources.update({name: "optimizer" for name in changes})
+        sources.update({name: "planner" for name in changes})
         reasons = self.reasons + ((reason,) if reason else ())
         return replace(self, sources=sources, reasons=reasons, **changes)
 
@@ -226,4 +228,4 @@ class Plan:
                   f"learning-rate decay is stretched over the new length (warmup kept at {self.warmup_steps} steps)")
         return replace(self, epochs=float(epochs), total_steps=steps, estimated_seconds=seconds,
                        reasons=self.reasons + (reason,),
-                       sources={**self.sources, "epochs": "flag", "total_steps": "optimizer"})
+                       sources={**self.sources, "epochs": "flag", "total_steps": "planner"})

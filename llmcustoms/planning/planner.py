@@ -1,11 +1,11 @@
 """Turn hardware + preset + data statistics + user overrides into a frozen `Plan`.
 
 Planning is pure: no torch, no files, no network. Every value in the plan
-records where it came from (`sources`: flag, env, preset, optimizer, default)
+records where it came from (`sources`: flag, env, preset, planner, default)
 and every automatic choice a one-line reason, so `plan` can explain itself and
 tests can plan for machines we do not have by passing a `Hardware` value.
 
-`ParameterOptimizer.plan` checks the given values first (every problem in one
+`Planner.plan` checks the given values first (every problem in one
 error), then runs its steps in order: precision and length; method and batch;
 accumulation; memory; schedule; evaluation and saving; LoRA settings; what to
 expect. Each step returns its values and notes its reasons on the `_Resolver`.
@@ -21,7 +21,7 @@ from llmcustoms.planning import options
 from llmcustoms.planning.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryOptimizer, parameter_counts
+from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryEstimator, parameter_counts
 from llmcustoms.planning.objectives import DEFAULT_BETA
 from llmcustoms.planning.plan import DataStats, LoraSettings, ModelChoice, Plan, total_steps
 from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
@@ -76,7 +76,7 @@ class _Resolver:
         return default
 
     def chose(self, name: str, value: Any, reason: str) -> Any:
-        self.sources[name] = "optimizer"
+        self.sources[name] = "planner"
         self.reasons.append(reason)
         return value
 
@@ -206,7 +206,7 @@ def _accumulation(r: _Resolver, target: int, micro: int, world_size: int) -> tup
         world = f" x {world_size} processes" if world_size > 1 else ""
         r.chose("grad_accum", accum, f"gradient accumulation {accum}: {micro} x {accum}{world} reaches the "
                                      f"effective batch of {target}")
-    r.sources["effective_batch_size"] = "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "optimizer"
+    r.sources["effective_batch_size"] = "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "planner"
     return accum, micro * accum * world_size
 
 
@@ -223,7 +223,7 @@ def _schedule(r: _Resolver, train_rows: int, micro: int, accum_over_processes: i
     epochs = r.get("epochs")
     max_steps = r.get("max_steps")
     total = max_steps if max_steps else total_steps(epochs, per_epoch)
-    r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "optimizer"
+    r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "planner"
     warmup_steps = int(r.get("warmup_ratio") * total)
     r.sources["warmup_steps"] = r.sources.pop("warmup_ratio")
     return _Schedule(per_epoch, epochs, total, warmup_steps)
@@ -235,7 +235,7 @@ def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) ->
     r.sources.pop("evals_per_epoch")  # not a plan value: eval_every is
     if eval_rows == 0:
         eval_every = 0
-        r.sources["eval_every"] = "optimizer"
+        r.sources["eval_every"] = "planner"
     elif r.given("eval_every"):
         eval_every = r.get("eval_every")
     else:
@@ -268,11 +268,11 @@ def _lora_settings(r: _Resolver, method: str, model: ModelChoice) -> LoraSetting
     return settings
 
 
-class ParameterOptimizer:
+class Planner:
     """Chooses model, method, batch shape, checkpointing and the rest for one machine.
 
     Every choice must fit `budget_bytes` (with `SAFETY_MARGIN` to spare) by the
-    `MemoryOptimizer`'s estimate; nothing is found out by crashing.
+    `MemoryEstimator`'s estimate; nothing is found out by crashing.
     """
 
     def __init__(self, hardware: Hardware, preset: TrainingPreset, budget_bytes: int | None = None,
@@ -284,8 +284,8 @@ class ParameterOptimizer:
         # Known models, smallest first: what a refusal can suggest instead.
         self.catalog = tuple(sorted(catalog, key=lambda spec: sum(parameter_counts(spec))))
 
-    def _memory_optimizer(self, arch: ModelSpec) -> MemoryOptimizer:
-        return MemoryOptimizer(arch, self.hardware.has_gpu, self.budget)
+    def _memory_estimator(self, arch: ModelSpec) -> MemoryEstimator:
+        return MemoryEstimator(arch, self.hardware.has_gpu, self.budget)
 
     # ------------------------------------------------------------ the plan
 
@@ -302,7 +302,7 @@ class ParameterOptimizer:
                 continue
             return candidate, f"model {candidate.name}: the preset's first choice that fits this GPU"
         last = candidates[-1]
-        raise does_not_fit(self._memory_optimizer(last.arch), last, ["lora", "qlora"],
+        raise does_not_fit(self._memory_estimator(last.arch), last, ["lora", "qlora"],
                            min(stats.percentile(LENGTH_PERCENTILE), 512), self.hardware.mixed_precision, {}, self.catalog)
 
     def _choose_for_cpu(self, candidates: list[ModelChoice], stats: DataStats,
@@ -337,7 +337,7 @@ class ParameterOptimizer:
         cap = min(MICRO_BATCH_CAP, -(-target // world_size))
         if r.given("micro_batch_size"):
             cap = r.given_value("micro_batch_size")
-        memory = self._memory_optimizer(model.arch)
+        memory = self._memory_estimator(model.arch)
         checkpointing = r.given_value("gradient_checkpointing")
         r.get("optimizer", "adamw")  # its source; the value is chosen with the batch
         fit, why_8bit = fit_with_optimizer(memory, methods, max_seq_len, precision, cap, checkpointing, shape,
@@ -365,12 +365,12 @@ class ParameterOptimizer:
             r.chose("gradient_checkpointing", True,
                     f"gradient checkpointing on: without it the micro-batch would be under {cap}; costs about 30% more compute")
         else:
-            r.sources["gradient_checkpointing"] = "optimizer"
+            r.sources["gradient_checkpointing"] = "planner"
         return _Batch(distributed, method, micro, bool(checkpointing), shape)
 
     def _memory(self, r: _Resolver, model: ModelChoice, batch: _Batch, max_seq_len: int, precision: str) -> MemoryEstimate:
         """The estimated peak of one process; a warning, not a refusal, over the safe budget (the user may know better)."""
-        memory = self._memory_optimizer(model.arch).estimate(
+        memory = self._memory_estimator(model.arch).estimate(
             batch.method, batch.micro_batch_size, max_seq_len, precision, batch.gradient_checkpointing,
             **batch.memory_shape)
         if memory.fits:
@@ -433,3 +433,7 @@ class ParameterOptimizer:
             distributed=batch.distributed, optimizer=batch.memory_shape["optimizer"], packing=packing,
             compile=compiled, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
         )
+
+
+# The seed's name, kept importable: the planner chooses values, it does not optimize them.
+ParameterOptimizer = Planner

@@ -2,7 +2,7 @@
 rows per step (gradient checkpointing only where it helps), and, when nothing
 fits, how much is missing and what would fit instead.
 
-Pure, like the rest of planning: `MemoryOptimizer` estimates only, no torch.
+Pure, like the rest of planning: `MemoryEstimator` estimates only, no torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import GIB
-from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryOptimizer, parameter_counts
+from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimator, parameter_counts
 from llmcustoms.planning.plan import ModelChoice
 from llmcustoms.planning.presets import ModelSpec
 
@@ -20,7 +20,7 @@ from llmcustoms.planning.presets import ModelSpec
 SHORTER_LENGTHS = (1024, 512, 256)
 
 
-def micro_batch(memory: MemoryOptimizer, method: str, seq_len: int, precision: str, cap: int,
+def micro_batch(memory: MemoryEstimator, method: str, seq_len: int, precision: str, cap: int,
                 checkpointing: bool | None, shape: dict[str, Any]) -> tuple[int, bool]:
     """(micro-batch, gradient checkpointing) for one method; micro-batch 0 if nothing fits.
 
@@ -39,7 +39,7 @@ def micro_batch(memory: MemoryOptimizer, method: str, seq_len: int, precision: s
     return (with_ckpt, True) if with_ckpt > plain else (plain, False)
 
 
-def best_fit(memory: MemoryOptimizer, methods: list[str], seq_len: int, precision: str, cap: int,
+def best_fit(memory: MemoryEstimator, methods: list[str], seq_len: int, precision: str, cap: int,
              checkpointing: bool | None, shape: dict[str, Any]) -> tuple[str, int, bool, dict[str, int]] | None:
     """The method and micro-batch to use: the largest micro-batch over the allowed
     methods (the preferred, first, method wins ties), and each method's micro-batch.
@@ -54,7 +54,7 @@ def best_fit(memory: MemoryOptimizer, methods: list[str], seq_len: int, precisio
     return method, micro, ckpt, {m: mb for mb, m, _ in options}
 
 
-def does_not_fit(memory: MemoryOptimizer, model: ModelChoice, methods: list[str], seq_len: int, precision: str,
+def does_not_fit(memory: MemoryEstimator, model: ModelChoice, methods: list[str], seq_len: int, precision: str,
                  shape: dict[str, Any], catalog: tuple[ModelSpec, ...]) -> ConfigError:
     """The refusal: how much the cheapest allowed method needs, and what would fit
     instead. `memory` is the model's estimate on this machine; `catalog` the known
@@ -92,7 +92,7 @@ def does_not_fit(memory: MemoryOptimizer, model: ModelChoice, methods: list[str]
     )
 
 
-def _largest_smaller_model(memory: MemoryOptimizer, seq_len: int, precision: str,
+def _largest_smaller_model(memory: MemoryEstimator, seq_len: int, precision: str,
                            catalog: tuple[ModelSpec, ...]) -> tuple[ModelSpec, int] | None:
     """The largest known model smaller than `memory`'s that fits with QLoRA, at
     this sequence length or the longest shorter one that works."""
@@ -100,7 +100,7 @@ def _largest_smaller_model(memory: MemoryOptimizer, seq_len: int, precision: str
     for spec in reversed(catalog):
         if sum(parameter_counts(spec)) >= size:
             continue
-        smaller = MemoryOptimizer(spec, memory.on_gpu, memory.budget_bytes)
+        smaller = MemoryEstimator(spec, memory.on_gpu, memory.budget_bytes)
         for length in [seq_len] + [n for n in SHORTER_LENGTHS if n < seq_len]:
             if smaller.estimate("qlora", 1, length, precision, True).fits:
                 return spec, length
@@ -111,7 +111,7 @@ def _largest_smaller_model(memory: MemoryOptimizer, seq_len: int, precision: str
 EIGHT_BIT_OPTIMIZER = "adamw_8bit"
 
 
-def fit_with_optimizer(memory: MemoryOptimizer, methods: list[str], seq_len: int, precision: str, cap: int,
+def fit_with_optimizer(memory: MemoryEstimator, methods: list[str], seq_len: int, precision: str, cap: int,
                        checkpointing: bool | None, shape: dict[str, Any], given: str | None,
                        on_gpu: bool) -> tuple[tuple[str, int, bool, dict[str, int]] | None, str | None]:
     """`best_fit` with the optimizer given, else with AdamW, or with 8-bit AdamW

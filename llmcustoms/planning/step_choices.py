@@ -56,7 +56,7 @@ def choose_distributed(r: Any, world_size: int) -> str:
             r.sources.pop("distributed", None)
         return "none"
     if not r.given("distributed"):
-        r.sources["distributed"] = "optimizer"
+        r.sources["distributed"] = "planner"
         return "ddp"
     choice = r.get("distributed")
     if choice == "fsdp" and r.given_value("optimizer") not in (None, "adamw"):

@@ -41,7 +41,7 @@ def test_plan_offline_without_the_model_downloaded_estimates_from_characters():
     # No GPU here: one of the preset's CPU models, by how long it would take.
     assert plan["model"] in ("HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert plan["family"] == "smollm2" and plan["sources"]["lr"] == "preset quality (tiny model)"
-    assert plan["sources"]["model"] == "optimizer"
+    assert plan["sources"]["model"] == "planner"
     assert any("characters" in r for r in plan["reasons"]) and any("no GPU" in r for r in plan["reasons"])
 
 

@@ -12,7 +12,7 @@ from llmcustoms.cli import app
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats, Plan
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.commands.report import MIN_EVALUATIONS_OVERFITTING, MIN_STEPS_LEARNING_RATE, analyse
 from llmcustoms.runs.run_directory import RunDirectory
@@ -26,7 +26,7 @@ def plan_of(max_steps: int, eval_rows: int = 50, **overrides) -> Plan:
     families = load_families()
     model = choice_from_spec(find_model_spec("HuggingFaceTB/SmolLM2-135M-Instruct", families), families, "flag")
     stats = DataStats(lengths=tuple([100] * 500), first_loss_positions=tuple([20] * 500), eval_rows=eval_rows)
-    plan = ParameterOptimizer(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
+    plan = Planner(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
         model, stats, {k: (v, "flag") for k, v in {"max_steps": max_steps, **overrides}.items()})
     return replace(plan, eval_split=0.1 if eval_rows else 0.0)
 

@@ -184,12 +184,12 @@ def plan_of(**overrides) -> Plan:
     from llmcustoms.planning.hardware import Hardware
     from llmcustoms.models.loading import choice_from_spec
     from llmcustoms.planning.plan import DataStats
-    from llmcustoms.planning.planner import ParameterOptimizer
+    from llmcustoms.planning.planner import Planner
     from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 
     families = load_families()
     model = choice_from_spec(find_model_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0", families), families, "flag")
     stats = DataStats(lengths=(64,) * 40, first_loss_positions=(32,) * 40, eval_rows=4)
     given = {"micro_batch_size": 4, "grad_accum": 2, **overrides}
-    return ParameterOptimizer(Hardware.cpu_only(ram_gib=16), load_preset("quality")).plan(
+    return Planner(Hardware.cpu_only(ram_gib=16), load_preset("quality")).plan(
         model, stats, {name: (value, "flag") for name, value in given.items()})

@@ -130,7 +130,7 @@ def test_the_objective_follows_the_data_and_contradictions_are_refused(tmp_path,
 
 
 def test_the_plan_gives_dpo_its_own_lr_and_counts_two_sequences_per_pair(tmp_path, tiny_models):
-    from llmcustoms.planning.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryEstimator
     from llmcustoms.models.loading import describe_model
     from llmcustoms.planning.presets import load_families
 
@@ -140,7 +140,7 @@ def test_the_plan_gives_dpo_its_own_lr_and_counts_two_sequences_per_pair(tmp_pat
     assert dpo.lr == 5e-5 and dpo.sources["lr"] == "preset quality (dpo)" and dpo.lr < sft.lr / 5
     assert any(r.startswith("objective dpo (the data holds preference pairs)") for r in dpo.reasons)
     spec = describe_model(str(tiny_models["llama"]), load_families(), "flag", False).arch
-    memory = MemoryOptimizer(spec, on_gpu=False, budget_bytes=2**34)
+    memory = MemoryEstimator(spec, on_gpu=False, budget_bytes=2**34)
     one = memory.estimate("lora", 4, 64, "no", False, sequences_per_row=2)  # 4 pairs: 8 sequences
     assert one.activations_bytes == memory.estimate("lora", 8, 64, "no", False).activations_bytes
 

@@ -83,13 +83,13 @@ def test_chunked_loss_equals_one_pass(tiny_models, family, monkeypatch):
 
 
 def test_chunked_loss_bounds_the_logits_in_the_memory_estimate():
-    from llmcustoms.planning.memory import CHUNK_LOGITS, MemoryOptimizer
+    from llmcustoms.planning.memory import CHUNK_LOGITS, MemoryEstimator
     from llmcustoms.planning.presets import ModelSpec
 
     qwen = ModelSpec(hub_id="q", family="qwen", model_type="qwen2", params=0, hidden_size=896, num_layers=24,
                      num_attention_heads=14, num_kv_heads=2, intermediate_size=4864, vocab_size=151936,
                      tie_word_embeddings=True, max_context=4096)
-    memory = MemoryOptimizer(qwen, on_gpu=True, budget_bytes=80 * 2 ** 30)
+    memory = MemoryEstimator(qwen, on_gpu=True, budget_bytes=80 * 2 ** 30)
     small, large = (memory.estimate("lora", micro, 1024, "bf16", False).logits_bytes for micro in (1, 16))
     assert small == large  # a chunk's logits, whatever the batch
     assert small <= CHUNK_LOGITS * 4 * 3

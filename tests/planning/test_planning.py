@@ -10,10 +10,10 @@ import pytest
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import GIB, Hardware
-from llmcustoms.planning.memory import MemoryOptimizer, parameter_counts
+from llmcustoms.planning.memory import MemoryEstimator, parameter_counts
 from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats, Plan
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 
 FAMILIES = load_families()
@@ -49,7 +49,7 @@ CATALOG = tuple(spec for family in FAMILIES.values() for spec in family.models)
 
 
 def plan_for(machine: Hardware, hub_id: str, overrides: dict | None = None, preset: str = "quality") -> Plan:
-    return ParameterOptimizer(machine, load_preset(preset), catalog=CATALOG).plan(
+    return Planner(machine, load_preset(preset), catalog=CATALOG).plan(
         model(hub_id), stats(), {k: (v, "flag") for k, v in (overrides or {}).items()})
 
 
@@ -91,7 +91,7 @@ def test_more_memory_never_gives_a_smaller_micro_batch(hub_id, method):
 
 def test_mistral_7b_needs_qlora_on_8gb_and_lora_on_24gb():
     small = plan_for(MACHINES["8GB"], "mistralai/Mistral-7B-Instruct-v0.3")
-    assert small.method == "qlora" and small.sources["method"] == "optimizer"
+    assert small.method == "qlora" and small.sources["method"] == "planner"
     assert any(r.startswith("method qlora: lora does not fit") for r in small.reasons)
     big = plan_for(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3")
     assert big.method == "lora"
@@ -113,7 +113,7 @@ def test_mistral_7b_is_refused_on_2gb_with_what_is_missing():
 
 def test_mistral_7b_v03_in_4_bit_is_about_4_1_gb():
     spec = find_model_spec("mistralai/Mistral-7B-Instruct-v0.3", FAMILIES)
-    weights = MemoryOptimizer(spec, on_gpu=True, budget_bytes=0).weights("qlora", "bf16")
+    weights = MemoryEstimator(spec, on_gpu=True, budget_bytes=0).weights("qlora", "bf16")
     # First principles: 6.98e9 block weights x 4.127 bits + 2 x 32768 x 4096 bf16 embeddings/head.
     linear, other = parameter_counts(spec)
     assert linear == pytest.approx(6.98e9, rel=0.01)
@@ -149,7 +149,7 @@ def test_flags_win_and_are_recorded_as_flags():
 
 
 def test_the_preset_adjusts_for_dataset_size():
-    small = ParameterOptimizer(MACHINES["24GB"], load_preset("quality")).plan(
+    small = Planner(MACHINES["24GB"], load_preset("quality")).plan(
         model("Qwen/Qwen2.5-0.5B-Instruct"), DataStats(lengths=(100,) * 200, first_loss_positions=(50,) * 200, eval_rows=20), {})
     assert small.epochs == 4 and small.sources["lr"] == "preset quality (small dataset)"
 
@@ -164,7 +164,7 @@ def test_sequence_length_follows_the_data_and_the_model():
 
 
 def test_a_cpu_plan_says_plainly_that_it_will_be_slow():
-    plan = ParameterOptimizer(MACHINES["cpu-only"], load_preset("quality")).plan(
+    plan = Planner(MACHINES["cpu-only"], load_preset("quality")).plan(
         model("Qwen/Qwen2.5-1.5B-Instruct"), stats(rows=20000), {})
     assert plan.estimated_seconds > 3600
     assert any("long, because there is no GPU" in r for r in plan.reasons)
@@ -175,7 +175,7 @@ def test_the_model_is_chosen_by_what_fits():
     candidates = [model(m) for m in preset.model_candidates(has_gpu=True)]
     assert [c.name for c in candidates] == list(preset.models)
     for gib, expected in ((80, "Qwen/Qwen2.5-7B-Instruct"), (4, None)):
-        chosen, reason = ParameterOptimizer(Hardware.with_gpu(gib), preset).choose_model(candidates, stats(), {})
+        chosen, reason = Planner(Hardware.with_gpu(gib), preset).choose_model(candidates, stats(), {})
         if expected:
             assert chosen.name == expected
         assert "fits" in reason
@@ -188,7 +188,7 @@ def test_without_a_gpu_the_best_cpu_model_that_finishes_in_time_is_chosen():
     preset = load_preset("quality")
     cpu_models = [model(m) for m in preset.model_candidates(has_gpu=False)]
     assert [c.name for c in cpu_models] == ["HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
-    optimizer = ParameterOptimizer(CPU, preset)
+    optimizer = Planner(CPU, preset)
 
     def minutes(choice, rows):
         return optimizer.plan(choice, stats(rows=rows), {}).estimated_seconds / 60
@@ -217,7 +217,7 @@ def test_a_preset_without_a_cpu_tier_falls_back_to_its_models_by_time():
     preset = replace(load_preset("highspeed"), cpu_models=())
     candidates = [model(m) for m in preset.model_candidates(has_gpu=False)]
     assert [c.name for c in candidates] == list(preset.models)
-    optimizer = ParameterOptimizer(CPU, preset)
+    optimizer = Planner(CPU, preset)
     in_time = [c.name for c in candidates if optimizer.plan(c, stats(rows=100), {}).estimated_seconds <= CPU_TIME_LIMIT_S]
     assert in_time and in_time[0] != candidates[0].name
     chosen, reason = optimizer.choose_model(candidates, stats(rows=100), {})
@@ -228,14 +228,14 @@ def test_a_preset_without_a_cpu_tier_falls_back_to_its_models_by_time():
 
 def test_the_model_size_class_sets_values_after_the_dataset_bucket_and_says_so():
     data = DataStats(lengths=(100,) * 200, first_loss_positions=(50,) * 200, eval_rows=20)  # a small dataset
-    tiny = ParameterOptimizer(CPU, load_preset("bestaccuracy")).plan(model("HuggingFaceTB/SmolLM2-135M-Instruct"), data, {})
+    tiny = Planner(CPU, load_preset("bestaccuracy")).plan(model("HuggingFaceTB/SmolLM2-135M-Instruct"), data, {})
     # The small-dataset bucket sets lr 5e-5; the tiny class's 3e-4 wins, and rank 16 replaces 64.
     assert tiny.lr == 3e-4 and tiny.lora.r == 16 and tiny.lora.alpha == 32 and tiny.epochs == 6
     assert tiny.sources["lr"] == tiny.sources["lora.r"] == "preset bestaccuracy (tiny model)"
     assert tiny.sources["epochs"] == "preset bestaccuracy (small dataset)"
     assert "lr 0.0003, lora_r 16, lora_alpha 32: preset bestaccuracy for a tiny model (135M parameters)" in tiny.reasons
     # A flag still wins, and the reason names only what the class set.
-    flagged = ParameterOptimizer(CPU, load_preset("bestaccuracy")).plan(
+    flagged = Planner(CPU, load_preset("bestaccuracy")).plan(
         model("HuggingFaceTB/SmolLM2-135M-Instruct"), data, {"lr": (1e-4, "flag")})
     assert flagged.lr == 1e-4 and flagged.sources["lr"] == "flag"
     assert "lora_r 16, lora_alpha 32: preset bestaccuracy for a tiny model (135M parameters)" in flagged.reasons
@@ -265,14 +265,14 @@ def test_plan_json_round_trips_and_has_the_contract_keys():
 
 def test_optimizer_state_by_variant():
     spec = find_model_spec("Qwen/Qwen2.5-0.5B-Instruct", FAMILIES)
-    memory = MemoryOptimizer(spec, on_gpu=True, budget_bytes=0)
+    memory = MemoryEstimator(spec, on_gpu=True, budget_bytes=0)
     full = sum(parameter_counts(spec))
     for optimizer, per_param in (("adamw", 8), ("paged_adamw", 8), ("adamw_8bit", 2), ("paged_adamw_8bit", 2)):
         assert memory.estimate("full", 1, 256, "bf16", False, optimizer=optimizer).optimizer_bytes == per_param * full
 
 
 def plan_with_processes(machine: Hardware, hub_id: str, world_size: int, overrides: dict | None = None) -> Plan:
-    return ParameterOptimizer(machine, load_preset("quality"), catalog=CATALOG).plan(
+    return Planner(machine, load_preset("quality"), catalog=CATALOG).plan(
         model(hub_id), stats(), {k: (v, "flag") for k, v in (overrides or {}).items()}, world_size=world_size)
 
 
@@ -367,7 +367,7 @@ def test_every_problem_with_the_given_values_is_named_at_once():
     no_eval = DataStats(lengths=(300,) * 200, first_loss_positions=(150,) * 200, eval_rows=0)
     overrides = {"mixed_precision": "fp16", "max_seq_len": 4096, "lr": 2.0, "early_stopping_patience": 2}
     with pytest.raises(ConfigError) as info:
-        ParameterOptimizer(MACHINES["cpu-only"], load_preset("quality")).plan(
+        Planner(MACHINES["cpu-only"], load_preset("quality")).plan(
             model("TinyLlama/TinyLlama-1.1B-Chat-v1.0"), no_eval, {k: (v, "flag") for k, v in overrides.items()})
     message, hint = info.value.message, info.value.hint
     assert message.startswith("Invalid value(s):\n  'lr' has an out-of-range value 2.0")
@@ -384,7 +384,7 @@ def test_every_problem_with_the_given_values_is_named_at_once():
 def test_a_length_that_keeps_no_response_is_refused_with_the_other_problems():
     late = DataStats(lengths=(400,) * 100, first_loss_positions=(300,) * 100, eval_rows=5)
     with pytest.raises(ConfigError) as info:
-        ParameterOptimizer(MACHINES["24GB"], load_preset("quality")).plan(
+        Planner(MACHINES["24GB"], load_preset("quality")).plan(
             model("Qwen/Qwen2.5-0.5B-Instruct"), late, {"max_seq_len": (256, "flag")})
     assert info.value.message == "No row has a response token within max_seq_len 256."
     assert "Raise --max-seq-len" in info.value.hint
@@ -422,7 +422,7 @@ def test_the_schedule_fits_a_run_of_max_steps_8():
     from llmcustoms.planning.planner import MIN_SAVE_EVERY
 
     stats = DataStats(lengths=tuple([100] * 900), first_loss_positions=tuple([20] * 900), eval_rows=100)
-    plan = ParameterOptimizer(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
+    plan = Planner(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
         model("HuggingFaceTB/SmolLM2-135M-Instruct"), stats, {"max_steps": (8, "flag")})
     assert plan.total_steps == 8
     assert plan.eval_every == 2  # 4 evaluations, not only the final one

@@ -35,7 +35,7 @@ def test_the_cpus_bf16_instructions_are_read_from_its_flags(extra, expected):
 
 def test_a_cpu_with_bf16_trains_in_bf16_and_says_why():
     plan = plan_for(BF16_CPU, SMOLLM2)
-    assert plan.mixed_precision == "bf16" and plan.sources["mixed_precision"] == "optimizer"
+    assert plan.mixed_precision == "bf16" and plan.sources["mixed_precision"] == "planner"
     [reason] = [r for r in plan.reasons if r.startswith("precision")]
     assert reason.startswith("precision bf16 (CPU supports it: AVX512-BF16)") and "--mixed-precision no" in reason
 

@@ -155,7 +155,7 @@ def test_injected_oom_halves_the_micro_batch_and_matches_the_unrecovered_run(tmp
     run = tmp_path / "run"
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["micro_batch_size"], plan["grad_accum"], plan["effective_batch_size"]) == (2, 4, 8)
-    assert plan["sources"]["micro_batch_size"] == "optimizer"
+    assert plan["sources"]["micro_batch_size"] == "planner"
     assert any("out of memory at step 5" in r for r in plan["reasons"])
     [recovery] = status(run)["recoveries"]
     assert recovery["kind"] == "oom" and recovery["step"] == 5 and recovery["action"] == "halved micro-batch"

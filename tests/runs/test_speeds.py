@@ -10,7 +10,7 @@ import pytest
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.runs.speeds import FILE_NAME, measured_tokens_per_s, record_speed, with_measured_speeds
 
@@ -21,7 +21,7 @@ FAMILIES = load_families()
 def plan(hardware: Hardware, eval_rows: int = 100, **overrides):
     stats = DataStats(lengths=tuple([100] * 900), first_loss_positions=tuple([20] * 900), eval_rows=eval_rows)
     choice = choice_from_spec(find_model_spec(SMOL, FAMILIES), FAMILIES, "flag")
-    return ParameterOptimizer(hardware, load_preset("quality"), None, ()).plan(
+    return Planner(hardware, load_preset("quality"), None, ()).plan(
         choice, stats, {k: (v, "flag") for k, v in {"max_steps": 8, "method": "lora", **overrides}.items()})
 
 

@@ -19,7 +19,7 @@ from llmcustoms.training.batching import collate
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.losses.sft import select_logits, token_cross_entropy
 from llmcustoms.models.packing import pack, packed_micro_batches, use_varlen_attention
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import load_preset
 from llmcustoms.data.tokenization import IGNORE_INDEX
 from test_losses import FAMILIES, rows
@@ -135,13 +135,13 @@ def plan_on(hardware: Hardware, method: str = "full", hub_id: str = "Qwen/Qwen2.
     from test_planning import model, stats
 
     given = {"method": (method, "flag"), **{k: (v, "flag") for k, v in overrides.items()}}
-    return ParameterOptimizer(hardware, load_preset("quality")).plan(model(hub_id), stats(), given)
+    return Planner(hardware, load_preset("quality")).plan(model(hub_id), stats(), given)
 
 
 def test_the_planner_picks_8bit_adamw_where_it_lets_a_larger_micro_batch_fit_and_says_why():
     gpu = Hardware.with_gpu(48, name="L40S")  # full fine-tuning of 1.5B parameters
     plan = plan_on(gpu)
-    assert plan.optimizer == "adamw_8bit" and plan.sources["optimizer"] == "optimizer"
+    assert plan.optimizer == "adamw_8bit" and plan.sources["optimizer"] == "planner"
     reason = next(r for r in plan.reasons if r.startswith("optimizer adamw_8bit"))
     assert "instead of AdamW's 8" in reason and "--optimizer adamw" in reason
     assert "full micro-batch 16 fits (with AdamW: full micro-batch 16 with gradient checkpointing" in reason
@@ -241,10 +241,10 @@ def test_a_chunk_without_trained_tokens_gives_zero_and_a_gradient():
 
 
 def test_dpo_estimates_every_logit_of_its_pairs():
-    from llmcustoms.planning.memory import MemoryOptimizer
+    from llmcustoms.planning.memory import MemoryEstimator
     from test_planning import model
 
-    memory = MemoryOptimizer(model("Qwen/Qwen2.5-0.5B-Instruct").arch, on_gpu=True, budget_bytes=80 * 2 ** 30)
+    memory = MemoryEstimator(model("Qwen/Qwen2.5-0.5B-Instruct").arch, on_gpu=True, budget_bytes=80 * 2 ** 30)
     one, eight = (memory.estimate("lora", micro, 1024, "bf16", False, trained_fraction=0.5,
                                   sequences_per_row=2).logits_bytes for micro in (1, 8))
     assert eight == pytest.approx(8 * one, rel=1e-3)  # not chunked: DPO takes log-probabilities of every position

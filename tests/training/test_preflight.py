@@ -24,7 +24,7 @@ from llmcustoms.training.finetuner import FineTuner
 from llmcustoms.planning.hardware import Hardware, usable_by_torch
 from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats
-from llmcustoms.planning.planner import ParameterOptimizer
+from llmcustoms.planning.planner import Planner
 from llmcustoms.commands.preparation import TrainOptions, prepare_run
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.reporting import SilentReporter
@@ -62,7 +62,7 @@ def plan_on(hardware: Hardware):
     model = choice_from_spec(find_model_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0", families), families, "flag")
     lengths = tuple(100 + i % 200 for i in range(2000))
     stats = DataStats(lengths=lengths, first_loss_positions=tuple(n // 2 for n in lengths), eval_rows=100)
-    return ParameterOptimizer(hardware, load_preset("quality")).plan(model, stats, {})
+    return Planner(hardware, load_preset("quality")).plan(model, stats, {})
 
 
 # ------------------------------------------------------- torch and the GPUs
