@@ -60,7 +60,7 @@ def write_rows(data: Path, out: Path, rows: int) -> int:
 
 
 def weight_bytes(model_dir: Path, precision: str) -> int:
-    """The frozen base's bytes once loaded: fp32 with --mixed-precision no, else bf16 (llmcustoms' modeling.weights_dtype)."""
+    """The frozen base's bytes once loaded: fp32 with --mixed-precision no, else bf16 (llmcustoms' loading.weights_dtype)."""
     from safetensors import safe_open
 
     params = 0

@@ -4,12 +4,12 @@
     python benchmarks/memory_accuracy.py --simulate-cuda [--only NAME] [--json]   (the same)
 
 No GPU needed. In a subprocess per configuration, the model is built on the meta
-device and set up by llmcustoms' own `modeling.load_model` (frozen base in
+device and set up by llmcustoms' own `loading.load_model` (frozen base in
 `weights_dtype`, use_cache off, gradient checkpointing, `attach_lora` all-linear
 r16; for QLoRA NF4 weights and `prepare_model_for_kbit_training`); then every
 weight becomes a fake tensor (FakeTensorMode: shape, dtype, storage size, no
 data). Two optimizer steps run as `FineTuner` runs them on a GPU: rows of exactly
-seq_len random tokens (`batching.collate`), `losses.select_logits`, the plan's
+seq_len random tokens (`batching.collate`), `sft.select_logits`, the plan's
 loss under bf16 autocast, backward, clipping, fused AdamW (`make_optimizer`'s GPU
 choice), zero_grad(set_to_none). The batch, and what is computed from it alone
 (labels, the loss's mask), stay real and small, so data-dependent steps work.
@@ -106,7 +106,7 @@ def sim_plan(config: Config) -> Any:
 @contextmanager
 def fake_tensors() -> Iterator[Any]:
     """A FakeTensorMode whose `nonzero` knows the answer for masks that came from real
-    tensors. The loss's selection mask (`losses._selection`) is computed from the real
+    tensors. The loss's selection mask (`sft._selection`) is computed from the real
     labels; `hidden[mask]` needs its count of True, which a fake tensor cannot know."""
     import torch
     from torch._subclasses import fake_impls
@@ -232,7 +232,7 @@ def quant_states(model: Any) -> list[Any]:
 
 
 def load(config: Config, plan: Any, mode: Any | None) -> Any:
-    """`modeling.load_model(plan)` on a model built on the meta device (fake tensors
+    """`loading.load_model(plan)` on a model built on the meta device (fake tensors
     after), or with real random weights when `mode` is None."""
     import torch
     from transformers import AutoModelForCausalLM

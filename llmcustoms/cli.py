@@ -38,9 +38,9 @@ def exit_code(error: BaseException) -> int | None:
 
     The exits that are not exceptions: Ctrl-C anywhere else is 130 (`main`,
     `setup`), an interrupted `tune` 128 + the signal; a process that asks every process of an
-    FSDP run to restart leaves with 75 at once (`training._exit_for_restart`),
+    FSDP run to restart leaves with 75 at once (`_exit_for_restart` in `commands/train.py`),
     and a second Ctrl-C during training quits at once with 128 + the signal
-    (`stopsignals.StopSignals`): both skip the interpreter's shutdown on purpose."""
+    (`stop_signals.StopSignals`): both skip the interpreter's shutdown on purpose."""
     from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
 
     if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2

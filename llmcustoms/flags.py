@@ -48,7 +48,7 @@ class _HelpContext(_Context):  # type: ignore[misc]
 
 class Command(typer.core.TyperCommand):
     """Every command's class (`@app.command(cls=flags.Command)`): its usage line
-    writes a required argument as RUN, as the README does (Typer 0.29 writes
+    writes a required argument as RUN, as the README and docs/ do (Typer 0.29 writes
     {RUN}, which reads like a set of choices), and its help keeps flag names whole."""
 
     context_class = _HelpContext
@@ -66,7 +66,7 @@ def _choice_type(option: Option) -> type[Enum]:
 
 def _typer_info(option: Option) -> Any:
     if option.argument:
-        # DATA, as the docstrings and README write it; Typer would write the parameter's name, data.
+        # DATA, as the docstrings, README and docs/ write it; Typer would write the parameter's name, data.
         return typer.Argument(help=_help(option), show_default=False, metavar=option.name.upper())
     names = [option.flag]
     if option.kind is bool:  # on or off; not given means "the plan decides"
@@ -139,7 +139,7 @@ def takes_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., 
 
 def takes_permissions(func: Callable[..., Any]) -> Callable[..., Any]:
     """Give a command that loads a run's model --trust-remote-code and
-    --allow-pickle-weights; it receives them as `allowed` (`modeling.Allowed`).
+    --allow-pickle-weights; it receives them as `allowed` (`loading.Allowed`).
     Flags of this command only: a run's plan.json and the environment never allow them."""
     own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "allowed"]
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD

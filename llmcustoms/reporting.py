@@ -1,9 +1,9 @@
 """What the trainer tells the user, as a protocol with no Rich in it.
 
-`FineTuner` and tuning talk to a `Reporter`; `ui/console.py` implements it with a
-live display, and tests pass `SilentReporter`, which records what would have
-been shown. Keeping the protocol here means the running layer never imports
-the UI module.
+`FineTuner` and tuning talk to a `Reporter`; `ui/train_view.py` implements it
+(`RichReporter`, the live display; `QuietReporter`, warnings only), and tests
+pass `SilentReporter`, which records what would have been shown. Keeping the
+protocol here means the loop, like every folder before ui/, never imports the UI.
 """
 
 from __future__ import annotations

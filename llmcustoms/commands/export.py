@@ -7,7 +7,7 @@ quality), the adapter is merged in, and a standalone model is written that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads with no peft at all; the
 message names the dtype it was written in. Either way nothing is written when
 the disk of DIR cannot take it: exit 2 with the sizes (`training/preflight.py`). A merge
-loads the base as this command's flags allow (`modeling.Allowed`): a copy loads
+loads the base as this command's flags allow (`loading.Allowed`): a copy loads
 nothing, so it needs no flag.
 
 The export is written into a hidden folder beside DIR and renamed into place

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.objectives import needs_cached_reference
 
@@ -203,7 +204,7 @@ def load_saved(path: Path, plan: Any) -> RangeTestResult | None:
     return result if data.get("format") == FORMAT and same else None
 
 
-def next_commands(options: Any, output_dir: Path, lr: float) -> list[str]:
+def next_commands(options: TrainOptions, output_dir: Path, lr: float) -> list[str]:
     """`train` with the suggested lr, and `tune` centred on it, with the flags that chose this model."""
     given = [("--model", options.model), ("--preset", options.preset),
              ("--method", options.override("method", None)),
@@ -216,7 +217,7 @@ def next_commands(options: Any, output_dir: Path, lr: float) -> list[str]:
 # ------------------------------------------------------------ the commands
 
 
-def find_learning_rate(options: Any, output_dir: Path, test: RangeTest) -> RangeTestResult:
+def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest) -> RangeTestResult:
     """The body of `lr-find`: prepare as `train` would, run the range test,
     save and show it. A curve with no suggestion ends in an error (exit 2),
     after the curve is shown and saved."""
@@ -254,7 +255,7 @@ def _notes(result: RangeTestResult, test: RangeTest) -> list[str]:
 
 
 def centre_study(study: Any, output_dir: Path) -> Any:
-    """`tune --lr-find`: the study (`tuning.PreparedStudy`) with its lr range
+    """`tune --lr-find`: the study (`tune.PreparedStudy`) with its lr range
     centred on the saved range test for this model and data, or on one run
     now if none is saved."""
     from llmcustoms.ui import tune_view as tuneview

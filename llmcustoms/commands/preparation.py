@@ -9,7 +9,7 @@ measured lengths. `train`, `plan` and `tune` all start here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,8 +17,7 @@ import numpy as np
 
 from llmcustoms.models import hub_access as hubaccess
 
-from llmcustoms.planning import options
-from llmcustoms.data.dataset import Dataset, bad_row_policy, read_dataset
+from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.planning.data_advice import data_facts
 from llmcustoms.data.data_files import fingerprint
 from llmcustoms.planning.disk_space import disk_need
@@ -32,7 +31,7 @@ from llmcustoms.planning.plan import DataStats, Plan
 from llmcustoms.planning.planner import Planner
 from llmcustoms.data.row_formats import is_preference
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
-from llmcustoms.planning.settings import Settings
+from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.runs.speeds import with_measured_speeds
 from llmcustoms.data.splits import MAX_EVAL_ROWS, split_rows
 from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
@@ -49,54 +48,6 @@ Progress = Callable[[str, int, "int | None"], None]
 
 def no_progress(stage: str, done: int, total: int | None) -> None:
     return None
-
-
-@dataclass
-class TrainOptions:
-    """What the user asked for. None means "not given": the plan decides."""
-
-    data: str
-    model: str | None = None
-    preset: str | None = None
-    eval_data: str | None = None
-    skip_bad_rows: bool = False
-    strict: bool = False
-    # field -> (value, source): plan values set by a flag or the environment
-    overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
-    model_source: str = "flag"
-    preset_source: str = "default"
-    cache_dir: str | None = None  # where tokenized data is cached; None: the default place
-    from_run: str | None = None  # a finished run to start from (`models/from_run.py`)
-
-    def override(self, name: str, default: Any) -> Any:
-        return self.overrides.get(name, (default, ""))[0]
-
-    @property
-    def policy(self) -> str:
-        return bad_row_policy(self.strict, self.skip_bad_rows)
-
-
-def train_options(settings: Settings) -> TrainOptions:
-    """What the user asked for, from the settings with the command's flags
-    already merged in (flag > environment); what neither gives, the plan decides."""
-    chosen = settings.values
-    if chosen.get("data") is None:
-        raise ConfigError("No training data given.",
-                          "Pass the data file (`llmcustoms train data.jsonl`), or set LLMCUSTOMS_DATA "
-                          "(`llmcustoms setup` writes it).")
-    overrides = {options.BY_NAME[name].plan: pair for name, pair in chosen.items() if options.BY_NAME[name].plan}
-
-    def value(name: str, default: Any = None) -> Any:
-        return chosen[name][0] if name in chosen else default
-
-    def source(name: str, default: str) -> str:
-        return chosen[name][1] if name in chosen else default
-
-    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
-                        eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
-                        strict=bool(value("strict", False)), overrides=overrides,
-                        model_source=source("model", "flag"), preset_source=source("preset", "default"),
-                        cache_dir=value("cache_dir"), from_run=value("from_run"))
 
 
 @dataclass
@@ -321,7 +272,7 @@ def prepare_resume(plan: Plan, world_size: int = 1, model_changed_ok: bool = Fal
     began: everything comes from the run's plan.json. With another number of
     processes, accumulation is recomputed so the effective batch (and so every
     step's rows) stays the same. A base model whose files changed is refused
-    unless `model_changed_ok` (`modelfiles.with_model_checked`)."""
+    unless `model_changed_ok` (`model_files.with_model_checked`)."""
     if world_size != plan.world_size:
         accum = max(1, -(-plan.effective_batch_size // (plan.micro_batch_size * world_size)))
         # Sharding needs several processes; a checkpoint holds whole tensors either way.

@@ -326,7 +326,7 @@ def _recoveries(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
 
 
 def _damaged(report: RunReport, skipped: dict[str, int]) -> None:
-    """What of the run's files could not be read (`runrecords`): the report is
+    """What of the run's files could not be read (`run_records`): the report is
     drawn from the rest."""
     said = [f"{name}: not JSON, not read" if count < 0 else
             f"{name}: {count} field{'s' * (count != 1)} of the wrong type left out" if name == "status.json" else

@@ -8,7 +8,7 @@ file that the wizard does not set (HF_TOKEN, say) are kept.
 
 Each answer is checked as it is given, the way `train` would meet it: the data
 is read with `train`'s bad-row policy, and a model must be a model directory,
-or a Hub id that is cached or can be downloaded (`hubaccess`). A refused answer
+or a Hub id that is cached or can be downloaded (`hub_access`). A refused answer
 is asked again; where no one can answer again (piped input used up, stdin
 closed, CI) the wizard stops with one message and exit 2 rather than writing a
 file `train` would refuse.
@@ -183,7 +183,7 @@ class ModelOffer:
     method: str
     total_bytes: int
     seconds: float | None  # the plan's estimate for this data; None when the preset cannot plan it here
-    where: str  # hubaccess.availability
+    where: str  # hub_access.availability
 
     @property
     def usable(self) -> bool:

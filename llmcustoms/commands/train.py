@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.planning.options import Given
+from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.training import launching
 
 from llmcustoms.runs import overwriting, run_lock as runlock
@@ -65,14 +67,14 @@ class Session:
         """The settings with the command's flags over them: flag > environment.
         `allowed`: `resume`'s flags; for `train`, its settings."""
         settings = load_settings(env_file)
-        settings.values.update({name: (value, "flag") for name, value in given.items()})
+        settings.values.update({name: Given(value, "flag") for name, value in given.items()})
         if allowed is None:
             allowed = Allowed(bool(settings.get("trust_remote_code")), bool(settings.get("allow_pickle_weights")))
         return cls(settings, quiet=quiet, env_file=env_file, report_to=given.get("report_to"), allowed=allowed)
 
     def train_options(self) -> Any:
         """What to train, as `preparation.TrainOptions`; what is not given, the plan decides."""
-        from llmcustoms.commands.preparation import train_options
+        from llmcustoms.planning.train_options import train_options
 
         return train_options(self.settings)
 
@@ -108,7 +110,7 @@ class Session:
                 + (["--model-changed-ok"] if self.model_changed_ok else []))
 
 
-def launch_train(options: Any, session: Session, launch: Launch, run_name: str | None, overwrite: bool,
+def launch_train(options: TrainOptions, session: Session, launch: Launch, run_name: str | None, overwrite: bool,
                  yes: bool) -> int:
     """Check what can be checked once, then start every process of the run."""
     from llmcustoms.data.dataset import read_dataset
@@ -131,7 +133,7 @@ def launch_train(options: Any, session: Session, launch: Launch, run_name: str |
         return launch.relaunch(argv, target.path, session.resume_options())
 
 
-def train(options: Any, session: Session, run_name: str | None, overwrite: bool, yes: bool,
+def train(options: TrainOptions, session: Session, run_name: str | None, overwrite: bool, yes: bool,
           confirm: Callable[[str], bool]) -> Any:
     """Plan, show the plan, ask, train. Returns the `TrainResult` (None when
     the user declined or this is not the main process).
@@ -147,7 +149,7 @@ def train(options: Any, session: Session, run_name: str | None, overwrite: bool,
     return _train(options, session, run_name, overwrite, yes, confirm)
 
 
-def _train(options: Any, session: Session, run_name: str | None, overwrite: bool, yes: bool,
+def _train(options: TrainOptions, session: Session, run_name: str | None, overwrite: bool, yes: bool,
            confirm: Callable[[str], bool]) -> Any:
     from llmcustoms.ui import console as ui
     from llmcustoms.ui.data_view import PreparationProgress, show_prepared

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
@@ -33,8 +34,8 @@ from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.planning.presets import TrainingPreset, load_families, find_model_spec
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.runs.run_directory import RunDirectory
-from llmcustoms.commands.tune_studies import (FullDisk, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
-                                claim, fail_stale_trials, open_storage, redact_storage, shown_storage, storage_full,
+from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
+                                claim, fail_stale_trials, open_storage, redact_storage, storage_full,
                                 study_dir, study_identity)
 from llmcustoms.commands.tune_results import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
 
@@ -141,25 +142,6 @@ def trial_plan(base: Plan, params: dict[str, Any], steps: int) -> Plan:
                    eval_every=max(1, steps // REPORTS_PER_TRIAL), early_stopping_patience=0, save_every=steps + 1)
 
 
-@dataclass
-class TuneSettings:
-    trials: int
-    steps: int
-    study_name: str
-    study_dir: Path
-    storage: str | None = None
-    sampler: str = "tpe"
-    timeout: float | None = None
-    seed: int = 42
-    lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
-    note: str = ""  # why the study is not the one of the name asked for (`studies.choose_study`)
-
-    @property
-    def where(self) -> str:
-        """Where the study is stored, as shown: the URL without its password."""
-        return shown_storage(self.storage, self.study_dir)
-
-
 @dataclass(frozen=True)
 class StudyRequest:
     """What `tune` was asked for, besides the plan's values."""
@@ -182,7 +164,7 @@ class PreparedStudy:
     tokens_per_trial: int
 
 
-def prepare_study(options: Any, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
+def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
     from llmcustoms.training.preflight import usable_hardware
     from llmcustoms.commands.preparation import no_progress, prepare_run
@@ -283,7 +265,7 @@ class StudyTrials:
         self.redraws = 0  # trials skipped for drawing an earlier trial's values
 
     def optimize(self) -> None:
-        """`settings.trials` trials, plus one for each skipped as a repeat (`studies.duplicate_of`)."""
+        """`settings.trials` trials, plus one for each skipped as a repeat (`tune_studies.duplicate_of`)."""
         deadline = None if self.settings.timeout is None else time.monotonic() + self.settings.timeout
         remaining = self.settings.trials
         try:

@@ -14,6 +14,7 @@ import yaml
 
 from llmcustoms.planning.plan import Plan
 from llmcustoms.commands.preparation import PreparedRun
+from llmcustoms.commands.tune_studies import TuneSettings
 from llmcustoms.planning.presets import TUNABLE_FIELDS, TrainingPreset, load_families, parse_preset
 
 

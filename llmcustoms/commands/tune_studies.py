@@ -1,4 +1,4 @@
-"""A tuning study's name, storage and identity: what `tuning.run_study` runs trials in.
+"""A tuning study's name, storage and identity: what `tune.run_study` runs trials in.
 
 - The name is a plain name, checked as a run name is: the study's directory,
   `tune-NAME`, stays inside --output-dir.
@@ -28,6 +28,7 @@ import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
@@ -61,6 +62,25 @@ def study_dir(output_dir: Path, name: str) -> Path:
 
 def default_name(data: str, model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(data).stem}-{Path(model.rstrip('/')).name}").lower()
+
+
+@dataclass
+class TuneSettings:
+    trials: int
+    steps: int
+    study_name: str
+    study_dir: Path
+    storage: str | None = None
+    sampler: str = "tpe"
+    timeout: float | None = None
+    seed: int = 42
+    lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
+    note: str = ""  # why the study is not the one of the name asked for (`choose_study`)
+
+    @property
+    def where(self) -> str:
+        """Where the study is stored, as shown: the URL without its password."""
+        return shown_storage(self.storage, self.study_dir)
 
 
 def shown_storage(url: str | None, study_path: Path) -> str:

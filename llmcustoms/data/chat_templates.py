@@ -18,7 +18,7 @@ assistant turn, when it is the model's own (`has_own_template`); with the
 fallback template, or when asked (`--raw-prompts`), they are joined raw.
 
 Tokenizers without a chat template get `FALLBACK_CHAT_TEMPLATE` (documented
-in the README); it is saved with the adapter so generation uses the same one.
+in docs/data-formats.md); it is saved with the adapter so generation uses the same one.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from llmcustoms.data.data_files import RawRow, read_rows
-from llmcustoms.errors import ConfigError, DataError
+from llmcustoms.errors import DataError
 from llmcustoms.data.row_formats import DETECTION_ROWS, FORMAT_DESCRIPTIONS, Example, RowProblem, detect_format, to_example
 
 # The share of bad rows skipped without being asked to; more stops the run.
@@ -38,14 +38,6 @@ WHITESPACE = b" \t\n\r\x0b\x0c"
 POLICIES = ("default", "strict", "skip")
 
 Progress = Callable[[int], None]  # called with the rows read so far
-
-
-def bad_row_policy(strict: bool, skip_bad_rows: bool) -> str:
-    """'strict', 'skip' or 'default' from the two flags."""
-    if strict and skip_bad_rows:
-        raise ConfigError("--strict and --skip-bad-rows contradict each other.",
-                          "Pass one: --strict stops at the first bad row, --skip-bad-rows skips any number.")
-    return "strict" if strict else "skip" if skip_bad_rows else "default"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A preference run's rows: each a pair of store rows, chosen then rejected.
 
 A pair file is tokenized into a store whose rows 2i and 2i+1 are row i's
-chosen and rejected conversations (`rowformats.Example.halves`). `PairRows`
+chosen and rejected conversations (`row_formats.Example.halves`). `PairRows`
 shows it as one row per pair, with what `TokenRows` offers the loop (lengths,
 selection, cuts), so steps, micro-batches, splits and recovery work on pairs
 exactly as on rows: a pair is never split between micro-batches or

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.planning.options import Overrides
 from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.errors import DataError
 from llmcustoms.planning.presets import TrainingPreset
@@ -35,7 +37,7 @@ def split_eval(n_rows: int, fraction: float, seed: int, most: int | None = MAX_E
     return np.flatnonzero(keep).tolist(), eval_idx.tolist()
 
 
-def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: dict[str, tuple[Any, str]]) -> tuple[float, str]:
+def eval_fraction(preset: TrainingPreset, total_rows: int, overrides: Overrides) -> tuple[float, str]:
     """The share of rows held out for evaluation, and where it came from.
     Needed before planning proper, since the split decides the training rows;
     so before the model is known, which is why a preset cannot set it by model
@@ -58,7 +60,7 @@ class Split:
     fraction: float
 
 
-def split_rows(options: Any, dataset: Dataset, preset: Any, progress: Callable[[str, int, "int | None"], None],
+def split_rows(options: TrainOptions, dataset: Dataset, preset: Any, progress: Callable[[str, int, "int | None"], None],
            most: int | None = MAX_EVAL_ROWS) -> Split:
     if options.eval_data:
         eval_set = read_dataset(options.eval_data, options.policy, lambda n: progress("read", n, None))

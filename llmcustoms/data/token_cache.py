@@ -3,7 +3,7 @@ or keep them.
 
 A store is keyed to everything its ids depend on (`tokenization_cache_key`),
 the data file's bytes among them. Reused only when its checksums hold
-(`tokenstore.open_store`); rebuilt, with a notice, when they do not. Kept only
+(`token_store.open_store`); rebuilt, with a notice, when they do not. Kept only
 when the data file is unchanged after tokenizing: a file edited meanwhile would
 leave a store keyed to bytes it does not hold. A cache that cannot be written
 (read-only, a file, a full disk) is said so; the run goes on from a temporary

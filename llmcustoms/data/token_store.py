@@ -7,7 +7,7 @@ index of its first learned label (`first_loss`). Training reads a micro-batch
 at a time from them; the operating system pages in only what is read.
 
 Stores are written once, under a key naming everything the ids depend on
-(`tokencache.tokenization_cache_key`), into a temporary directory renamed
+(`token_cache.tokenization_cache_key`), into a temporary directory renamed
 into place when complete, so a killed run never leaves half a store that
 looks whole. `TokenRows` is a view: a selection of a store's rows (the
 training split, say), optionally cut to a length.

@@ -1,7 +1,7 @@
 """DPO's loss (Rafailov et al. 2023), as a `losses.objective.Loss`.
 
 A batch holds preference pairs as consecutive sequences, chosen then rejected
-(`pairrows.PairRows`), so both replies of a pair go through the model in one
+(`pair_rows.PairRows`), so both replies of a pair go through the model in one
 forward. Each sequence's log-probability is the sum over its reply tokens
 (labels not -100); the loss of a pair is
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.planning.options import Overrides
 from llmcustoms.errors import ConfigError
 from llmcustoms.models.loading import adapter_weights
 from llmcustoms.runs.run_directory import RunDirectory
@@ -27,7 +29,7 @@ class StartingPoint:
     model: str  # the model to load: the earlier run's base model, or its saved full model
     adapter: str  # the adapter that goes on training; "" when starting from a full model
     method: str | None  # the method the adapter needs (lora or qlora); None: any
-    overrides: dict[str, tuple[Any, str]]  # the adapter's shape, for the plan
+    overrides: Overrides  # the adapter's shape, for the plan
     reason: str
 
 
@@ -62,7 +64,7 @@ def starting_point(path: str, trusted: bool = False) -> StartingPoint:
                          "(rank and alpha as there)")
 
 
-def with_starting_point(options: Any) -> tuple[Any, StartingPoint | None]:
+def with_starting_point(options: TrainOptions) -> tuple[Any, StartingPoint | None]:
     """`options` (a `TrainOptions`) with the model, method and adapter shape
     of its `from_run`, and what it starts from (None without --from-run)."""
     if not options.from_run:

@@ -1,11 +1,11 @@
 """Try a trained model: `generate` (one prompt) and `chat` (a conversation).
 
 The run's base model is loaded the way it was trained (4-bit for QLoRA runs)
-with the chosen weights on top (`runweights`: the adapter, or with
+with the chosen weights on top (`run_weights`: the adapter, or with
 --checkpoint a checkpoint's), and prompts are rendered with the chat template
 the run trained with, so the model sees the format it learned. What the
 loading may do (remote code, pickle weights) is what this command's flags
-allow (`modeling.Allowed`), never what the run's plan.json says.
+allow (`loading.Allowed`), never what the run's plan.json says.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _explain(name: str, exc: Exception) -> ModelError:
 
 def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
     """Try the local cache first (instant and offline), then the Hub, if it answers
-    at once (`hubaccess`: no minute of retries when it cannot be reached)."""
+    at once (`hub_access`: no minute of retries when it cannot be reached)."""
     location = model_location(name)
     # Else, for a Hub model without safetensors weights, transformers asks the
     # Hub's conversion bot to open a pull request on that model, with the user's token.
@@ -320,7 +320,7 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
 def compile_layers(model: Any) -> None:
     """torch.compile each decoder layer in place, as torchtune does: the layers are
     where the time goes, one compiled layer serves all of them, and the state
-    dict, the LM head's patch (`losses.select_logits`) and checkpoints stay as
+    dict, the LM head's patch (`sft.select_logits`) and checkpoints stay as
     they are. Lengths vary from batch to batch, so shapes are dynamic."""
     import torch
     from peft import PeftModel
@@ -422,7 +422,7 @@ def quiet_libraries() -> None:
     # bitsandbytes announces on import that an optional Hub-hosted CPU kernel is
     # missing; it falls back to its own kernel, so the notice only confuses.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    # A retry line per attempt at an unreachable Hub: hubaccess says it once instead.
+    # A retry line per attempt at an unreachable Hub: hub_access says it once instead.
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     import transformers
 

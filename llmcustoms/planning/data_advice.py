@@ -1,6 +1,6 @@
 """What matters about the data before training, with one-line advice.
 
-Pure: from the counts reading found (`data.Dataset.to_json()`), the training
+Pure: from the counts reading found (`dataset.Dataset.to_json()`), the training
 rows' token lengths and the plan's length and schedule to a dict that goes
 into plan.json (so `plan --json` has it) and is shown before training. No torch.
 """

@@ -41,8 +41,8 @@ the larger of (gradients) and (activations + logits). That matters for full
 fine-tuning, where gradients are as large as the weights.
 
 The per-token activation and logit coefficients are calibrated against
-measured peaks (`benchmarks/memory_accuracy.py`); the table in the README shows
-predicted against measured. Nothing here imports torch.
+measured peaks (`benchmarks/memory_accuracy.py`); the table in docs/train-and-plan.md ("How accurate is the memory
+estimate?") shows predicted against measured. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ ACTIVATION_COEFFICIENTS = {
 # backward, their gradient, partly overlapping): fitted 2.85.
 LOGIT_COPIES = 2.85
 # The loss holds at most this many logits (positions x vocabulary) at once:
-# it runs the head and cross-entropy chunk by chunk (`losses.head_cross_entropy`;
+# it runs the head and cross-entropy chunk by chunk (`sft.head_cross_entropy`;
 # 2^26 fp32 logits are 256 MiB: 441 positions of Qwen2.5's 151,936 words).
 # Under FSDP, and for DPO's log-probabilities, the head computes all its logits.
 CHUNK_LOGITS = 2 ** 26

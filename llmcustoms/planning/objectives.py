@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmcustoms.planning.options import Overrides
 from llmcustoms.errors import ConfigError, DataError
 
-Overrides = dict[str, tuple[Any, str]]
+
 # DPO's beta: TRL's, LLaMA-Factory's and the paper's default.
 DEFAULT_BETA = 0.1
 
@@ -25,8 +26,8 @@ def with_objective(overrides: Overrides, pairs: bool, name: str, description: st
     given = overrides.get("objective", (None, ""))[0]
     if given == "dpo" and not pairs:
         raise DataError(f"--objective dpo needs preference pairs, and {name} holds {description} rows.",
-                        "Give rows with a prompt, a chosen and a rejected reply (see the README's \"Preference "
-                        "tuning\"), or drop --objective to fine-tune on the replies.")
+                        "Give rows with a prompt, a chosen and a rejected reply (docs/preference-tuning.md in "
+                        "the llmcustoms repository), or drop --objective to fine-tune on the replies.")
     if given == "sft" and pairs:
         raise ConfigError(
             f"{name} holds preference pairs: training on them as plain replies would teach the "

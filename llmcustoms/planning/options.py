@@ -19,12 +19,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 PREFIX = "LLMCUSTOMS_"
 # The commands whose options come from this table.
 TRAIN, PLAN, TUNE, RESUME, RUNS, LR_FIND = "train", "plan", "tune", "resume", "runs", "lr-find"
 PLANNING = frozenset({TRAIN, PLAN, TUNE, LR_FIND})
+
+
+class Given(NamedTuple):
+    """A value the user gave, and where from ("flag", "environment variable
+    LLMCUSTOMS_X", ".env line 3", a preset's name): what the plan records as its source."""
+    value: Any
+    source: str
+
+
+# Option (or plan field) name -> what the user gave for it.
+Overrides = dict[str, Given]
 
 
 @dataclass(frozen=True)

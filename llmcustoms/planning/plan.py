@@ -33,7 +33,7 @@ class ModelChoice:
     model_type: str
     target_modules: tuple[str, ...]
     max_context: int
-    source: str  # where the choice came from: flag, env, preset, optimizer
+    source: str  # where the choice came from: flag, env, preset, planner
     arch: ModelSpec  # architecture facts for the memory estimate
 
 
@@ -151,7 +151,7 @@ class Plan:
     # the command that loads decides: `resume` sets it from its own flag.
     allow_pickle_weights: bool = False
     data_report: dict[str, Any] = field(default_factory=dict)
-    # What the training rows' token ids depend on (`tokencache.tokenization_cache_key`):
+    # What the training rows' token ids depend on (`token_cache.tokenization_cache_key`):
     # resume refuses to go on with ids made another way.
     tokens_key: str = ""
     # The base model's files when the run began (`runs/model_files.py`): resume refuses
@@ -194,7 +194,8 @@ class Plan:
         return cls(**values)
 
     def with_changes(self, reason: str | None = None, **changes: Any) -> "Plan":
-        """A copy with some values changed by the optimizer, noting why."""
+        """A copy with some values changed after planning (by recovery, or a resume
+        with another number of processes), noting why: their source becomes the planner."""
         sources = dict(self.sources)
         sources.update({name: "planner" for name in changes})
         reasons = self.reasons + ((reason,) if reason else ())

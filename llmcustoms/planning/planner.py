@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmcustoms.planning.options import Overrides
 from llmcustoms.planning import options
 from llmcustoms.planning.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
@@ -45,7 +46,7 @@ class _Resolver:
     """Picks each value from overrides, then the preset, then a default, noting the
     source; the steps of a plan note their reasons and warnings here, in order."""
 
-    def __init__(self, overrides: dict[str, tuple[Any, str]], preset: PresetValues):
+    def __init__(self, overrides: Overrides, preset: PresetValues):
         unknown = set(overrides) - set(OVERRIDABLE)
         if unknown:
             raise ValueError(f"unknown override(s): {sorted(unknown)}")
@@ -290,7 +291,7 @@ class Planner:
     # ------------------------------------------------------------ the plan
 
     def choose_model(self, candidates: list[ModelChoice], stats: DataStats,
-                     overrides: dict[str, tuple[Any, str]], world_size: int = 1) -> tuple[ModelChoice, str]:
+                     overrides: Overrides, world_size: int = 1) -> tuple[ModelChoice, str]:
         """The preset's best model that fits, and why. Without a GPU, the first CPU
         model (`TrainingPreset.model_candidates`) to finish in time: `_choose_for_cpu`."""
         if not self.hardware.has_gpu:
@@ -306,7 +307,7 @@ class Planner:
                            min(stats.percentile(LENGTH_PERCENTILE), 512), self.hardware.mixed_precision, {}, self.catalog)
 
     def _choose_for_cpu(self, candidates: list[ModelChoice], stats: DataStats,
-                        overrides: dict[str, tuple[Any, str]], world_size: int) -> tuple[ModelChoice, str]:
+                        overrides: Overrides, world_size: int) -> tuple[ModelChoice, str]:
         """The first candidate whose plan is estimated to finish within
         `CPU_TIME_LIMIT_S`, else the smallest: on a CPU time, not memory, is short.
         With no candidate that plans, the smallest, whose plan then says why not."""
@@ -379,7 +380,7 @@ class Planner:
             r.warnings.append(f"the estimated peak ({memory.summary()}) exceeds the safe budget; out-of-memory is likely")
         return memory
 
-    def plan(self, model: ModelChoice, stats: DataStats, overrides: dict[str, tuple[Any, str]],
+    def plan(self, model: ModelChoice, stats: DataStats, overrides: Overrides,
              preset_source: str = "default", world_size: int = 1) -> Plan:
         """The plan in force for these inputs. Raises `ConfigError` naming every bad value at once.
         With several processes the micro-batch is per process, and accumulation

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.planning.options import BY_VARIABLE, OPTIONS, PREFIX
+from llmcustoms.planning.options import BY_VARIABLE, OPTIONS, PREFIX, Given
 
 # Variables with the prefix that are not settings: a testing aid, and what
 # the launcher tells its processes.
@@ -33,10 +33,10 @@ SETTINGS = tuple(option for option in OPTIONS if option.env)
 class Settings:
     """Values from the environment, each with where it came from."""
 
-    values: dict[str, tuple[Any, str]]  # option name -> (value, "env LLMCUSTOMS_X")
+    values: dict[str, Given]  # option name -> value, and "environment variable LLMCUSTOMS_X" or ".env line N"
 
     def get(self, name: str, default: Any = None) -> Any:
-        return self.values.get(name, (default, ""))[0]
+        return self.values.get(name, Given(default, "")).value
 
 
 def read_env_file(path: Path) -> dict[str, tuple[str, int]]:
@@ -73,7 +73,7 @@ def load_settings(env_file: Path | None = None) -> Settings:
     for name, (value, _) in from_file.items():
         if not name.startswith(PREFIX):
             os.environ.setdefault(name, value)  # the shell's own value wins
-    values: dict[str, tuple[Any, str]] = {}
+    values: dict[str, Given] = {}
     problems = []
     for name, option in BY_VARIABLE.items():
         if name in os.environ:
@@ -86,7 +86,7 @@ def load_settings(env_file: Path | None = None) -> Settings:
         if not raw.strip():
             continue  # NAME= with nothing after it means "not set"
         try:
-            values[option.name] = (option.parse(raw), f"env {name}")
+            values[option.name] = Given(option.parse(raw), f"env {name}")
         except ValueError as exc:
             problems.append(f"{where}: {exc}")
     unknown = sorted(n for n in set(os.environ) | set(from_file) if n.startswith(PREFIX) and n not in BY_VARIABLE

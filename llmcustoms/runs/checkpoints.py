@@ -13,7 +13,7 @@ It is written into a temporary directory and renamed into place, so a process
 killed at any moment (even mid-save) leaves either the whole checkpoint or
 none. A checkpoint whose manifest is missing or does not verify does not
 exist: it is skipped with a warning, and so is one whose files are not what
-they must be (`checkpointcontent`) or whose tensors do not fit the model being
+they must be (`checkpoint_content`) or whose tensors do not fit the model being
 trained (the manager's `check`). Deleting one (pruning, going back to an
 earlier step) first renames it out of the step-N names, so a kill mid-delete
 never leaves a half-deleted step-N. Nothing is ever unpickled.
@@ -183,7 +183,7 @@ class CheckpointManager:
 
     def verify(self, path: Path) -> str | None:
         """None if the checkpoint is complete and intact and its files hold what
-        they must (`checkpointcontent`: the manifest's shape, each safetensors
+        they must (`checkpoint_content`: the manifest's shape, each safetensors
         header, state.json's values), else what is wrong. Never raises on any
         bytes, and never imports torch (`generate` lists checkpoints without it)."""
         try:

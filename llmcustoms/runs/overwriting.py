@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+
+from llmcustoms.planning.train_options import TrainOptions
 
 # Written into every export before anything else, so `export --overwrite` (and
 # a later export after one was killed half-way) knows the folder is its own.
@@ -44,7 +45,7 @@ def is_export(path: Path) -> bool:
             and card.startswith("---\nlibrary_name:") and "tags: [llmcustoms, " in card)
 
 
-def given_paths(options: Any) -> dict[str, Path]:
+def given_paths(options: TrainOptions) -> dict[str, Path]:
     """The paths `train` was given (`preparation.TrainOptions`) that a run
     directory must not hold when --overwrite removes it."""
     given = {"the training data": options.data, "the evaluation data": options.eval_data,

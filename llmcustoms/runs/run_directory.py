@@ -71,7 +71,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def _read_jsonl(path: Path, whole: Any) -> tuple[list[dict[str, Any]], int]:
-    """The lines that are `whole` rows (`runrecords`), and how many were not:
+    """The lines that are `whole` rows (`run_records`), and how many were not:
     a line cut short by a kill, or damaged; the rest are read."""
     if not path.exists():
         return [], 0
@@ -363,7 +363,7 @@ class RunSummary:
     started_at: str | None
     seconds: float | None  # from start to the last status update
     objective: str = "sft"  # "dpo": its eval loss is DPO's, not a perplexity
-    peak_bytes: int | None = None  # measured peak memory (`resourceuse`), and against the plan's prediction
+    peak_bytes: int | None = None  # measured peak memory (`resource_use`), and against the plan's prediction
     memory_ratio: float | None = None
 
 

@@ -6,12 +6,12 @@ One line an event, `2026-11-23T15:40:02+0000 warning  step 4: out of memory; ...
 when the run starts, every message and warning (recoveries among them), what
 is being done (loading the model, saving a checkpoint; not the counters of an
 evaluation), each step's and evaluation's numbers, and how the run ended
-(`training.run_training`). A resumed run appends to the same file.
+(`train.run_training`). A resumed run appends to the same file.
 
 Each line is appended and closed at once, so a killed run keeps every line up
 to its end; a line is whole or not there (a full disk cuts none short).
 Only the main process writes: a `RunLog` without a path writes
-nothing. Lines go through `failurereport.redact` (tokens and keys); nothing
+nothing. Lines go through `failure_report.redact` (tokens and keys); nothing
 here sees a data row, only the loop's numbers and its own messages.
 """
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # as `RunDirectory.write_status` writes it
 # The fields every step row has (the run directory contract) and every reader may index.
 STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s")
-# A DPO evaluation row's fields (`preferencereport` reads them together).
+# A DPO evaluation row's fields (`preference_report` reads them together).
 PREFERENCE_FIELDS = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_chosen_reward")
 
 

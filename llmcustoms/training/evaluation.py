@@ -7,7 +7,7 @@ loss is summed; under FSDP the forwards are collectives, so the process asks
 for a restart instead.
 
 A stop (SIGINT, SIGTERM) ends an evaluation before its next micro-batch, with
-any number of processes: they agree before each one (`stopsignals.stop_agreed`),
+any number of processes: they agree before each one (`stop_signals.stop_agreed`),
 which also tells them at once of another's out-of-memory. The step before it is
 finished: the caller saves its checkpoint and ends the run, and a resumed run
 evaluates again (`cut_short`).

@@ -32,7 +32,7 @@ from llmcustoms.runs.run_directory import RunDirectory
 # The modules that write a run's large files, and what they write.
 WRITERS = {"best_weights": "the best weights in best/", "checkpoints": "a checkpoint in checkpoints/",
            "modeling": "the trained weights", "reference": "the reference log-probabilities"}
-# A temp file of `diskwrites.replace_file` (.NAME.PID.THREAD.tmp) or of best_weights (.NAME.PID.tmp).
+# A temp file of `disk_writes.replace_file` (.NAME.PID.THREAD.tmp) or of best_weights (.NAME.PID.tmp).
 TEMP_NAME = re.compile(r"^\.(.+?)(?:\.\d+){1,2}\.tmp$")
 
 
@@ -119,7 +119,7 @@ def check_export_space(output: Path, needed: int, what: str, dtype: str = "") ->
 def next_checkpoint_room(run_path: Path) -> tuple[int | None, int]:
     """The size of the newest checkpoint of the run in `run_path` (None before
     the first), and the room the next one asks for: that size (the plan's
-    estimate before the first) with a margin (`diskspace.checkpoint_room`)."""
+    estimate before the first) with a margin (`disk_space.checkpoint_room`)."""
     run = RunDirectory(run_path)
     newest = CheckpointManager(run.checkpoints_path, keep=1).all()
     last = bytes_under(newest[0].path) if newest else None
@@ -167,7 +167,7 @@ def as_disk_full(failed: Any, run_dir: RunDirectory) -> None:
 
 def disk_full_report(run_path: Path, step: int, writing: str, needed: int | None = None,
                      error: BaseException | None = None, free: int | None = None) -> dict[str, Any]:
-    """A full disk's report (`diskspace.DiskFull`): what `writing` needed (None:
+    """A full disk's report (`disk_space.DiskFull`): what `writing` needed (None:
     not known, so the rest of the run's need), what is free and where, the last
     good checkpoint, and the system's words from `error`."""
     run = RunDirectory(run_path)

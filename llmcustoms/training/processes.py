@@ -20,7 +20,7 @@ what it is given. With several:
   tell the others; it asks for a restart (`RestartNeeded`) and the launcher
   restarts them all.
 
-A signal (`stopsignals.StopSignals`) reaches one process; the stop is agreed here.
+A signal (`stop_signals.StopSignals`) reaches one process; the stop is agreed here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Rich directly; `ui/train_view.py` holds its Rich implementations (the live
 training display). Rich appears here, in `ui/train_view.py`, in `ui/data_view.py`
 (the data), in `ui/tune_view.py` (what `tune` and `lr-find` show) and in
 `ui/dialog.py` (what llmcustoms asks) only, and none computes: what they show
-comes worked out (`fitting.fit_table`, `rundir.list_runs`).
+comes worked out (`fitting.fit_table`, `run_directory.list_runs`).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def show_summary(result: Any) -> None:
 
 
 def memory_text(memory: dict[str, Any]) -> str:
-    """"peak 1.21 GiB, plan 1.30 GiB (0.93x)": `resourceuse.compare`'s values."""
+    """"peak 1.21 GiB, plan 1.30 GiB (0.93x)": `resource_use.compare`'s values."""
     text = f"peak {_gib(memory['peak_bytes'])}"
     if memory.get("predicted_bytes") and memory.get("ratio"):
         text += f", plan {_gib(memory['predicted_bytes'])} ({memory['ratio']:.2f}x)"
@@ -219,7 +219,7 @@ def confirm(question: str) -> bool:
 
 def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
     """The machine, and `fitting.FitTable`: which models and methods fit it, and
-    `where` each model would load from (`hubaccess.availability`)."""
+    `where` each model would load from (`hub_access.availability`)."""
     console.print(machine_table(hardware))
     console.print(fits_table(fits, where))
     if "offline: no" in where.values():
@@ -315,7 +315,7 @@ def show_failure(report: dict[str, Any], run_path: Any) -> None:
 
 
 def show_runs(output_dir: Any, runs: list[Any]) -> None:
-    """`rundir.list_runs(output_dir)` as a table."""
+    """`run_directory.list_runs(output_dir)` as a table."""
     if not runs:
         console.print(f"No runs under {escape(str(output_dir))}. Start one with `llmcustoms train DATA`.")
         return
@@ -326,7 +326,7 @@ RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow",
 
 
 def runs_table(output_dir: Any, runs: list[Any]) -> Table:
-    """`rundir.RunSummary` rows as a table."""
+    """`run_directory.RunSummary` rows as a table."""
     from pathlib import Path
 
     from rich import box

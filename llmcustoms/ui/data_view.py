@@ -69,7 +69,7 @@ def show_prepared(prepared: Any, data_path: str) -> None:
         console.print("prompt/completion rows go through the model's chat template as a user turn and an assistant "
                       "turn (--raw-prompts joins them as they are).")
     if prepared.used_fallback_template:
-        console.print("The tokenizer has no chat template: using the llmcustoms fallback template (see README).")
+        console.print("The tokenizer has no chat template: using the llmcustoms fallback template (docs/data-formats.md).")
     _show_facts(prepared.plan.data_report)
     if prepared.tokenizer is not None:
         console.print(_preparation_time(prepared))

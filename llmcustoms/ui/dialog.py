@@ -1,8 +1,8 @@
 """What llmcustoms asks at the terminal: `setup`'s questions and screens, and
 the `chat` conversation.
 
-`ui/console.py` shows results; this module reads answers. These two are the
-UI, the only modules that import Rich: the wizard (`commands/setup.py`) decides which
+`ui/console.py` shows results; this module reads answers. Both are in `ui/`,
+the only folder whose modules import Rich: the wizard (`commands/setup.py`) decides which
 questions to ask and what to write, and `models/generation.py` how to answer.
 """
 
@@ -109,7 +109,7 @@ MODEL_WHERE_STYLE = {"local": "green", "cached": "green", "download": "yellow", 
 
 
 def show_model_choices(offers: list[Any], seq_len: int, suggested: str | None, reason: str, offline: str | None) -> None:
-    """`wizard.ModelOffer`s, numbered from 1 so a number answers the next question:
+    """`setup.ModelOffer`s, numbered from 1 so a number answers the next question:
     size, method, memory, the estimated training time here and where each loads from."""
     console.print(f"Models that fit this machine ({seq_len}-token sequences), with the estimated training time "
                   "for this data:")

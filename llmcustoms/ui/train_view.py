@@ -3,7 +3,7 @@
 Waits are never silent: before the display starts (loading the model) a
 spinner says what is happening and for how long; in the display a status line
 does (the first step, an evaluation with its progress, a checkpoint being
-written). The numbers, the ETA among them, are worked out in `trainprogress`.
+written). The numbers, the ETA among them, are worked out in `train_progress`, without Rich.
 """
 
 from __future__ import annotations

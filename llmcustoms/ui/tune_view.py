@@ -146,7 +146,7 @@ def _loss(value: float | None) -> str:
 
 def show_lr_find(result: Any, rows: list[dict[str, Any]], path: Any, commands: list[str],
                  notes: list[str]) -> None:
-    """`lrfind.RangeTestResult`, a few rows of its curve, where it was saved and what to run next."""
+    """`lr_find.RangeTestResult`, a few rows of its curve, where it was saved and what to run next."""
     console.print(lr_find_table(rows))
     ran = f"{len(result.curve)} of {result.steps} steps, lr {result.start_lr:.0e} to {result.end_lr:.0e}"
     console.print(f"Ran {ran}; " + escape(result.stopped or "reached the last lr") + ".")

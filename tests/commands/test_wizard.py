@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("clean_environment")
 
 def fake_hub_cache(home: Path, hub_ids: tuple[str, ...]) -> Path:
     """A Hugging Face home whose cache holds `hub_ids` (config and a weights file,
-    which is all `hubaccess.is_cached` looks for)."""
+    which is all `hub_access.is_cached` looks for)."""
     for hub_id in hub_ids:
         repo = home / "hub" / f"models--{hub_id.replace('/', '--')}"
         snapshot = repo / "snapshots" / "0123abcd"

@@ -35,7 +35,7 @@ def good(i: int) -> dict:
 
 
 def read_dataset(path: Path, skip_bad_rows: bool = False, policy: str | None = None) -> SimpleNamespace:
-    """What `data.read_dataset` found, plus the usable rows themselves. Strict
+    """What `dataset.read_dataset` found, plus the usable rows themselves. Strict
     unless told otherwise: most tests here check the message for one bad row."""
     found = data.read_dataset(path, policy or ("skip" if skip_bad_rows else "strict"))
     return SimpleNamespace(format=found.format, format_description=found.format_description, skipped=found.skipped,
@@ -529,10 +529,11 @@ def test_more_than_five_percent_bad_rows_stop_unless_told_to_skip(tmp_path):
 
 def test_strict_and_skip_bad_rows_together_are_refused():
     from llmcustoms.errors import ConfigError
+    from llmcustoms.planning.train_options import bad_row_policy
 
     with pytest.raises(ConfigError):
-        data.bad_row_policy(strict=True, skip_bad_rows=True)
-    assert data.bad_row_policy(False, False) == "default" and data.bad_row_policy(True, False) == "strict"
+        bad_row_policy(strict=True, skip_bad_rows=True)
+    assert bad_row_policy(False, False) == "default" and bad_row_policy(True, False) == "strict"
 
 
 def test_duplicates_and_near_empty_replies_are_counted(tmp_path):

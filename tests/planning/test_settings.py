@@ -1,5 +1,5 @@
 """Settings: .env and LLMCUSTOMS_* variables, precedence flag > env > preset > default.
-The setup wizard that writes them is tested in test_wizard.py."""
+The setup wizard that writes them is tested in tests/commands/test_wizard.py."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_a_status_write_on_a_full_disk_never_raises_and_writes_what_fits(tmp_pat
 
 
 class FullAfter:
-    """`os` for diskwrites, whose `write` takes `room` more bytes, then raises ENOSPC."""
+    """`os` for disk_writes, whose `write` takes `room` more bytes, then raises ENOSPC."""
 
     def __init__(self, room: int):
         self.room = room
@@ -227,7 +227,7 @@ def test_what_a_full_disk_report_says():
 
 
 def test_a_full_disk_outside_the_loop_ends_the_run_the_same_way(tmp_path):
-    """Writing the adapter after the last step: `training._record_escaped`."""
+    """Writing the adapter after the last step: `train._record_escaped`."""
     from llmcustoms.recovery.recovery_system import TrainingFailed
     from llmcustoms.commands.train import _record_escaped
 
@@ -256,7 +256,7 @@ def test_a_full_disk_outside_the_loop_ends_the_run_the_same_way(tmp_path):
 
 def test_a_full_disk_found_as_an_unexpected_error_in_the_loop_is_said_as_one(tmp_path, monkeypatch):
     """The best weights of an evaluation could not be written: `Processes.failure`
-    made it a bug's report; `training._say_failed` says it is a full disk."""
+    made it a bug's report; `train._say_failed` says it is a full disk."""
     import safetensors.torch
 
     from llmcustoms.runs.best_weights import BestWeightFiles
