@@ -4,22 +4,20 @@ imported inside commands so `llmcustoms --help` starts instantly.
 
 The options that set values come from the table in `planning/options.py` (through
 `flags.takes_options`); how each way of ending maps to an exit code is
-`exit_code` below.
+`endings.exit_code`.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 
 from llmcustoms import __version__, flags
-from llmcustoms.ui.console import console, print_error, print_notice
+from llmcustoms.endings import ending, quiet_libraries, ui
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.flags import takes_options
-from llmcustoms.models.loading import quiet_libraries
 
 app = typer.Typer(
     name="llmcustoms",
@@ -31,45 +29,9 @@ app = typer.Typer(
 )
 
 
-def exit_code(error: BaseException) -> int | None:
-    """The exit code for an exception that ends a command, None for one that is
-    a bug (it propagates with its traceback). Messages were shown already,
-    except for user errors, shown here.
-
-    The exits that are not exceptions: Ctrl-C anywhere else is 130 (`main`,
-    `setup`), an interrupted `tune` 128 + the signal; a process that asks every process of an
-    FSDP run to restart leaves with 75 at once (`_exit_for_restart` in `commands/train.py`),
-    and a second Ctrl-C during training quits at once with 128 + the signal
-    (`stop_signals.StopSignals`): both skip the interpreter's shutdown on purpose."""
-    from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
-
-    if isinstance(error, LlmcustomsError):  # bad data, a bad flag, nothing fits: 2
-        print_error(error.message, error.hint)
-        return error.exit_code
-    if isinstance(error, TrainingInterrupted):  # SIGINT 130, SIGTERM 143, SIGHUP 129, after a checkpoint
-        return 128 + error.signum
-    if isinstance(error, TrainingFailed):  # recovery gave up, or a bug inside training
-        return 1
-    return None
-
-
-@contextmanager
-def ending() -> Iterator[None]:
-    """Turn the ways a command can end into one message and an exit code."""
-    try:
-        yield
-    except (typer.Exit, typer.Abort):
-        raise
-    except Exception as error:
-        code = exit_code(error)
-        if code is None:
-            raise
-        raise typer.Exit(code) from None
-
-
 def _version_callback(value: bool) -> None:
     if value:
-        console.print(f"llmcustoms {__version__}")
+        ui().console.print(f"llmcustoms {__version__}")
         raise typer.Exit()
 
 
@@ -104,11 +66,9 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
         options = session.train_options()
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_train(options, session, launch, run_name, overwrite, yes))
-        from llmcustoms.ui import console as ui
-
-        result = training.train(options, session, run_name, overwrite, yes, confirm=ui.confirm)
+        result = training.train(options, session, run_name, overwrite, yes, confirm=ui().confirm)
     if result is not None:
-        print(result.output_path) if session.quiet else ui.show_summary(result)
+        print(result.output_path) if session.quiet else ui().show_summary(result)
 
 
 @app.command(cls=flags.Command)
@@ -130,11 +90,9 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
-        from llmcustoms.ui import console as ui
-
         result = training.resume(run_dir, session)
     if result is not None:
-        print(result.output_path) if session.quiet else ui.show_summary(result)
+        print(result.output_path) if session.quiet else ui().show_summary(result)
 
 
 @app.command(cls=flags.Command)
@@ -146,7 +104,6 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending():
         quiet_libraries()
-        from llmcustoms.ui import console as ui
         from llmcustoms.training import preflight
         from llmcustoms.ui.data_view import PreparationProgress, show_prepared
         from llmcustoms.planning.hardware import GIB, Hardware
@@ -164,7 +121,7 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
         print(prepared.plan.dumps())
         return
     show_prepared(prepared, options.data)
-    ui.show_plan(prepared.plan, hardware)
+    ui().show_plan(prepared.plan, hardware)
 
 
 @app.command(cls=flags.Command)
@@ -219,24 +176,22 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
 def hardware() -> None:
     """Show this machine and which models and methods fit it."""
     with ending():
-        from llmcustoms.ui import console as ui
         from llmcustoms.models import hub_access as hubaccess
         from llmcustoms.planning.fitting import fit_table
         from llmcustoms.training.preflight import usable_hardware
         from llmcustoms.planning.presets import load_families
 
         fits = fit_table(machine := usable_hardware(), load_families())
-        ui.show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
+        ui().show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
 
 
 @app.command(cls=flags.Command)
 def presets() -> None:
     """List the presets and the model families they choose from."""
     with ending():
-        from llmcustoms.ui import console as ui
         from llmcustoms.planning.presets import builtin_preset_names, load_families, load_preset
 
-        ui.show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
+        ui().show_presets([load_preset(name) for name in builtin_preset_names()], load_families())
 
 
 @app.command(cls=flags.Command)
@@ -251,11 +206,11 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
         try:
             command = run_wizard(usable_hardware(), env_file, data)
         except KeyboardInterrupt:
-            print_error("Setup cancelled; nothing was written.", None)
+            ui().print_error("Setup cancelled; nothing was written.", None)
             raise typer.Exit(130) from None
     if command:
-        console.print("Next, train with:")
-        console.print("  " + " ".join(command), soft_wrap=True)
+        ui().console.print("Next, train with:")
+        ui().console.print("  " + " ".join(command), soft_wrap=True)
 
 
 @app.command(cls=flags.Command)
@@ -263,11 +218,10 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
     """List the runs: model, method, status, steps, best eval loss."""
     with ending():
-        from llmcustoms.ui import console as ui
         from llmcustoms.runs.run_directory import list_runs
 
         output_dir = _session(values, env_file).output_dir
-        ui.show_runs(output_dir, list_runs(output_dir))
+        ui().show_runs(output_dir, list_runs(output_dir))
 
 
 @app.command(cls=flags.Command)
@@ -276,15 +230,14 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
 
     Convergence, overfitting, learning rate, throughput and recoveries."""
     with ending():
-        from llmcustoms.ui import console as ui
         from llmcustoms.commands.report import analyse
         from llmcustoms.commands.report import plot as draw
         from llmcustoms.runs.run_directory import RunDirectory
 
         directory = RunDirectory.existing(run)
-        ui.show_report(analyse(directory))
+        ui().show_report(analyse(directory))
         if plot:
-            console.print(f"Wrote {draw(directory)}")
+            ui().console.print(f"Wrote {draw(directory)}")
 
 
 @app.command(cls=flags.Command)
@@ -296,12 +249,12 @@ def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: f
 
     The reply goes to stdout, what is being loaded to stderr."""
     with ending():
-        from llmcustoms.ui import console as ui, dialog
+        from llmcustoms.ui import dialog
         from llmcustoms.models.generation import open_trained
 
         if (prompt is None) == (prompt_option is None):
             raise LlmcustomsError("Give one prompt.", f'For example: llmcustoms generate {run} "What do bees make?"')
-        trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, seed, allowed)
+        trained = open_trained(run, checkpoint, ui().waiting, ui().print_warning, seed, allowed)
         trained.reply([{"role": "user", "content": prompt or prompt_option or ""}], max_new_tokens, temperature,
                       on_text=dialog.write_piece)
         dialog.write_piece("\n")
@@ -315,10 +268,10 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
 
     Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""
     with ending():
-        from llmcustoms.ui import console as ui, dialog
+        from llmcustoms.ui import dialog
         from llmcustoms.models.generation import open_trained
 
-        trained = open_trained(run, checkpoint, ui.waiting, ui.print_warning, allowed=allowed)
+        trained = open_trained(run, checkpoint, ui().waiting, ui().print_warning, allowed=allowed)
         start = trained.conversation_start(system)  # a template that refuses a system turn: said now
         dialog.chat_loop(lambda messages, on_text: trained.reply(messages, max_new_tokens, temperature, on_text),
                          start, str(run), trained.description)
@@ -330,18 +283,17 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
            overwrite: flags.ExportOverwrite = False, allowed: Any = None) -> None:
     """Copy the adapter, or merge it into a standalone model."""
     with ending():
-        from llmcustoms.ui import console as ui
         from llmcustoms.commands.export import export_run
 
-        written = export_run(run, output, merge, dtype, overwrite, ui.waiting, allowed)
-    console.print(f"Exported {written.what} to {written.path}")
+        written = export_run(run, output, merge, dtype, overwrite, ui().waiting, allowed)
+    ui().console.print(f"Exported {written.what} to {written.path}")
 
 
 def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        print_notice("Stopped (Ctrl-C).", None)
+        ui().print_notice("Stopped (Ctrl-C).", None)
         raise SystemExit(130) from None
 
 

@@ -20,9 +20,9 @@ FOLDERS = ("planning", "recovery", "data", "runs", "models", "losses", "training
 # Modules at the top: two leaves everything may import (they import nothing of
 # ours), and the command line, which may import everything and which nothing imports.
 LEAVES = {"errors", "reporting"}
-COMMAND_LINE = {"cli", "flags", "__main__", "__init__"}
+COMMAND_LINE = {"cli", "flags", "endings", "__main__", "__init__"}
 # Importable without torch: all of planning/, and everything `--help` touches.
-WITHOUT_TORCH_ALSO = ("llmcustoms.cli", "llmcustoms.flags", "llmcustoms.reporting", "llmcustoms.errors",
+WITHOUT_TORCH_ALSO = ("llmcustoms.cli", "llmcustoms.flags", "llmcustoms.endings", "llmcustoms.reporting", "llmcustoms.errors",
                       "llmcustoms.training.launching", "llmcustoms.runs.run_directory")
 
 
