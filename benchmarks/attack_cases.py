@@ -123,7 +123,7 @@ def holding_the_lock(w: World, run: str) -> None:
     """Another process owns `run` (through its real path), as a `resume` training it would."""
     from llmcustoms.runs import run_lock as runlock
 
-    code = (f"import time; from llmcustoms import runlock\n"
+    code = (f"import time; from llmcustoms.runs import run_lock as runlock\n"
             f"with runlock.owning({str(w.path(run))!r}, 'training it'):\n    time.sleep(60)")
     subprocess.Popen([sys.executable, "-c", code], cwd=w.root, start_new_session=True)
     deadline = time.time() + 30

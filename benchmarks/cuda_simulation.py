@@ -256,7 +256,7 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
     from llmcustoms.training import batching, optimization
 
     from llmcustoms.losses import sft as losses
-    from llmcustoms.losses.dpo import loss_for
+    from llmcustoms.losses.choice import loss_for
     from llmcustoms.data.tokenization import TokenizedExample
 
     started = time.perf_counter()

@@ -31,7 +31,7 @@ from llmcustoms.runs.run_directory import RunDirectory
 
 # The modules that write a run's large files, and what they write.
 WRITERS = {"best_weights": "the best weights in best/", "checkpoints": "a checkpoint in checkpoints/",
-           "modeling": "the trained weights", "reference": "the reference log-probabilities"}
+           "loading": "the trained weights", "dpo_reference": "the reference log-probabilities"}
 # A temp file of `disk_writes.replace_file` (.NAME.PID.THREAD.tmp) or of best_weights (.NAME.PID.tmp).
 TEMP_NAME = re.compile(r"^\.(.+?)(?:\.\d+){1,2}\.tmp$")
 
@@ -220,7 +220,7 @@ def _written(error: BaseException, run_path: Path) -> str:
             return str(inside.parent / temp.group(1)) if temp else str(inside)
     for link in chain:  # safetensors' errors name no file: who was writing does
         files = [Path(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(link.__traceback__)]
-        modules = [file.stem for file in files if file.parent.name == "llmcustoms"]
+        modules = [file.stem for file in files if "llmcustoms" in file.parent.parts]
         for module in reversed(modules):
             if module in WRITERS:
                 return WRITERS[module]

@@ -18,7 +18,7 @@ from conftest import DATA_FILES
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.errors import ConfigError
 
-HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms import runlock\n"
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
         "with runlock.owning(Path(sys.argv[1]), 'testing'):\n    print('held', flush=True)\n    time.sleep(600)\n")
 
 
@@ -52,7 +52,7 @@ def test_the_lock_is_reentrant_in_a_process_and_lives_beside_the_run(tmp_path):
         with runlock.owning(run, "b"):
             pass
         # Still held after the inner block: another process cannot take it.
-        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom llmcustoms import runlock\n"
+        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
                                 "print(runlock.holder(Path(sys.argv[1])))", str(run)], capture_output=True, text=True)
         assert probe.stdout.strip() == str(os.getpid())
         assert runlock.lock_path(run).exists() and runlock.lock_path(run) == tmp_path / ".mine.lock"
