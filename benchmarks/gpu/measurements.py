@@ -106,7 +106,9 @@ def build_models(kit, deadline: float) -> dict:
 
 def cuda_tests(kit, deadline: float) -> dict:
     report = kit.work / "test_cuda.xml"
-    ran = kit.command("test_cuda", python(kit, "-m", "pytest", "tests/training/test_cuda.py", "-q", "-p", "no:cacheprovider",
+    # -o addopts=: one process, every test of the file (the GPU image may lack pytest-xdist).
+    ran = kit.command("test_cuda", python(kit, "-m", "pytest", "tests/training/test_cuda.py", "-q", "-o", "addopts=",
+                                         "-p", "no:cacheprovider",
                                          f"--junitxml={report}"), deadline)
     if not report.exists():
         raise StepFailed(f"pytest wrote no report (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
