@@ -19,7 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
                  if folder.is_dir() and folder.name not in ("fixtures", "__pycache__")]
 
-from tiny_models import FIXTURES, build_model  # noqa: E402
+from tiny_models import FIXTURES, WIDE, build_model  # noqa: E402
+
+# What this process prints (CliRunner, the UI modules) is as wide as a command
+# a test starts: Rich fixes a console's width when it is made, so it is set before any is.
+os.environ["COLUMNS"] = WIDE
 
 FAMILIES = ("llama", "mistral", "qwen2", "phi", "phi3")
 DATA_FILES = {
@@ -66,7 +70,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,
             input: str | None = None) -> subprocess.CompletedProcess:
     """Run `python -m llmcustoms ARGS` as a real subprocess."""
-    full_env = {**os.environ, "COLUMNS": "120", **(env or {})}
+    full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
     return subprocess.run([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout, input=input)
 

@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The terminal width of a command a test reads the output of: wide enough that no
+# message wraps, whatever the length of the checkout's or the temp directory's path
+# (tests assert what is said, never where a line breaks; 80-column tests say 80).
+WIDE = "1000"
 
 ZEPHYR_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"

@@ -27,6 +27,7 @@ import pytest
 
 from conftest import DATA_FILES, run_cli
 from llmcustoms.runs import run_lock as runlock
+from tiny_models import WIDE
 
 
 def train_args(data: Path, model: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -206,7 +207,7 @@ def hung_up(tmp_path_factory, tiny_models) -> tuple[Path, int, str]:
     model = root / ("tiny-llama-" + "x" * 230)
     model.symlink_to(tiny_models["llama"])
     args = train_args(DATA_FILES["alpaca"], model, root / "runs", "--max-steps", "6", "--save-every", "100")
-    env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": "slow@3"}  # step 3 is long: it is in it
+    env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": "slow@3"}  # step 3 is long: it is in it
     terminal, its_end = pty.openpty()
     args.remove("--quiet")  # the live display, on the terminal
     process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *args], cwd=root, env=env, stdin=its_end,

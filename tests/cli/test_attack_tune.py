@@ -24,6 +24,7 @@ import optuna
 import pytest
 
 from conftest import DATA_FILES, run_cli
+from tiny_models import WIDE
 
 PASSWORD = "S3cretPassw0rd"
 
@@ -49,7 +50,7 @@ def test_two_tunes_of_one_study_at_once_draw_different_values(tmp_path, tiny_mod
     out = tmp_path / "out"
     args = [sys.executable, "-m", "llmcustoms", *tune_args(out, tiny_models["llama"], "--study-name", "s",
                                                            "--trials", "2", "--max-steps", "1")]
-    env = {**os.environ, "COLUMNS": "120"}
+    env = {**os.environ, "COLUMNS": WIDE}
     runs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
     for run in runs:

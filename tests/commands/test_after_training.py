@@ -13,6 +13,7 @@ from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.commands.report import analyse
 from llmcustoms.runs.run_directory import RunDirectory
+from tiny_models import WIDE
 
 runner = CliRunner()
 
@@ -33,7 +34,7 @@ def trained(tiny_models, tmp_path_factory):
 
 
 def test_runs_lists_the_run_as_completed(trained):
-    result = runner.invoke(app, ["runs", "--output-dir", str(trained.parent)], env={"COLUMNS": "120"})
+    result = runner.invoke(app, ["runs", "--output-dir", str(trained.parent)], env={"COLUMNS": WIDE})
     assert result.exit_code == 0
     row = next(line for line in result.output.splitlines() if "done" in line)
     assert "completed" in row and "12/12" in row and "tiny-llama" in row and "lora" in row

@@ -15,7 +15,7 @@ from llmcustoms.cli import app
 from llmcustoms.commands.export import model_card
 from llmcustoms.models.loading import card_base_model
 from llmcustoms.runs.run_directory import RunDirectory
-from tiny_models import build_model
+from tiny_models import WIDE, build_model
 
 
 def local_model(directory: Path, name_or_path: object = None) -> Path:
@@ -82,7 +82,7 @@ def run_with_adapter(tmp_path, monkeypatch):
 def test_a_merged_export_says_the_dtype_it_wrote(run_with_adapter, tmp_path, dtype, written):
     out = tmp_path / f"merged-{dtype}"
     result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), "--merge",
-                                      "--dtype", dtype], env={"COLUMNS": "200"}, catch_exceptions=False)
+                                      "--dtype", dtype], env={"COLUMNS": WIDE}, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert f"a merged model ({written} weights)" in result.stdout and "16-bit" not in result.output
     assert "Merging the adapter into" in result.stderr and "done in" in result.stderr  # a wait, shown on stderr
@@ -96,7 +96,7 @@ def test_exported_weights_are_readable_like_every_other_file(run_with_adapter, t
 
     out = tmp_path / f"out-{merge}"
     result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), *(["--merge"] * merge)],
-                                env={"COLUMNS": "200"}, catch_exceptions=False)
+                                env={"COLUMNS": WIDE}, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
     assert any(name.endswith(".safetensors") for name in modes)  # safetensors writes these 0600

@@ -16,6 +16,7 @@ from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.commands.report import MIN_EVALUATIONS_OVERFITTING, MIN_STEPS_LEARNING_RATE, analyse
 from llmcustoms.runs.run_directory import RunDirectory
+from tiny_models import WIDE
 
 VERDICTS = ("convergence", "overfitting", "learning rate")
 # Falls, spikes, falls, spikes: from these the old report called the rate "too high" after 6 steps.
@@ -67,7 +68,7 @@ def test_a_short_run_reads_its_evaluations_and_withholds_its_verdicts_once(tmp_p
     assert said.count("too few steps") == 1
     assert "too few steps (6) to judge convergence, overfitting and learning rate" in said
 
-    shown = CliRunner().invoke(app, ["report", str(run.path)], env={"COLUMNS": "200"}, catch_exceptions=False)
+    shown = CliRunner().invoke(app, ["report", str(run.path)], env={"COLUMNS": WIDE}, catch_exceptions=False)
     assert shown.exit_code == 0, shown.output
     text = " ".join(shown.output.replace("│", " ").split())
     assert text.count("too few steps (6)") == 1 and "--eval-split" not in text and "50 held-out rows" in text

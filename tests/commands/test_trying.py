@@ -20,13 +20,14 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.models.generation import generate, load_trained
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import choose_weights
+from tiny_models import WIDE
 
 runner = CliRunner()
 PROMPT = "What do bees make?"
 
 
 def invoke(*args: str):
-    return runner.invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": "200"})
+    return runner.invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": WIDE})
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_an_unfinished_run_is_refused_at_once_naming_its_checkpoints(unfinished)
             "try:\n    cli.main()\nexcept SystemExit as end:\n    code = end.code\n"
             "print('loaded:', [m for m in ('torch', 'transformers', 'peft') if m in sys.modules], code)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": WIDE})
     assert result.stdout.strip() == "loaded: [] 2", result.stdout + result.stderr
     message = " ".join(result.stderr.split())
     assert "has no trained adapter yet: it was interrupted at step 8 of 8" in message

@@ -28,6 +28,7 @@ from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.presets import load_preset
 from llmcustoms.planning.settings import load_settings
 from llmcustoms.commands.setup import model_offers, planning_stats, suggested_model
+from tiny_models import WIDE
 
 runner = CliRunner()
 SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct")
@@ -69,7 +70,7 @@ def run_setup(tmp_path: Path, env_file: Path, stdin: str, data: Path | None = DA
     args = ["--data", str(data)] if data else []
     return subprocess.run([sys.executable, "-m", "llmcustoms", "setup", *args, "--env-file", str(env_file)],
                           input=stdin, capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**base, "COLUMNS": "120", "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", **env})
+                          env={**base, "COLUMNS": WIDE, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", **env})
 
 
 def answers(*lines: str) -> str:

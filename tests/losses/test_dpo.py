@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import FIXTURES
+from tiny_models import FIXTURES, WIDE
 
 PAIRS = FIXTURES / "shapes" / "preference_arithmetic.jsonl"
 SYSTEM = {"role": "system", "content": "Answer briefly."}
@@ -428,7 +428,7 @@ def test_runs_and_report_speak_of_a_dpo_run_in_its_own_terms(tiny_models, uninte
     assert listed.returncode == 0, listed.stderr
     assert "dpo loss" in " ".join(listed.stdout.split())
     report = subprocess.run([sys.executable, "-m", "llmcustoms", "report", str(uninterrupted)], capture_output=True,
-                            text=True, env={**env, "COLUMNS": "200"}, timeout=120)
+                            text=True, env={**env, "COLUMNS": WIDE}, timeout=120)
     assert report.returncode == 0, report.stderr
     said = " ".join(report.stdout.split())
     assert "of held-out pairs ranked right (chance: 0.50)" in said and "perplexity" not in said

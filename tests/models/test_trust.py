@@ -23,7 +23,7 @@ from llmcustoms.cli import app
 from llmcustoms.errors import ModelError
 from llmcustoms.models.loading import Allowed, _explain, check_weight_files
 from llmcustoms.runs.run_directory import RunDirectory
-from tiny_models import build_model
+from tiny_models import WIDE, build_model
 
 DATA = str(DATA_FILES["alpaca"])
 REMOTE_CODE = "runs code from its repository (trust_remote_code)"
@@ -31,7 +31,7 @@ PASS_TRUST = "Pass --trust-remote-code to allow it for this command, if you trus
 
 
 def invoke(*args: str, env: dict[str, str] | None = None, input: str | None = None):
-    return CliRunner().invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": "200", **(env or {})},
+    return CliRunner().invoke(app, list(args), catch_exceptions=False, env={"COLUMNS": WIDE, **(env or {})},
                               input=input)
 
 
@@ -141,7 +141,7 @@ def test_the_refusal_comes_before_torch_is_imported(received, received_unfinishe
             "    try:\n        cli.main()\n    except SystemExit as end:\n        codes.append(end.code)\n"
             "print('loaded:', [m for m in ('torch', 'transformers', 'peft') if m in sys.modules], codes)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": WIDE})
     assert result.stdout.strip() == "loaded: [] [2, 2, 2]", result.stdout + result.stderr
     assert " ".join(result.stderr.split()).count(PASS_TRUST) == 3
 

@@ -18,6 +18,7 @@ from llmcustoms.cli import app
 from llmcustoms.planning.planner import OVERRIDABLE
 from llmcustoms.planning.presets import TUNABLE_FIELDS, validate_preset_values
 from llmcustoms.planning.settings import SETTINGS, example_file
+from tiny_models import WIDE
 
 ROOT = Path(__file__).parent.parent.parent
 # Flags that steer a command rather than set a value: no variable, on purpose.
@@ -57,7 +58,7 @@ def test_every_variable_has_its_flag_on_train_and_every_value_flag_has_a_variabl
 
 
 def test_train_help_shows_every_flag_and_its_variable():
-    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}, terminal_width=300)
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": WIDE}, terminal_width=300)
     assert result.exit_code == 0
     text = result.output
     for variable in env_example_variables():

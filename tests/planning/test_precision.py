@@ -15,6 +15,7 @@ from llmcustoms.planning.hardware import Hardware, cpu_bf16
 from llmcustoms.models.loading import weights_dtype
 from test_finetuner import train
 from test_planning import model, plan_for
+from tiny_models import WIDE
 
 FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr avx2 avx512f avx512bw avx512vl"
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\nbugs\t\t: sysret_ss_attrs\n\n"
@@ -76,12 +77,12 @@ def test_measured_speeds_of_fp32_and_bf16_cpus_are_kept_apart():
 def test_the_plan_command_names_the_precision_and_why(cli, tmp_path, tiny_models):
     # In a subprocess, so the machine is this one: the answer depends on its CPU's flags.
     result = cli("plan", str(Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
-                 cwd=tmp_path, env={"COLUMNS": "200"})
+                 cwd=tmp_path, env={"COLUMNS": WIDE})
     assert result.returncode == 0, result.stderr
     expected = "precision bf16 (CPU supports it" if THIS_CPU_HAS_BF16 else "precision fp32: no GPU, and this CPU"
     assert expected in result.stdout
     forced = cli("plan", str(Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl"), "--model", str(tiny_models["llama"]),
-                 "--mixed-precision", "no", cwd=tmp_path, env={"COLUMNS": "200"})
+                 "--mixed-precision", "no", cwd=tmp_path, env={"COLUMNS": WIDE})
     assert forced.returncode == 0 and "precision bf16" not in forced.stdout
 
 

@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import DATA_FILES
+from tiny_models import WIDE
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def baselines(tiny_models, tmp_path_factory):
 def test_kill_9_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tmp_path, tiny_models, baselines, cli):
     # A real SIGKILL from outside, as soon as the first checkpoint exists.
     long_steps = 300
-    env = {**os.environ, "COLUMNS": "120"}
+    env = {**os.environ, "COLUMNS": WIDE}
     process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1, long_steps)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = tmp_path / "run" / "checkpoints" / "step-000003"
@@ -83,7 +84,7 @@ def test_kill_9_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tmp
 
 def test_sigint_exits_130_interrupted_and_resume_matches(tmp_path, tiny_models, baselines, cli):
     run = tmp_path / "run"
-    env = {**os.environ, "COLUMNS": "120"}
+    env = {**os.environ, "COLUMNS": WIDE}
     process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1, 300)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -112,7 +113,7 @@ def test_sigint_in_a_long_step_stops_at_the_next_micro_batch_and_resumes_exactly
     from llmcustoms.recovery.faults import SLOW_MICRO_BATCH_S
 
     run = tmp_path / "run"
-    env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": "slow@4"}
+    env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": "slow@4"}
     process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1),
                                 "--save-every", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA_FILES
 from test_best_weights import prepared_run
+from tiny_models import WIDE
 
 STOP_STEP = 6  # an evaluation is due after it (every 2 steps), a checkpoint is not (every 4)
 
@@ -151,7 +152,7 @@ def cli_args(model: Path, output: Path, name: str) -> list[str]:
 
 
 def start(args: list[str], fault: str) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": fault}
+    env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": fault}
     return subprocess.Popen([sys.executable, "-m", "llmcustoms", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 
 from conftest import run_cli
+from tiny_models import WIDE
 from llmcustoms.runs import disk_writes as diskwrites
 from llmcustoms.training import preflight
 from llmcustoms.runs.checkpoints import CheckpointManager
@@ -376,7 +377,7 @@ def test_a_checkpoint_that_fills_the_disk_ends_the_run_cleanly_and_resume_goes_o
     run = tmp_path / "run"
     stopped = subprocess.run([sys.executable, "-c", FILLS_AT_CHECKPOINT_9,
                               *train_args(tiny_models["llama"], tmp_path, "run", 0.1)],
-                             env={**os.environ, "COLUMNS": "120"}, capture_output=True, text=True, timeout=300)
+                             env={**os.environ, "COLUMNS": WIDE}, capture_output=True, text=True, timeout=300)
     assert_stopped_cleanly(run, stopped, "the disk filled up after step 9 while writing checkpoint step-000009")
     assert "No space left on device" in status(run)["reason"]
     freed = run_cli("resume", str(run), "--quiet")
@@ -426,7 +427,7 @@ def test_a_real_full_disk_mid_run_is_a_classified_failure_and_loses_nothing(tmp_
     args = [a for a in train_args(tiny_models["llama"], tmp_path, "run", 0.1) if a != str(tmp_path)]
     args.remove("--output-dir")
     subprocess.run(["unshare", "-rm", "bash", "-c", ON_A_FULL_DISK, "full-disk", *args], timeout=600, check=True,
-                   env={**os.environ, "COLUMNS": "120", "DISK": str(disk), "OUT": str(out), "PYTHON": sys.executable,
+                   env={**os.environ, "COLUMNS": WIDE, "DISK": str(disk), "OUT": str(out), "PYTHON": sys.executable,
                         "LLMCUSTOMS_FAULT_INJECT": "slow@5"})
     err = (out / "train.err").read_text()
     assert (out / "train.rc").read_text().strip() == "1", err

@@ -17,6 +17,7 @@ import pytest
 from conftest import DATA_FILES
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.errors import ConfigError
+from tiny_models import WIDE
 
 HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
         "with runlock.owning(Path(sys.argv[1]), 'testing'):\n    print('held', flush=True)\n    time.sleep(600)\n")
@@ -70,7 +71,7 @@ def train_args(model: Path, output: Path, name: str, *extra: str) -> list[str]:
 def test_a_training_run_cannot_be_overwritten_resumed_or_started_again(tmp_path, tiny_models, cli):
     run = tmp_path / "run"
     # Steps 3 to 14 slowed: the run is still training while the other commands try it.
-    env = {**os.environ, "COLUMNS": "120", "LLMCUSTOMS_FAULT_INJECT": ",".join(f"slow@{s}" for s in range(3, 15))}
+    env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": ",".join(f"slow@{s}" for s in range(3, 15))}
     training = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run")],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
