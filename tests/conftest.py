@@ -21,9 +21,24 @@ sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir(
 
 from tiny_models import FIXTURES, WIDE, build_model  # noqa: E402
 
-# What this process prints (CliRunner, the UI modules) is as wide as a command
-# a test starts: Rich fixes a console's width when it is made, so it is set before any is.
-os.environ["COLUMNS"] = WIDE
+
+def _wide_consoles() -> None:
+    """What this process prints (CliRunner, the UI modules) is as wide as a
+    command a test starts. Rich fixes a console's width from COLUMNS when the
+    console is made, so the UI's consoles are made now, under WIDE; pytest's
+    own output keeps the terminal's width."""
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = WIDE
+    try:
+        import llmcustoms.ui.console  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+
+
+_wide_consoles()
 
 FAMILIES = ("llama", "mistral", "qwen2", "phi", "phi3")
 DATA_FILES = {
