@@ -102,7 +102,7 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     """Show what `train` would do with DATA, without training.
 
     The model, method, batch shape and schedule, and whether it fits in memory."""
-    with ending():
+    with ending(json_errors=json_output):
         quiet_libraries()
         from llmcustoms.training import preflight
         from llmcustoms.ui.data_view import PreparationProgress, show_prepared

@@ -9,6 +9,7 @@ fits), one message and no traceback; 128 + the signal for a stop (130 Ctrl-C,
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -53,8 +54,11 @@ def exit_code(error: BaseException) -> int | None:
 
 
 @contextmanager
-def ending() -> Iterator[None]:
-    """Turn the ways a command can end into one message and an exit code."""
+def ending(json_errors: bool = False) -> Iterator[None]:
+    """Turn the ways a command can end into one message and an exit code.
+    With `json_errors` (`plan --json`), a user error is also one JSON object on
+    stdout, {"error": {"message", "hint", "exit_code"}}, so a script reading
+    stdout always gets JSON; the message for people still goes to stderr."""
     try:
         yield
     except (typer.Exit, typer.Abort):
@@ -63,6 +67,8 @@ def ending() -> Iterator[None]:
         code = exit_code(error)
         if code is None:
             raise
+        if json_errors and isinstance(error, LlmcustomsError):
+            print(json.dumps({"error": {"message": error.message, "hint": error.hint, "exit_code": code}}))
         raise typer.Exit(code) from None
 
 

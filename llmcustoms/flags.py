@@ -176,7 +176,7 @@ MachineRank = Annotated[int, typer.Option("--machine-rank", metavar="<int>", min
 MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine 0, for several machines.")]
 MainPort = Annotated[Optional[int], typer.Option("--main-process-port", metavar="<int>", min=1, max=65535, help="Port on machine 0 for the processes to meet.")]
 Vram = Annotated[Optional[float], typer.Option("--vram", metavar="<float>", parser=_finite(0.5, 100_000), help="Plan for a GPU with this many GB instead of this machine's.")]
-Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the plan as JSON (the shape of plan.json) and nothing else; an error as {\"error\": ...}.")]
 ResumeRun = Annotated[Optional[Path], typer.Argument(metavar="RUN_DIR", help="The run to continue. Default: the newest unfinished run under --output-dir.")]
 
 # `resume`'s own: given once, so none has a variable (LLMCUSTOMS_EPOCHS in a .env would extend a run at every resume).

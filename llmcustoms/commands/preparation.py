@@ -222,10 +222,12 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
 
 
 def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
-           dropped: int) -> dict[str, Any]:
+           dropped: int, reasoning_shown: bool = True) -> dict[str, Any]:
     epochs = None if plan.sources.get("total_steps") == "flag" else plan.epochs
-    return data_facts(dataset.to_json(), lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps,
-                      epochs)
+    report = dataset.to_json()
+    if not reasoning_shown:  # the model's chat template leaves the rows' reasoning parts out
+        report["reasoning_parts_dropped"] = dataset.reasoning_parts
+    return data_facts(report, lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps, epochs)
 
 
 def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenRows,
@@ -238,8 +240,11 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     if not len(train):
         raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
                           "Raise --max-seq-len.")
+    from llmcustoms.data.chat_templates import supports_reasoning
+
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
-                                            train_dropped), tokens_key=tokenized.key)
+                                            train_dropped, supports_reasoning(tokenized.tokenizer)),
+                   tokens_key=tokenized.key)
     return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                    truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
                    used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,

@@ -46,7 +46,7 @@ GOALS = {
     "bestaccuracy": "the best this machine can do: bigger adapter, longer sequences, early stopping",
 }
 MAX_ATTEMPTS = 3
-DATA_QUESTION = "Training data file (.jsonl, .json, .csv, .parquet)"
+DATA_QUESTION = "Training data file (.jsonl, .json, .csv, .parquet, .txt)"
 MODEL_QUESTION = "Model (number, hub id or local directory)"
 NO_ONE_TO_ASK = ("No one is there to answer again (input has run out, or CI is set), so nothing was written: "
                  "run `llmcustoms setup` in a terminal, or pipe one answer per line.")

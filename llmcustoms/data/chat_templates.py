@@ -17,6 +17,13 @@ prompt/completion rows go through the template too, as one user and one
 assistant turn, when it is the model's own (`has_own_template`); with the
 fallback template, or when asked (`--raw-prompts`), they are joined raw.
 
+Each piece is the prompt (`PROMPT`, learned only with --train-on-prompt), a
+reply (`REPLY`), or a reply the row marks `weight: 0` (`UNLEARNED`: in the
+context of later turns, never learned, --train-on-prompt or not). Turns after
+the last learned reply are not rendered: they teach nothing. An assistant
+turn's reasoning goes to the template as `reasoning_content` when the
+template reads that (`supports_reasoning`), and is left out otherwise.
+
 Tokenizers without a chat template get `FALLBACK_CHAT_TEMPLATE` (documented
 in docs/data-formats.md); it is saved with the adapter so generation uses the same one.
 """
@@ -28,6 +35,10 @@ from typing import Any
 from llmcustoms.errors import ModelError
 from llmcustoms.data.row_formats import Example, Message, base_format
 
+
+# What a piece of rendered text is (see the module's docstring).
+PROMPT, REPLY, UNLEARNED = "prompt", "reply", "unlearned"
+Segments = list[tuple[str, str]]
 
 # Used when a tokenizer has no chat template (Phi-2, base Llama checkpoints).
 # `{bos}` is filled with the BOS token for tokenizers that normally start with one.
@@ -82,47 +93,62 @@ def prompts_use_template(tokenizer, fmt: str, raw_prompts: bool) -> bool:
     return True
 
 
-def _render(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None, generation_prompt: bool) -> str:
+def supports_reasoning(tokenizer) -> bool:
+    """Whether the chat template shows an assistant turn's reasoning: it reads
+    `reasoning_content` (Qwen3's, DeepSeek's and others' name for it)."""
+    return "reasoning_content" in str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def _render(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None, generation_prompt: bool,
+            reasoning: bool = False) -> str:
     # `tools` only when there are some: templates test `tools is not none`.
     extra: dict[str, Any] = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template([m.as_dict() for m in messages], tokenize=False,
+    return tokenizer.apply_chat_template([m.as_dict(reasoning) for m in messages], tokenize=False,
                                          add_generation_prompt=generation_prompt, **extra)
 
 
 def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None = None,
-                  learned_from: int = 0) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_learned_reply) pieces.
-    An assistant turn's piece holds its reply and its tool calls; assistant
-    turns before `learned_from` (a preference pair's prompt) are not learned."""
-    segments: list[tuple[str, bool]] = []
+                  learned_from: int = 0, reasoning: bool = False) -> Segments:
+    """Split a rendered conversation into (text, PROMPT | REPLY | UNLEARNED)
+    pieces. An assistant turn's piece holds its reply and its tool calls (and
+    its reasoning, if `reasoning`: the template shows it); assistant turns
+    before `learned_from` (a preference pair's prompt) are prompt, turns
+    marked not `learned` UNLEARNED."""
+    learned = [k for k, m in enumerate(messages) if m.role == "assistant" and m.learned and k >= learned_from]
+    if not learned:  # nothing to learn (rows read from a file never get here): all prompt
+        return [(_render(tokenizer, messages, tools, False, reasoning), PROMPT)]
+    messages = messages[:learned[-1] + 1]
+    segments: Segments = []
     done = ""
     for k, message in enumerate(messages):
         if message.role != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:k], tools, generation_prompt=True)
-        full = _render(tokenizer, messages[: k + 1], tools, generation_prompt=False)
+        prefix = _render(tokenizer, messages[:k], tools, True, reasoning)
+        full = _render(tokenizer, messages[: k + 1], tools, False, reasoning)
         if not (prefix.startswith(done) and full.startswith(prefix)):
-            return _last_turn_segments(tokenizer, messages, tools)
-        segments.append((prefix[len(done):], False))
-        segments.append((full[len(prefix):], k >= learned_from))
+            return _last_turn_segments(tokenizer, messages, tools, reasoning)
+        segments.append((prefix[len(done):], PROMPT))
+        segments.append((full[len(prefix):], PROMPT if k < learned_from else REPLY if message.learned else UNLEARNED))
         done = full
     return segments
 
 
-def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None) -> list[tuple[str, bool]]:
+def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None,
+                        reasoning: bool) -> Segments:
     # Some templates rewrite earlier turns (e.g. drop reasoning) as the
     # conversation grows, so per-turn cuts do not line up; then only the last
-    # reply is trained on, which is still exact.
-    last = max(i for i, message in enumerate(messages) if message.role == "assistant")
-    prefix = _render(tokenizer, messages[:last], tools, generation_prompt=True)
-    full = _render(tokenizer, messages[: last + 1], tools, generation_prompt=False)
+    # reply is trained on, which is still exact. `chat_segments` ends the
+    # conversation at its last learned reply, so that is the one.
+    last = len(messages) - 1
+    prefix = _render(tokenizer, messages[:last], tools, True, reasoning)
+    full = _render(tokenizer, messages, tools, False, reasoning)
     if not full.startswith(prefix):
         raise ModelError(
             "This model's chat template renders a conversation differently from its prompt, "
             "so the reply cannot be separated from the prompt.",
             "Pass --train-on-prompt to train on whole conversations, or use a model with a standard template.",
         )
-    return [(prefix, False), (full[len(prefix):], True)]
+    return [(prefix, PROMPT), (full[len(prefix):], REPLY)]
 
 
 # What a template's refusal is about, from the words templates use (Gemma's "System role
@@ -142,10 +168,10 @@ def template_refused(what: str, error: Exception, hint: str) -> ModelError:
     return ModelError(f"This model's chat template refused {what}: {reason}.", hint)
 
 
-def raw_segments(tokenizer, example: Example) -> list[tuple[str, bool]]:
+def raw_segments(tokenizer, example: Example) -> Segments:
     """prompt/completion and text rows: no template, BOS if the model uses one."""
     bos = tokenizer.bos_token if starts_with_bos(tokenizer) else ""
-    return [(bos + example.prompt, False), (example.completion, True)]
+    return [(bos + example.prompt, PROMPT), (example.completion, REPLY)]
 
 
 

@@ -1,9 +1,13 @@
 """The turns of a chat row: `Message`, `ToolCall`, and how the turns of an
 OpenAI `messages` list or a ShareGPT `conversations` list become them.
 
-A turn's content is text, or (OpenAI) a list of text parts, joined with a
-line break as OpenAI-compatible servers join them. Tool calling comes in two
-spellings:
+A turn's content is text, or a list of parts `{type, text}` (or `{type,
+value}`): text parts are joined with a line break as OpenAI-compatible
+servers join them; in an assistant turn, `reasoning` parts are its reasoning
+(`Message.reasoning`, shown to templates that read `reasoning_content`) and
+`tool_call` parts its calls, written as ShareGPT's function_call value is.
+An OpenAI assistant turn may carry `weight` 0 (in the context, never learned:
+`Message.learned`) or 1. Tool calling comes in two spellings:
 
   OpenAI     an assistant turn with `tool_calls: [{id, type, function: {name,
              arguments}}]` (content may be null), then `{role: tool, content,
@@ -65,26 +69,35 @@ class ToolCall:
 @dataclass(frozen=True)
 class Message:
     """One turn: a role and its content; beside them, an assistant turn may
-    carry `tool_calls` and a tool result its `tool_call_id` and `name`."""
+    carry `tool_calls`, its `reasoning` parts and whether it is `learned`,
+    and a tool result its `tool_call_id` and `name`."""
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
     name: str = ""
+    # False for an assistant turn marked `weight: 0`: the context of later
+    # turns, never learned. Templates never see it (`as_dict`).
+    learned: bool = True
+    reasoning: tuple[str, ...] = ()
 
     def chars(self) -> int:
-        return len(self.content) + sum(call.chars() for call in self.tool_calls)
+        return (len(self.content) + sum(map(len, self.reasoning))
+                + sum(call.chars() for call in self.tool_calls))
 
     def text(self) -> str:
         """The content and the calls as text: what this turn says."""
         calls = [f"{call.name}({call.arguments})" for call in self.tool_calls]
         return "\n".join(([self.content] if self.content else []) + calls)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The turn as `apply_chat_template` takes it. Keys a turn does not use
-        are left out: some templates test `is defined`, not truthiness."""
+    def as_dict(self, reasoning: bool = False) -> dict[str, Any]:
+        """The turn as `apply_chat_template` takes it, with its reasoning as
+        `reasoning_content` if `reasoning` (the template shows it). Keys a turn
+        does not use are left out: some templates test `is defined`, not truthiness."""
         turn: dict[str, Any] = {"role": self.role, "content": self.content}
+        if reasoning and self.reasoning:
+            turn["reasoning_content"] = "\n".join(self.reasoning)
         if self.tool_calls:
             turn["tool_calls"] = [call.as_dict() for call in self.tool_calls]
         if self.tool_call_id:
@@ -94,16 +107,22 @@ class Message:
         return turn
 
     def clipped(self, room: int) -> "Message":
-        """The content cut to `room` characters; calls are whole or gone,
-        since a cut call is not valid JSON."""
-        content = self.content[:room]
-        calls, left = [], room - len(content)
+        """The reasoning, then the content, cut to `room` characters in all (as
+        templates write them); calls are whole or gone, since a cut call is not valid JSON."""
+        reasoning, left = [], room
+        for part in self.reasoning:
+            if left <= 0:
+                break
+            reasoning.append(part[:left])
+            left -= len(reasoning[-1])
+        content = self.content[:max(left, 0)]
+        calls, left = [], left - len(content)
         for call in self.tool_calls:
             if call.chars() > left:
                 break
             calls.append(call)
             left -= call.chars()
-        return Message(self.role, content, tuple(calls), self.tool_call_id, self.name)
+        return replace(self, content=content, tool_calls=tuple(calls), reasoning=tuple(reasoning))
 
 
 def shown_name(value: Any) -> str:
@@ -113,9 +132,16 @@ def shown_name(value: Any) -> str:
     return "that is not a name" if isinstance(value, str) else f"of type {type(value).__name__}"
 
 
+def reasoning_parts(messages: tuple[Message, ...]) -> int:
+    """How many reasoning parts the turns hold: what a template that does not
+    show reasoning leaves out."""
+    return sum(len(message.reasoning) for message in messages)
+
+
 def chat_turns(turns: Any, field_name: str, role_key: str, content_key: str,
                roles: dict[str, str]) -> tuple[Message, ...]:
-    """The turns of a `messages` or `conversations` field, checked."""
+    """The turns of a `messages` or `conversations` field, checked. Only
+    OpenAI's shape (`role_key` "role") has per-turn weights."""
     if not isinstance(turns, list):
         raise RowProblem(f"field '{field_name}' must be a list of turns, found {type(turns).__name__}")
     other_role_key = "from" if role_key == "role" else "role"
@@ -132,29 +158,55 @@ def chat_turns(turns: Any, field_name: str, role_key: str, content_key: str,
             found = "missing role" if role is None else f"unknown role {shown_name(role)}"
             raise RowProblem(f"{found} ({where}; accepted: {', '.join(sorted(roles))})")
         if role == "function_call":
-            messages.append(Message("assistant", "", _sharegpt_calls(content, where)))
+            messages.append(Message("assistant", "", _calls_of(content, "function_call value", where)))
         else:
-            messages.append(_turn(roles[role], turn, content, where))
+            message = _turn(roles[role], turn, content, where)
+            if role_key == "role":  # OpenAI's shape
+                message = replace(message, learned=_weight(turn, message.role, where))
+            messages.append(message)
     return _checked(messages, field_name)
 
 
 def _turn(role: str, turn: dict, content: Any, where: str) -> Message:
-    calls = openai_calls(turn.get("tool_calls"), where) if role == "assistant" else ()
-    text = content_text(content, where, may_be_null=bool(calls))
+    assistant = role == "assistant"
+    calls = openai_calls(turn.get("tool_calls"), where) if assistant else ()
+    text, reasoning, part_calls = _content(content, where, ASSISTANT_PARTS if assistant else ("text",),
+                                           may_be_null=bool(calls))
+    calls += part_calls
     # A tool may return nothing; any other turn with nothing in it is a mistake.
     if not text.strip() and not calls and role != "tool":
         raise RowProblem(f"empty {role} turn ({where})")
     if role == "tool":
         return Message("tool", text, tool_call_id=_optional_text(turn, "tool_call_id", where),
                        name=_optional_text(turn, "name", where))
-    return Message(role, text, calls)
+    return Message(role, text, calls, reasoning=reasoning)
+
+
+def _weight(turn: dict, role: str, where: str) -> bool:
+    """Whether an OpenAI turn is learned: its `weight`, 1 (or none) or 0."""
+    if "weight" not in turn:
+        return True
+    weight = turn["weight"]
+    if role != "assistant":
+        # Only replies are learned or not; a weight elsewhere is a misunderstanding, not ignored.
+        raise RowProblem(f"'weight' on a {role} turn; only assistant turns have one ({where})")
+    # 1.0 is 1 (Parquet writes numbers as floats); True is not, though Python says it is.
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight in (0, 1):
+        return weight == 1
+    found = {bool: "true or false", str: "text", type(None): "null", int: "another number",
+             float: "another number"}.get(type(weight), type(weight).__name__)
+    raise RowProblem(f"'weight' must be 0 or 1, found {found} ({where})")
 
 
 def _checked(messages: list[Message], field_name: str) -> tuple[Message, ...]:
-    # Turns after the last assistant reply teach nothing; drop them.
-    while messages and messages[-1].role != "assistant":
+    # Turns after the last learned reply teach nothing (a reply marked weight 0
+    # among them): drop them, so a row always ends with the reply it teaches.
+    had_reply = any(m.role == "assistant" for m in messages)
+    while messages and not (messages[-1].role == "assistant" and messages[-1].learned):
         messages.pop()
     if not messages:
+        if had_reply:
+            raise RowProblem(f"every assistant turn in field '{field_name}' has weight 0: nothing to learn")
         raise RowProblem(f"field '{field_name}' has no assistant turn to learn from")
     if any(m.role == "system" for m in messages[1:]):
         raise RowProblem(f"field '{field_name}' has a system turn that is not the first turn")
@@ -165,28 +217,58 @@ def _checked(messages: list[Message], field_name: str) -> tuple[Message, ...]:
     return tuple(messages)
 
 
+# The parts an assistant turn's content may hold; other turns hold text only.
+ASSISTANT_PARTS = ("text", "reasoning", "tool_call")
+
+
 def content_text(content: Any, where: str, may_be_null: bool = False) -> str:
     """A turn's text: a string, or the text parts of a list joined by line breaks."""
+    return _content(content, where, ("text",), may_be_null)[0]
+
+
+def _content(content: Any, where: str, kinds: tuple[str, ...],
+             may_be_null: bool = False) -> tuple[str, tuple[str, ...], tuple[ToolCall, ...]]:
+    """A turn's text, reasoning parts and calls, from a string or a list of
+    parts of the `kinds` given."""
     if content is None and may_be_null:
-        return ""
+        return "", (), ()
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content, start=1))
-    raise RowProblem(f"content must be text or a list of text parts, found {type(content).__name__} ({where})")
+        return content, (), ()
+    if not isinstance(content, list):
+        raise RowProblem(f"content must be text or a list of text parts, found {type(content).__name__} ({where})")
+    texts, reasoning, calls = [], [], []
+    for j, part in enumerate(content, start=1):
+        at = f"{where}.content[{j}]"
+        kind, key, payload = _part(part, kinds, at)
+        if kind == "tool_call":
+            calls += _calls_of(payload, f"tool_call part's '{key}'", at)
+        elif kind == "reasoning":
+            if payload.strip():  # an empty one says nothing, and is not counted as left out
+                reasoning.append(payload)
+        else:
+            texts.append(payload)
+    return "\n".join(texts), tuple(reasoning), tuple(calls)
 
 
-def _part_text(part: Any, where: str) -> str:
+def _part(part: Any, kinds: tuple[str, ...], where: str) -> tuple[str, str, Any]:
+    """A content part's type, key and what it holds: under `text`, or `value`
+    as some exports write it (for a tool_call part, an object or JSON text)."""
     if isinstance(part, str):
-        return part
+        return "text", "", part
     if not isinstance(part, dict):
         raise RowProblem(f"content part is not an object, found {type(part).__name__} ({where})")
     kind = part.get("type", "text")
-    if kind != "text":
-        raise RowProblem(f"content part of type {shown_name(kind)} is not text ({where}; only text can be trained on)")
-    if not isinstance(part.get("text"), str):
-        raise RowProblem(f"text part without text ({where})")
-    return part["text"]
+    if kind not in ASSISTANT_PARTS:
+        raise RowProblem(f"content part of type {shown_name(kind)} is not text ({where}; only text, reasoning and "
+                         "tool_call parts can be trained on)")
+    if kind not in kinds:
+        raise RowProblem(f"content part of type '{kind}' is only read in an assistant turn of a chat row ({where})")
+    key = next((key for key in ("text", "value") if key in part), None)
+    if key is None:
+        raise RowProblem(f"{kind} part without 'text' or 'value' ({where})")
+    if kind != "tool_call" and not isinstance(part[key], str):
+        raise RowProblem(f"{kind} part's '{key}' must be text, found {type(part[key]).__name__} ({where})")
+    return kind, key, part[key]
 
 
 def _optional_text(turn: dict, key: str, where: str) -> str:
@@ -249,12 +331,14 @@ def _json_text(text: str, subject: str, where: str = "") -> Any:
         raise RowProblem(f"{subject.rsplit(' ', 1)[0]}: {exc}{place}") from None  # "tool call arguments: text that..."
 
 
-def _sharegpt_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+def _calls_of(value: Any, subject: str, where: str) -> tuple[ToolCall, ...]:
+    """Calls written as ShareGPT's function_call value (or a tool_call part)
+    holds them: {name, arguments}, a list of them, or JSON text of either."""
     if isinstance(value, str):
-        value = _json_text(value, "function_call value is", where)
+        value = _json_text(value, f"{subject} is", where)
     calls = value if isinstance(value, list) else [value]
     if not calls:
-        raise RowProblem(f"function_call without a call ({where})")
+        raise RowProblem(f"{subject} without a call ({where})")
     return tuple(_tool_call(call, where) for call in calls)
 
 
@@ -272,10 +356,10 @@ def with_call_ids(messages: tuple[Message, ...]) -> tuple[Message, ...]:
                 call = call if call.id else replace(call, id=f"call{count:05d}")
                 waiting.append(call)
                 calls.append(call)
-            message = Message(message.role, message.content, tuple(calls))
+            message = replace(message, tool_calls=tuple(calls))
         elif message.role == "tool" and not message.tool_call_id and waiting:
             call = waiting.popleft()
-            message = Message("tool", message.content, tool_call_id=call.id, name=message.name or call.name)
+            message = replace(message, tool_call_id=call.id, name=message.name or call.name)
         out.append(message)
     return tuple(out)
 

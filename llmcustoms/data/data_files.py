@@ -1,7 +1,9 @@
 """Read the rows of a data file one at a time, each with its location.
 
 Supported files: `.jsonl`, `.json` (an array, or JSON Lines saved as .json),
-`.csv`, `.parquet`, and a directory written by `datasets.save_to_disk`.
+`.csv`, `.parquet`, `.txt` (plain text: a row per paragraph, `text` rows) and
+a directory written by `datasets.save_to_disk`. Whatever the file, "\\r\\n" and a
+lone "\\r" in a row's text are read as "\\n" (`raw_rows.unix_line_endings`).
 
 Every reader streams: memory stays bounded by the largest row, not the file,
 so a file larger than RAM can be read. A row that cannot be parsed is yielded
@@ -23,6 +25,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -30,15 +33,18 @@ from typing import IO, Iterator
 
 from llmcustoms.data import raw_rows as rawrows
 from llmcustoms.errors import DataError
-from llmcustoms.data.raw_rows import NOT_UNICODE, TOO_DEEP, TOO_LONG, BeyondLimits, RawRow, lone_surrogate, parse_json
+from llmcustoms.data.raw_rows import (NOT_UNICODE, TOO_DEEP, TOO_LONG, BeyondLimits, RawRow, lone_surrogate, parse_json,
+                                      unix_line_endings)
 from llmcustoms.data.table_files import read_arrow_rows, read_csv, read_parquet
 
 __all__ = ["RawRow", "SUPPORTED_SUFFIXES", "fingerprint", "read_rows"]
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 # Bytes read at a time from a JSON array; doubled while one row is larger.
 JSON_CHUNK = 1 << 20
 _SPACE = re.compile(r"[ \t\r\n]*")
+# What ends a line of a .txt file: "\n", "\r\n", or a lone "\r" as old Macs write.
+_LINE_BREAK = re.compile("\r\n|\r|\n")
 JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
 
 
@@ -66,6 +72,57 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                 yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
             except BeyondLimits as exc:
                 yield RawRow(row, line_no, problem=str(exc))
+
+
+def _text_lines(f: IO[bytes]) -> Iterator[tuple[int, str | None, str | None, bool, int]]:
+    """A text file's lines: (line number, text or None, its problem, whether it
+    ended in "\\r\\n" or held a lone "\\r", bytes read). A lone "\\r" breaks a line,
+    as in an editor; a line that is not UTF-8 or is too long has a problem."""
+    number = 0
+    for line_no, line in rawrows.lines(f):
+        if line is None:
+            number += 1
+            yield number, None, TOO_LONG, False, 0
+            continue
+        line = line.removeprefix(codecs.BOM_UTF8) if line_no == 1 else line
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            number += 1
+            yield number, None, f"not valid UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})", False, 0
+            continue
+        pieces = _LINE_BREAK.split(text)
+        if len(pieces) > 1 and not pieces[-1]:
+            pieces.pop()  # what the last break ends is no line
+        for piece in pieces:
+            number += 1
+            yield number, piece, None, "\r" in text, len(line) if len(pieces) == 1 else len(piece.encode()) + 1
+
+
+def _read_txt(path: Path) -> Iterator[RawRow]:
+    """Plain text: a row per paragraph, paragraphs separated by blank lines (a
+    line of spaces counts as blank), as `datasets`' text loader reads with
+    sample_by="paragraph"; each row is a `text` row at its first line. Lines
+    are joined with "\\n". A paragraph over the limit on one row, or with a
+    line that is not UTF-8, is a bad row; the rest of it is not kept."""
+    row = 0
+    with open(path, "rb") as f:
+        # A line that is not UTF-8 (its text None) is no blank line: it belongs to its paragraph.
+        for blank, lines in itertools.groupby(_text_lines(f), key=lambda line: line[1] is not None
+                                              and not line[1].strip()):
+            if not blank:
+                row += 1
+                yield _paragraph(row, lines)
+
+
+def _paragraph(row: int, lines: Iterator[tuple[int, str | None, str | None, bool, int]]) -> RawRow:
+    kept, size, first, breaks = [], 0, 0, False
+    for number, text, problem, other_break, read in lines:
+        first, breaks, size = first or number, breaks or other_break, size + read
+        if problem or size > rawrows.MAX_ROW_BYTES:
+            return RawRow(row, first, problem=problem or TOO_LONG)  # the rest of it is skipped unkept
+        kept.append(text)
+    return RawRow(row, first, value={"text": "\n".join(kept)}, line_endings=breaks)
 
 
 class _TextStream:
@@ -253,7 +310,8 @@ def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
             raise DataError(f"{path}: the saved DatasetDict has no 'train' split (splits: {', '.join(loaded)}).",
                             "Save the training rows under a split named 'train'.")
         loaded = loaded["train"]
-    yield from read_arrow_rows(path, iter(loaded))  # Arrow files are memory-mapped: this streams
+    # Arrow files are memory-mapped: this streams.
+    yield from map(unix_line_endings, read_arrow_rows(path, iter(loaded)))
 
 
 def _is_empty(path: Path) -> bool:
@@ -279,7 +337,7 @@ def read_rows(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path.name}: unsupported file type '{suffix or '(none)'}'.",
                         f"Use one of {', '.join(SUPPORTED_SUFFIXES)} or a saved `datasets` directory.")
     if suffix == ".parquet":
-        yield from read_parquet(path)
+        yield from map(unix_line_endings, read_parquet(path))
         return
     try:
         empty = _is_empty(path)
@@ -287,8 +345,8 @@ def read_rows(path: Path) -> Iterator[RawRow]:
         raise DataError(f"Cannot read {path}: {exc.strerror}.") from None
     if empty:
         raise DataError(f"{path.name} is empty.", "Add at least one row of data.")
-    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": read_csv}[suffix]
-    yield from reader(path)
+    reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": read_csv, ".txt": _read_txt}[suffix]
+    yield from map(unix_line_endings, reader(path))
 
 
 def fingerprint(path: str | Path) -> str:

@@ -9,7 +9,11 @@ Bad rows follow the policy users expect: by default a few (at most
 `BAD_ROW_SHARE` of the rows) are skipped and reported by reason, with the
 first line numbers; more than that stops with exit 2, since the format was
 probably misunderstood. `--strict` stops at the first bad row,
-`--skip-bad-rows` skips any number. Nothing here shows a row's content. No torch.
+`--skip-bad-rows` skips any number. Rows that pass but look wrong
+(`data/suspicious.py`: placeholders never filled in, echoed prompts, blank
+replies) are counted; rows for a vision or audio model are refused once the
+file is read, and under `--strict` a placeholder is a bad row. Nothing here
+shows a row's content. No torch.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from llmcustoms.data.chat_turns import reasoning_parts
 from llmcustoms.data.data_files import RawRow, read_rows
 from llmcustoms.errors import DataError
 from llmcustoms.data.row_formats import DETECTION_ROWS, FORMAT_DESCRIPTIONS, Example, RowProblem, detect_format, to_example
+from llmcustoms.data.suspicious import SuspiciousRows
 
 # The share of bad rows skipped without being asked to; more stops the run.
 BAD_ROW_SHARE = 0.05
@@ -82,6 +88,9 @@ class Dataset:
     turns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     duplicates: int = 0  # rows whose text (whitespace normalised) repeats an earlier row
     near_empty: int = 0  # replies shorter than NEAR_EMPTY_CHARS characters
+    reasoning_parts: int = 0  # left out by a chat template that does not show reasoning
+    line_endings: int = 0  # rows whose "\r\n" or lone "\r" was read as "\n" (raw_rows.unix_line_endings)
+    suspicious: SuspiciousRows = field(default_factory=SuspiciousRows)  # placeholders, echoed prompts, ...
     seconds: float = 0.0  # time spent reading and validating
 
     @property
@@ -98,7 +107,10 @@ class Dataset:
 
     def to_json(self) -> dict:
         return {"format": self.format, "rows": self.rows, "bad_row_policy": self.policy, "bad_rows": self.bad.to_json(),
-                "unlearned_rows": self.unlearned, "duplicates": self.duplicates, "near_empty_replies": self.near_empty}
+                "unlearned_rows": self.unlearned, "duplicates": self.duplicates, "near_empty_replies": self.near_empty,
+                "reasoning_parts": self.reasoning_parts,
+                "line_endings_normalised": self.line_endings,
+                "suspicious": self.suspicious.to_json()}
 
 
 def _validated(path: Path) -> tuple[str, Iterator[tuple[RawRow, Example | None, str | None]]]:
@@ -132,6 +144,8 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
     total, prompt, turns, hashes = array("q"), array("q"), array("i"), array("Q")
     first_problem = ""
     for raw, example, problem in rows:
+        if dataset.suspicious.holds_media(raw, example):
+            continue  # refused below, once every such row is counted
         if problem is not None:
             if policy == "strict":
                 raise DataError(f"{raw.where(path)}: {problem}.",
@@ -139,20 +153,27 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
             first_problem = first_problem or f"{raw.where(path)}: {problem}"
             dataset.bad.add(raw, problem)
             continue
+        dataset.line_endings += raw.line_endings
         if not example.desirable:
             dataset.unlearned += 1
             continue
+        placeholder = dataset.suspicious.check(raw, example)
+        if placeholder and policy == "strict":
+            raise DataError(f"{raw.where(path)}: {placeholder}.",
+                            "Fill it in or remove the row, or run without --strict to train on it with a warning.")
         total.append(example.char_count())
         prompt.append(example.prompt_chars())
         turns.append(len(example.messages))
         hashes.append(_duplicate_key(example))
         dataset.near_empty += len(example.reply().strip()) < NEAR_EMPTY_CHARS
+        dataset.reasoning_parts += reasoning_parts(example.messages)
         if progress is not None and len(total) % 1000 == 0:
             progress(len(total) + dataset.bad.count)
     dataset.total_chars, dataset.prompt_chars = np.frombuffer(total, np.int64), np.frombuffer(prompt, np.int64)
     dataset.turns = np.frombuffer(turns, np.int32)
     dataset.duplicates = len(hashes) - len(np.unique(np.frombuffer(hashes, np.uint64)))
     dataset.seconds = time.perf_counter() - started
+    dataset.suspicious.refuse_media(path)
     _check_bad_share(dataset, first_problem)
     return dataset
 

@@ -11,13 +11,17 @@ as text inside a row too (tool arguments, a CSV's messages column). What a
 row keeps as JSON (tool schemas and arguments, which `json.dumps` and chat
 templates recurse through) nests at most `MAX_DEPTH` (64) levels; the rest of
 a row is never recursed through. Nothing here shows a row's content. No torch.
+
+Line breaks are "\\n" in every row's text: Windows' "\\r\\n" and a lone "\\r"
+(old Macs, some exports) are read as "\\n" (`unix_line_endings`), so no model
+learns a stray "\\r"; the row says so (`RawRow.line_endings`), to be counted.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -36,6 +40,8 @@ TOO_DEEP = "nested too deeply, or holds a number too long"
 DEEP_JSON = f"not valid JSON ({TOO_DEEP})"
 NOT_UNICODE = "text that is not valid Unicode (a lone surrogate)"
 TOO_LONG = f"longer than {MAX_ROW_BYTES >> 20} MiB, the limit for one row"
+# A line break that is not "\n": Windows' "\r\n", or a lone "\r".
+_OTHER_BREAK = re.compile("\r\n?")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class RawRow:
     line: int | None
     value: Any = None
     problem: str | None = None
+    # Whether its text had "\r\n" or a lone "\r", read as "\n".
+    line_endings: bool = False
 
     def where(self, path: Path) -> str:
         if self.line is not None and self.line != self.row:
@@ -116,6 +124,25 @@ def parse_json(text: str) -> Any:
     if lone_surrogate(value, text):
         raise BeyondLimits(NOT_UNICODE)
     return value
+
+
+def unix_line_endings(raw: RawRow) -> RawRow:
+    """The row with "\\r\\n" and a lone "\\r" read as "\\n" in every string it
+    holds (field names aside), marked if any was. The parsed value is the
+    reader's own, so it is changed in place; walked level by level, since a
+    row's JSON may nest as deep as the json module reads."""
+    changed = False
+    stack = [raw.value] if isinstance(raw.value, (dict, list)) else []
+    while stack:
+        item = stack.pop()
+        # Replacing a value (not adding a key) is safe while iterating.
+        for key, child in (item.items() if isinstance(item, dict) else enumerate(item)):
+            if isinstance(child, str):
+                if "\r" in child:
+                    item[key], changed = _OTHER_BREAK.sub("\n", child), True
+            elif isinstance(child, (dict, list)):
+                stack.append(child)
+    return replace(raw, line_endings=True) if changed else raw
 
 
 def lines(f: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:

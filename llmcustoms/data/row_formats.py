@@ -12,7 +12,15 @@ in this order (the first whose fields a row has wins):
   question_answer    question, answer                                      (Alpaca)
   prompt_completion  prompt, completion
   input_output       input, output                             (prompt/completion)
+  prompt_response    one prompt column (prompt, query, question, instruction,
+  query_answer, ...  input) and one reply column (completion, response, answer,
+                     output): every other such pair      (prompt/completion)
   text               text
+
+A prompt/completion row (any of the pairs) is read only when its pair is the
+row's only one: with two columns that could be the prompt (`context` counts),
+or two that could be the reply, which to learn is not ours to guess, and the
+row is refused (Alpaca's shapes, detected before, say what their extra column is).
 
 Any of them may carry a KTO-style `label` (true/false, or that text from a
 CSV): a row labelled false is read but never learned. Preference pairs
@@ -40,6 +48,16 @@ from llmcustoms.data.preference_pairs import PREFERENCE_FORMATS, preference_form
 __all__ = ["Example", "Message", "RowProblem", "ToolCall", "FORMAT_DESCRIPTIONS", "FORMAT_REQUIRED_FIELDS",
            "base_format", "detect_format", "to_example"]
 
+# Columns that are clearly a prompt, and clearly a reply. Any one of each is a
+# prompt/completion row, except the pairs with a format of their own below.
+PROMPT_COLUMNS = ("prompt", "query", "question", "instruction", "input")
+REPLY_COLUMNS = ("completion", "response", "answer", "output")
+COLUMN_PAIRS = {f"{p}_{r}": (p, r) for p in PROMPT_COLUMNS for r in REPLY_COLUMNS
+                if f"{p}_{r}" not in ("instruction_output", "instruction_response", "question_answer",
+                                      "prompt_completion", "input_output")}
+# Dolly's `context` is no prompt of a pair, but beside one it leaves two candidates.
+PROMPT_LIKE = (*PROMPT_COLUMNS, "context")
+
 FORMAT_DESCRIPTIONS = {
     "messages": "OpenAI messages (messages: [{role, content}])",
     "sharegpt": "ShareGPT (conversations: [{from, value}])",
@@ -48,6 +66,7 @@ FORMAT_DESCRIPTIONS = {
     "question_answer": "Alpaca (question, answer)",
     "prompt_completion": "prompt/completion (prompt, completion)",
     "input_output": "prompt/completion (input, output)",
+    **{name: f"prompt/completion ({p}, {r})" for name, (p, r) in COLUMN_PAIRS.items()},
     "text": "plain text (text)",
     **PREFERENCE_FORMATS,
 }
@@ -62,16 +81,18 @@ FORMAT_REQUIRED_FIELDS = {
     "question_answer": {"question", "answer"},
     "prompt_completion": {"prompt", "completion"},
     "input_output": {"input", "output"},
+    **{name: set(pair) for name, pair in COLUMN_PAIRS.items()},
     "text": {"text"},
 }
 # Variants read like the format they name here.
-BASE_FORMATS = {"alpaca_response": "alpaca", "question_answer": "alpaca", "input_output": "prompt_completion"}
+BASE_FORMATS = {"alpaca_response": "alpaca", "question_answer": "alpaca", "input_output": "prompt_completion",
+                **dict.fromkeys(COLUMN_PAIRS, "prompt_completion")}
 # Alpaca shapes: (instruction field, reply field). An optional `input` (or
 # Dolly's `context`) follows the instruction after a blank line.
 ALPACA_FIELDS = {"alpaca": ("instruction", "output"), "alpaca_response": ("instruction", "response"),
                  "question_answer": ("question", "answer")}
 ALPACA_INPUT_FIELDS = ("input", "context")
-PROMPT_FIELDS = {"prompt_completion": ("prompt", "completion"), "input_output": ("input", "output")}
+PROMPT_FIELDS = {"prompt_completion": ("prompt", "completion"), "input_output": ("input", "output"), **COLUMN_PAIRS}
 # How many leading rows to look at when detecting the format.
 DETECTION_ROWS = 50
 
@@ -192,11 +213,14 @@ def detect_format(rows: list[RawRow], path: Path) -> str:
     pairs = next((fmt for fmt in (preference_format(raw.value) for raw in objects[:DETECTION_ROWS]) if fmt), None)
     if pairs:
         return pairs
+    ambiguous = ""
     for raw in objects[:DETECTION_ROWS]:
         keys = set(raw.value)
+        doubt = _ambiguity(raw.value)
         for name, required in FORMAT_REQUIRED_FIELDS.items():
-            if required <= keys:
+            if required <= keys and not (doubt and name in PROMPT_FIELDS):
                 return name
+        ambiguous = ambiguous or doubt
         seen_fields += [k for k in raw.value if k not in seen_fields]
     if not objects:
         unreadable = next((raw for raw in rows if raw.problem is not None), None)
@@ -208,13 +232,35 @@ def detect_format(rows: list[RawRow], path: Path) -> str:
                         "Each row must be an object such as {\"instruction\": ..., \"output\": ...}.")
     if not seen_fields:
         raise DataError(f"{path.name}: the rows are empty objects.", "Each row needs fields such as instruction and output.")
-    accepted = "; ".join(FORMAT_DESCRIPTIONS.values())
+    accepted = "; ".join(text for name, text in FORMAT_DESCRIPTIONS.items() if name not in COLUMN_PAIRS)
     raise DataError(
         # Field names only, shortened: in odd files the keys themselves could be content.
         f"{path.name}: cannot tell the data format from the fields found "
-        f"({', '.join(_shown_field(f) for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''}).",
-        f"Accepted formats: {accepted}. Rename your columns to one of these.",
+        f"({', '.join(_shown_field(f) for f in seen_fields[:10])}{', ...' if len(seen_fields) > 10 else ''})"
+        f"{': ' + ambiguous if ambiguous else ''}.",
+        f"Accepted formats: {accepted}; or one prompt column ({_either(PROMPT_COLUMNS)}) with one reply column "
+        f"({_either(REPLY_COLUMNS)}). Rename your columns to one of these.",
     )
+
+
+def _either(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _ambiguity(value: dict) -> str:
+    """Why a row with a prompt column and a reply column is no one column pair
+    ('' when it is one): more than one column could be the prompt, or the reply.
+    Only our own column names are said."""
+    prompts = [k for k in value if k in PROMPT_LIKE]
+    replies = [k for k in value if k in REPLY_COLUMNS]
+    if not replies or not any(k in PROMPT_COLUMNS for k in prompts) or (len(prompts) == 1 and len(replies) == 1):
+        return ""
+    prompt, reply = f"the prompt ({', '.join(prompts)})", f"the reply ({', '.join(replies)})"
+    if len(replies) == 1:
+        return f"more than one column could be {prompt}"
+    if len(prompts) == 1:
+        return f"more than one column could be {reply}"
+    return f"more than one column could be {prompt} and more than one {reply}"
 
 
 def _shown_field(name: str) -> str:
@@ -283,6 +329,8 @@ def to_example(raw: RawRow, fmt: str) -> Example:
     elif fmt in ("messages", "sharegpt"):
         example = _conversation(raw.row, value, fmt)
     elif fmt in PROMPT_FIELDS:
+        if doubt := _ambiguity(value):
+            raise RowProblem(doubt)  # which column is the prompt is not ours to guess
         prompt_field, completion_field = PROMPT_FIELDS[fmt]
         example = Example(raw.row, prompt=_text_field(value, prompt_field), completion=_text_field(value, completion_field))
     elif fmt == "text":

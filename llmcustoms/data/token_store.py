@@ -43,7 +43,10 @@ import numpy as np
 
 from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
 
-STORE_FORMAT = "tokenized-v2"
+# v3: "\r\n" and a lone "\r" in a row's text are read as "\n", so a file with
+# them tokenizes otherwise than before; so does one whose replies carry
+# OpenAI's `weight: 0` (masked now) or reasoning parts.
+STORE_FORMAT = "tokenized-v3"
 # No row keeps more tokens than this (far beyond any max_seq_len a run uses);
 # text is clipped to MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN characters before
 # tokenizing, so one huge row costs little time and memory.

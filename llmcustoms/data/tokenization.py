@@ -1,8 +1,9 @@
 """Turn `Example`s into token ids and labels, with the loss masked on prompts.
 
-`data/chat_templates.py` renders a row as text pieces, each marked learned or not.
-Each piece is tokenized on its own, so labels are -100 on exactly the prompt
-pieces.
+`data/chat_templates.py` renders a row as text pieces, each marked prompt,
+reply or unlearned reply (a turn marked `weight: 0`). Each piece is tokenized
+on its own, so labels are -100 on exactly the prompt pieces (unless
+--train-on-prompt) and the unlearned replies (always).
 
 Every sequence ends with a token the model stops on: a reply whose template
 ends with an end-of-turn token followed by whitespace (ChatML's
@@ -16,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from llmcustoms.data.chat_templates import chat_segments, raw_segments, supports_tools, template_refused, tool_support_error
+from llmcustoms.data.chat_templates import (PROMPT, REPLY, Segments, chat_segments, raw_segments, supports_reasoning,
+                                             supports_tools, template_refused, tool_support_error)
 from llmcustoms.data.chat_templates import has_own_template as template_is_own
 from llmcustoms.errors import ModelError
 from llmcustoms.data.row_formats import Example
@@ -64,9 +66,11 @@ class Tokenizer:
         # user wrote out as text teaches more as it is.
         self.templated_prompts = own and not raw_prompts
         self.tools_supported: bool | None = None  # probed at the first row that uses tools
+        # Reasoning parts reach a template that reads them; others never see them.
+        self.shows_reasoning = supports_reasoning(hf_tokenizer)
 
-    def segments(self, example: Example) -> list[tuple[str, bool]]:
-        """The row as (text, learned) pieces, in order."""
+    def segments(self, example: Example) -> Segments:
+        """The row as (text, PROMPT | REPLY | UNLEARNED) pieces, in order."""
         from jinja2 import TemplateError
 
         if example.uses_tools and not self.tools_supported:
@@ -75,7 +79,8 @@ class Tokenizer:
                 raise tool_support_error(example)
         try:
             if example.is_chat:
-                return chat_segments(self.hf, example.messages, example.tool_schemas(), example.learned_from)
+                return chat_segments(self.hf, example.messages, example.tool_schemas(), example.learned_from,
+                                     self.shows_reasoning)
             if example.prompt and self.templated_prompts:
                 return chat_segments(self.hf, example.as_conversation().messages)
         except TemplateError as error:
@@ -103,7 +108,7 @@ class Tokenizer:
     def encode_many(self, examples: Sequence[Example]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(token ids, learned mask) of each example, not truncated. All pieces
         go to the tokenizer in one call: fast tokenizers spread a batch over the cores."""
-        segments = [[(text, trained) for text, trained in self.segments(e) if text] for e in examples]
+        segments = [[(text, kind) for text, kind in self.segments(e) if text] for e in examples]
         pieces = self.hf([text for row in segments for text, _ in row], add_special_tokens=False)["input_ids"]
         out, k = [], 0
         for row in segments:
@@ -111,17 +116,17 @@ class Tokenizer:
             k += len(row)
         return out
 
-    def _assemble(self, segments: list[tuple[str, bool]], pieces: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        replies = [i for i, (_, trained) in enumerate(segments) if trained]
+    def _assemble(self, segments: Segments, pieces: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        replies = [i for i, (_, kind) in enumerate(segments) if kind == REPLY]
         last_reply = replies[-1] if replies else -1  # none when clipping left no reply: the row is dropped later
         input_ids: list[int] = []
         learned: list[bool] = []
-        for i, ((_, trained), ids) in enumerate(zip(segments, pieces)):
+        for i, ((_, kind), ids) in enumerate(zip(segments, pieces)):
             ids = list(ids)
             if i == last_reply:
                 ids = self._end_with_stop_token(ids)
             input_ids += ids
-            learned += [trained or self.train_on_prompt] * len(ids)
+            learned += [kind == REPLY or (kind == PROMPT and self.train_on_prompt)] * len(ids)
         return np.array(input_ids, np.int32), np.array(learned, np.uint8)
 
 

@@ -1,8 +1,9 @@
 """What matters about the data before training, with one-line advice.
 
-Pure: from the counts reading found (`dataset.Dataset.to_json()`), the training
-rows' token lengths and the plan's length and schedule to a dict that goes
-into plan.json (so `plan --json` has it) and is shown before training. No torch.
+Pure: from the counts reading found (`dataset.Dataset.to_json()`, its
+suspicious rows first), the training rows' token lengths and the plan's
+length and schedule to a dict that goes into plan.json (so `plan --json` has
+it) and is shown before training. No torch.
 """
 
 from __future__ import annotations
@@ -28,14 +29,23 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
            total_steps: int, epochs: float | None) -> list[str]:
     """One line per thing worth knowing, each saying what to do."""
     rows = max(1, int(report.get("rows", 0)))
-    lines = []
+    lines = [suspicious_line(found) for found in report.get("suspicious", ())]
     duplicates = int(report.get("duplicates", 0))
     if duplicates:
         lines.append(f"{duplicates:,} exact duplicates ({duplicates / rows:.0%}, whitespace ignored): consider "
                      "removing them; a repeated row is learned as if it mattered more")
+    line_endings = int(report.get("line_endings_normalised", 0))
+    if line_endings:
+        lines.append(f"{line_endings:,} row{'s' if line_endings != 1 else ''} had Windows or old Mac line breaks "
+                     "(\\r\\n or \\r): read as \\n, so no \\r is learned")
     near_empty = int(report.get("near_empty_replies", 0))
     if near_empty:
-        lines.append(f"{near_empty:,} replies are under 5 characters: check they are meant to be that short")
+        lines.append(f"{near_empty:,} {'reply is' if near_empty == 1 else 'replies are'} under 5 characters: check "
+                     f"{'it is' if near_empty == 1 else 'they are'} meant to be that short")
+    reasoning = int(report.get("reasoning_parts_dropped", 0))
+    if reasoning:
+        lines.append(f"{reasoning:,} reasoning part{'s' if reasoning != 1 else ''} left out: this model's chat template "
+                     "does not show reasoning (reasoning_content); a model whose template does would learn them")
     if truncated:
         p99 = length_percentiles(lengths).get("p99", 0)
         lines.append(f"{truncated:,} rows are longer than {max_seq_len} tokens and lose the end of their reply"
@@ -51,6 +61,15 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
         lines.append(f"only {total_steps} optimizer steps ({epochs:g} epochs): expect little change; add rows, "
                      "raise --epochs, or lower --batch-size")
     return lines
+
+
+def suspicious_line(found: dict[str, Any]) -> str:
+    """One finding of `data/suspicious.py` (an item of the report's
+    "suspicious"): what, how many rows and where, and what to do."""
+    count = int(found["rows"])
+    places = ", ".join(found["first_lines"]) + (", ..." if count > len(found["first_lines"]) else "")
+    marks = f" ({', '.join(found['what'])})" if found.get("what") else ""
+    return f"{found['finding']}{marks}: {count:,} row{'s' if count != 1 else ''} ({places}); {found['advice']}"
 
 
 def data_facts(report: dict[str, Any], lengths: Sequence[int], length_source: str, max_seq_len: int,

@@ -140,7 +140,7 @@ _LORA = frozenset({TRAIN, PLAN, LR_FIND})
 
 OPTIONS: tuple[Option, ...] = (
     # What to train on and with: not plan values, but settings like the rest.
-    Option("data", str, "Training data: .jsonl, .json, .csv, .parquet or a saved datasets directory "
+    Option("data", str, "Training data: .jsonl, .json, .csv, .parquet, .txt or a saved datasets directory "
            "(`llmcustoms setup` sets the variable).", env="DATA", argument=True),
     Option("model", str, "Hugging Face Hub id or local model directory. Default: the preset's best model that fits.",
            flag="--model", short="-m", env="MODEL"),

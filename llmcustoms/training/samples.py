@@ -55,8 +55,9 @@ def prompt_of(example: Example) -> SamplePrompt | None:
         return None
     if example.is_chat:
         for index, message in enumerate(example.messages):
-            # A preference pair's earlier assistant turns are its prompt: its reply comes at `learned_from`.
-            if message.role == "assistant" and index > 0 and index >= example.learned_from:
+            # A preference pair's earlier assistant turns are its prompt: its reply comes at `learned_from`;
+            # a reply marked weight 0 is no reference.
+            if message.role == "assistant" and index > 0 and index >= example.learned_from and message.learned:
                 before = tuple({"role": m.role, "content": m.content} for m in example.messages[:index])
                 return SamplePrompt(example.row, before, message.content) if before[-1]["role"] == "user" else None
         return None

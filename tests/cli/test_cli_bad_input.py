@@ -185,3 +185,18 @@ def test_a_float_flag_outside_the_options_table_refuses_nan_and_infinity(cli, ti
     result = cli(command, str(FIXTURES / "alpaca.jsonl"), "--model", str(tiny_models["llama"]), *flag, cwd=tmp_path)
     assert_clean_user_error(result, f"Invalid value for '{flag[0]}'", "finite number")
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_weight_that_is_not_0_or_1_is_a_bad_row_naming_the_field(cli, tiny_models, tmp_path):
+    # messages_weight.jsonl: 3 rows, the second with `weight: 2` on its reply.
+    path = FIXTURES / "shapes" / "messages_weight.jsonl"
+    model = ("--model", str(tiny_models["qwen2"]))
+    where = "messages_weight.jsonl, line 2: 'weight' must be 0 or 1, found another number (messages[2])"
+    assert_clean_user_error(cli("plan", str(path), *model, "--json"), "1 of 3 rows (33%) fail validation", where,
+                            "--skip-bad-rows")
+    assert_clean_user_error(cli("plan", str(path), *model, "--strict", "--json"), where)
+    skipped = cli("plan", str(path), *model, "--skip-bad-rows", "--json")
+    assert skipped.returncode == 0, output_of(skipped)
+    report = json.loads(skipped.stdout)["data_report"]
+    assert report["rows"] == 2
+    assert report["bad_rows"]["where"] == {"'weight' must be 0 or 1, found another number": ["line 2"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
@@ -126,3 +127,81 @@ def test_hardware_with_several_gpus_says_how_to_use_them(monkeypatch):
     shown = flat(invoke("hardware").output)
     assert "GPU 3" in shown and "4 GPUs: the table is for one of them" in shown
     assert "--num-processes 4" in shown and "--distributed fsdp" in shown
+
+
+@pytest.mark.parametrize("case, said", [
+    ("data", "ambiguous_pairs.csv: cannot tell the data format from the fields found (query, prompt, response, answer)"),
+    ("config", "Early stopping needs evaluation rows"),
+    ("setting", "LLMCUSTOMS_LR"),
+    ("fit", "does not fit in 2.0 GiB of GPU memory"),
+])
+def test_plan_json_prints_one_json_object_even_on_an_error(tmp_path, tiny_models, case, said):
+    env_file = tmp_path / "bad.env"
+    env_file.write_text("LLMCUSTOMS_LR=fast\n")
+    args = {"data": [str(DATA_FILES["alpaca"].parent / "shapes" / "ambiguous_pairs.csv")],
+            "config": [str(DATA_FILES["text"]), "--model", str(tiny_models["llama"]), "--eval-split", "0",
+                       "--early-stopping-patience", "2"],
+            "setting": [str(DATA_FILES["text"]), "--env-file", str(env_file)],
+            "fit": [str(DATA_FILES["alpaca"]), "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--vram", "2"]}[case]
+    result = invoke("plan", *args, "--json")
+    assert result.exit_code == 2
+    printed = json.loads(result.stdout)  # the whole of stdout: one object
+    assert list(printed) == ["error"] and sorted(printed["error"]) == ["exit_code", "hint", "message"]
+    assert said in printed["error"]["message"] and printed["error"]["exit_code"] == 2
+    assert said in flat(result.stderr)  # and the message for people, where it always goes
+    assert "Traceback" not in result.output
+
+
+# --- the suspicious-content check, through the real CLI (`plan` in a subprocess)
+
+SHAPES = DATA_FILES["alpaca"].parent / "shapes"
+
+
+def said(result) -> str:
+    """stdout + stderr, whitespace collapsed so that Rich's wrapping cannot split a phrase."""
+    return flat(result.stdout + "\n" + result.stderr)
+
+
+def test_data_for_a_vision_model_is_refused_with_exit_2(cli, tiny_models):
+    result = cli("plan", str(SHAPES / "multimodal.jsonl"), "--model", str(tiny_models["llama"]), "--json")
+    out = said(result)
+    assert result.returncode == 2, out
+    assert ("multimodal.jsonl: 4 rows hold images, video or audio (field 'images', marker <image>: line 1, line 2, "
+            "line 4, ...); llmcustoms trains text-only models.") in out
+    assert "Vision and audio models are not supported" in out
+    assert "Traceback" not in out and "mauve-periscope" not in out
+
+
+def test_placeholders_warn_in_the_plan_and_strict_refuses_the_first(cli, tiny_models):
+    data, model = str(SHAPES / "identity_placeholders.jsonl"), ("--model", str(tiny_models["llama"]))
+    shown = cli("plan", data, *model)
+    assert shown.returncode == 0, said(shown)
+    assert ("Data: template placeholders never filled in ({{...}}): 10 rows (line 2, line 3, line 4, ...); fill them "
+            "in or remove those rows") in said(shown)
+    planned = cli("plan", data, *model, "--json")
+    assert planned.returncode == 0, said(planned)
+    report = json.loads(planned.stdout)["data_report"]
+    assert report["suspicious"] == [{"kind": "placeholder", "rows": 10, "first_lines": ["line 2", "line 3", "line 4"],
+                                     "what": ["{{...}}"], "finding": "template placeholders never filled in",
+                                     "advice": report["suspicious"][0]["advice"]}]
+    assert report["advice"][0].startswith("template placeholders never filled in")
+    strict = cli("plan", data, *model, "--strict")
+    assert strict.returncode == 2, said(strict)
+    assert ("identity_placeholders.jsonl, line 2: a template placeholder ({{...}}) in a reply, never filled in."
+            in said(strict))
+    for result in (shown, planned, strict):
+        assert "velvet-quasar" not in said(result) and "Traceback" not in said(result)
+
+
+@pytest.mark.parametrize("name, kind, lines, secret", [
+    ("echo_replies.jsonl", "echo_reply", ["line 4", "line 8", "line 9"], "amber-trellis"),
+    ("blank_replies.jsonl", "blank_reply", ["line 3", "line 6", "line 10"], "copper-lagoon"),
+])
+def test_echoed_and_blank_replies_are_reported_by_count_and_line(cli, tiny_models, name, kind, lines, secret):
+    planned = cli("plan", str(SHAPES / name), "--model", str(tiny_models["llama"]), "--json")
+    assert planned.returncode == 0, said(planned)
+    found = json.loads(planned.stdout)["data_report"]["suspicious"]
+    assert [(f["kind"], f["rows"], f["first_lines"]) for f in found] == [(kind, 3, lines)]
+    shown = cli("plan", str(SHAPES / name), "--model", str(tiny_models["llama"]))
+    assert f"3 rows ({', '.join(lines)}); fix or remove those rows" in said(shown)
+    assert secret not in said(planned) + said(shown)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from llmcustoms.data import dataset as data
 from llmcustoms.data.chat_turns import Message
 from llmcustoms.errors import DataError
-from llmcustoms.data.row_formats import FORMAT_DESCRIPTIONS
+from llmcustoms.data.row_formats import COLUMN_PAIRS, FORMAT_DESCRIPTIONS
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 SECRET = "SECRET-ROW-CONTENT-12345"
@@ -292,9 +292,9 @@ def test_missing_file(tmp_path):
 
 
 def test_unsupported_extension(tmp_path):
-    err = bad_input(write(tmp_path, "notes.txt", jsonl(good(1))))
-    assert err.message.startswith("notes.txt: unsupported file type '.txt'")
-    for suffix in (".jsonl", ".json", ".csv", ".parquet"):
+    err = bad_input(write(tmp_path, "notes.tsv", jsonl(good(1))))
+    assert err.message.startswith("notes.tsv: unsupported file type '.tsv'")
+    for suffix in (".jsonl", ".json", ".csv", ".parquet", ".txt"):
         assert suffix in err.hint
 
 
@@ -304,8 +304,10 @@ def test_unknown_columns(tmp_path):
     assert err.message.startswith("qa.jsonl: cannot tell the data format")
     for name in ("query", "reply", "source"):
         assert name in err.message
-    for description in FORMAT_DESCRIPTIONS.values():
-        assert description in err.hint
+    for name, description in FORMAT_DESCRIPTIONS.items():
+        assert description in err.hint or name in COLUMN_PAIRS  # the pairs, in one sentence:
+    assert ("or one prompt column (prompt, query, question, instruction or input) with one reply column "
+            "(completion, response, answer or output)") in err.hint
     assert SECRET not in str(err)
 
 

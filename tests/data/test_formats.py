@@ -21,8 +21,8 @@ from llmcustoms.data.chat_templates import ensure_chat_template, supports_tools
 from llmcustoms.data.dataset import read_dataset
 from llmcustoms.data.data_files import RawRow, read_rows
 from llmcustoms.errors import DataError, ModelError
-from llmcustoms.data.row_formats import (FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format, detect_format,
-                                   to_example)
+from llmcustoms.data.row_formats import (COLUMN_PAIRS, FORMAT_DESCRIPTIONS, Example, Message, RowProblem, base_format,
+                                   detect_format, to_example)
 from llmcustoms.data.tokenization import IGNORE_INDEX, Tokenizer
 from test_tokenization import spans as decoded_spans
 from tiny_models import FIXTURES, build_tokenizer
@@ -90,6 +90,7 @@ def chatml_turn(role: str, text: str) -> str:
 @pytest.mark.parametrize("name, fmt, description", [
     ("messages_parts.jsonl", "messages", "OpenAI messages (messages: [{role, content}])"),
     ("messages_tools.jsonl", "messages", "OpenAI messages (messages: [{role, content}])"),
+    ("messages_value_parts.jsonl", "messages", "OpenAI messages (messages: [{role, content}])"),
     ("sharegpt_system.jsonl", "sharegpt", "ShareGPT (conversations: [{from, value}])"),
     ("sharegpt_tools.json", "sharegpt", "ShareGPT (conversations: [{from, value}])"),
     ("alpaca_system.jsonl", "alpaca", "Alpaca (instruction, input, output)"),
@@ -98,6 +99,10 @@ def chatml_turn(role: str, text: str) -> str:
     ("input_output.csv", "input_output", "prompt/completion (input, output)"),
     ("kto.jsonl", "prompt_completion", "prompt/completion (prompt, completion)"),
     ("kto.csv", "messages", "OpenAI messages (messages: [{role, content}])"),
+    ("prompt_response.csv", "prompt_response", "prompt/completion (prompt, response)"),
+    ("query_response.jsonl", "query_response", "prompt/completion (query, response)"),
+    ("crlf_cells.csv", "prompt_completion", "prompt/completion (prompt, completion)"),
+    ("paragraphs.txt", "text", "plain text (text)"),
 ])
 def test_each_shape_is_detected_and_named(name, fmt, description):
     detected, examples = examples_of(SHAPES / name)
@@ -124,6 +129,71 @@ def test_detection_order_puts_chat_lists_first_and_alpaca_before_input_output(tm
              ({"question": "q", "answer": "a", "text": "t"}, "question_answer")]
     for value, fmt in cases:
         assert detect_format([RawRow(1, 1, value=value)], path) == fmt, value
+
+
+# ------------------------------------------------------------- column pairs
+
+@pytest.mark.parametrize("prompt_field, reply_field", [
+    ("prompt", "response"), ("query", "response"), ("input", "response"), ("question", "response"),
+    ("instruction", "answer"), ("query", "answer"), ("prompt", "answer"), ("question", "completion"),
+    ("query", "completion"), ("input", "answer"), ("prompt", "output"), ("query", "output"),
+])
+def test_a_column_pair_is_read_as_prompt_completion_and_named(tmp_path, prompt_field, reply_field):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({prompt_field: "What do bees make?", reply_field: "Honey.", "label": True}) + "\n")
+    fmt, [example] = examples_of(path)
+    assert fmt == f"{prompt_field}_{reply_field}" and base_format(fmt) == "prompt_completion"
+    assert FORMAT_DESCRIPTIONS[fmt] == f"prompt/completion ({prompt_field}, {reply_field})"
+    assert example == Example(1, prompt="What do bees make?", completion="Honey.")
+
+
+def test_every_pair_of_a_prompt_column_and_a_reply_column_is_read():
+    prompts, replies = ("prompt", "query", "question", "instruction", "input"), ("completion", "response", "answer", "output")
+    own_format = {("instruction", "output"): "alpaca", ("instruction", "response"): "alpaca_response",
+                  ("question", "answer"): "question_answer", ("prompt", "completion"): "prompt_completion",
+                  ("input", "output"): "input_output"}
+    for p in prompts:
+        for r in replies:
+            fmt = detect_format([RawRow(1, 1, value={p: "q", r: "a"})], Path("x.jsonl"))
+            assert fmt == own_format.get((p, r), f"{p}_{r}"), (p, r)
+    assert len(COLUMN_PAIRS) == len(prompts) * len(replies) - len(own_format)
+
+
+def test_column_pairs_keep_the_detection_order():
+    cases = [({"instruction": "i", "input": "x", "output": "o"}, "alpaca"),  # Alpaca's input is no second prompt
+             ({"instruction": "i", "context": "c", "response": "r"}, "alpaca_response"),
+             ({"question": "q", "input": "x", "answer": "a"}, "question_answer"),
+             ({"messages": [], "prompt": "p", "response": "r"}, "messages"),
+             ({"conversations": [], "query": "q", "answer": "a"}, "sharegpt"),
+             ({"prompt": "p", "completion": "c", "label": False}, "prompt_completion"),
+             ({"text": "t", "query": "q", "answer": "a"}, "query_answer"),
+             ({"query": "q", "response": "r", "source": "s", "id": 3}, "query_response")]
+    for value, fmt in cases:
+        assert detect_format([RawRow(1, 1, value=value)], Path("x.jsonl")) == fmt, value
+
+
+@pytest.mark.parametrize("value, why", [
+    ({"query": SECRET, "prompt": SECRET, "response": SECRET, "answer": SECRET},
+     "more than one column could be the prompt (query, prompt) and more than one the reply (response, answer)"),
+    ({"instruction": SECRET, "input": SECRET, "answer": SECRET}, "more than one column could be the prompt (instruction, input)"),
+    ({"instruction": SECRET, "context": SECRET, "answer": SECRET}, "more than one column could be the prompt (instruction, context)"),
+    ({"query": SECRET, "response": SECRET, "output": SECRET}, "more than one column could be the reply (response, output)"),
+    ({"prompt": SECRET, "completion": SECRET, "query": SECRET}, "more than one column could be the prompt (prompt, query)"),
+])
+def test_an_ambiguous_column_set_is_refused_naming_the_columns_and_the_pairs(value, why):
+    with pytest.raises(DataError) as info:
+        detect_format([RawRow(1, 1, value=value)], Path("data.jsonl"))
+    assert info.value.message == f"data.jsonl: cannot tell the data format from the fields found ({', '.join(value)}): {why}."
+    assert info.value.hint.endswith("; or one prompt column (prompt, query, question, instruction or input) with one reply "
+                                    "column (completion, response, answer or output). Rename your columns to one of these.")
+    assert SECRET not in str(info.value)
+
+
+def test_a_row_with_a_second_prompt_column_in_a_pair_file_is_a_bad_row():
+    # The first row decides the format; a later row that could be read two ways is not guessed at.
+    assert problem({"query": SECRET, "input": SECRET, "response": SECRET}, "query_response") == \
+        "more than one column could be the prompt (query, input)"
+    assert row({"query": "q", "response": "r", "category": "x"}, "query_response").completion == "r"
 
 
 # --------------------------------------------------------- messages and parts
@@ -293,6 +363,31 @@ def test_prompt_completion_is_raw_when_asked_or_when_the_template_is_the_fallbac
     assert masked == ["Question: What do bees make?\nAnswer:"]
 
 
+@pytest.mark.parametrize("name, index, prompt, reply", [
+    ("prompt_response.csv", 1, "Name the colour of the sky.\nOne word.", "Blue."),
+    ("query_response.jsonl", 0, "What do bees make?", "Honey."),
+    ("crlf_cells.csv", 0, "Write two lines.\nKeep them short.", "Roses are red.\nViolets are blue."),
+    ("crlf_cells.csv", 1, "A lone carriage\nreturn.", "Fine."),
+])
+def test_column_pairs_learn_only_the_reply_through_the_template(chatml, no_template, name, index, prompt, reply):
+    _, examples = examples_of(SHAPES / name)
+    masked, learned = masks(chatml, examples[index])
+    assert masked == [chatml_turn("user", prompt) + "<|im_start|>assistant\n"]
+    assert learned == [reply + "<|im_end|>"]
+    masked, learned = masks(no_template, examples[index])  # raw without a template of its own
+    assert masked == [prompt] and learned == [reply + "<|endoftext|>"]
+    encoded = Tokenizer(chatml).encode(examples[index])
+    assert "\r" not in chatml.decode(encoded.input_ids)
+
+
+def test_text_file_paragraphs_are_learned_whole_and_raw(chatml):
+    _, examples = examples_of(SHAPES / "paragraphs.txt")
+    assert [e.completion for e in examples] == ["Bees make honey from the nectar of flowers.\nThey store it in wax combs.",
+                                                "A spider has eight legs.", "The sky is blue on a clear day."]
+    masked, learned = masks(chatml, examples[0])
+    assert masked == [] and learned == ["Bees make honey from the nectar of flowers.\nThey store it in wax combs.<|im_end|>"]
+
+
 def test_text_rows_stay_raw_even_with_a_template(chatml):
     masked, learned = masks(chatml, Example(1, completion="Bees make honey."))
     assert masked == [] and learned == ["Bees make honey.<|im_end|>"]
@@ -388,3 +483,166 @@ def test_the_developer_role_is_the_system_turn():
     example = row({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                 {"role": "assistant", "content": "Hello!"}]}, "messages")
     assert [m.role for m in example.messages] == ["system", "user", "assistant"]
+
+
+# ------------------------------------------------------- per-turn weights
+
+@pytest.fixture(scope="module")
+def reasoning():
+    """A ChatML template that shows an assistant turn's reasoning_content and tool calls."""
+    tokenizer = build_tokenizer("chatml")
+    tokenizer.chat_template = (SHAPES / "reasoning_chat_template.jinja").read_text()
+    return tokenizer
+
+
+def test_a_weight_0_turn_is_context_never_learned_and_a_weight_1_turn_is_learned(chatml):
+    rows = list(read_rows(SHAPES / "messages_weight.jsonl"))
+    example = to_example(rows[0], "messages")
+    assert [m.learned for m in example.messages] == [True, True, False, True, True]
+    assert example.messages[2].as_dict() == {"role": "assistant", "content": "Milk."}  # templates never see it
+    masked, learned = masks(chatml, example)
+    assert masked == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?")
+                      + chatml_turn("assistant", "Milk.") + chatml_turn("user", "No. What do bees make?")
+                      + "<|im_start|>assistant\n"]
+    assert learned == ["Honey.<|im_end|>"]
+    from llmcustoms.training.samples import prompt_of
+
+    assert prompt_of(example).reference == "Honey."  # a sample answers where the data has a reply to learn
+    # --train-on-prompt learns the prompts, never a reply the row marks weight 0: exactly its tokens stay masked.
+    masked, learned = masks(chatml, example, train_on_prompt=True)
+    assert masked == ["Milk.<|im_end|>\n"]
+    assert learned == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?")
+                       + "<|im_start|>assistant\n",
+                       chatml_turn("user", "No. What do bees make?") + "<|im_start|>assistant\nHoney.<|im_end|>"]
+
+
+def test_turns_after_the_last_weight_1_reply_are_dropped(chatml):
+    rows = list(read_rows(SHAPES / "messages_weight.jsonl"))
+    example = to_example(rows[2], "messages")
+    assert example.messages == (Message("user", "How many legs does a spider have?"), Message("assistant", "Eight legs."))
+    assert masks(chatml, example) == ([chatml_turn("user", "How many legs does a spider have?") + "<|im_start|>assistant\n"],
+                                      ["Eight legs.<|im_end|>"])
+    # Built by hand, a row ending in an unlearned reply is rendered up to its last learned one.
+    by_hand = Example(1, messages=example.messages + (Message("user", "And an ant?"),
+                                                      Message("assistant", "Eight.", learned=False)))
+    assert masks(chatml, by_hand) == masks(chatml, example)
+    nothing = Tokenizer(chatml).encode(Example(1, messages=(("user", "Hi"), Message("assistant", "Yo.", learned=False))))
+    assert nothing.trainable_tokens == 0  # dropped with the rows left with nothing to learn
+
+
+def test_the_file_with_a_bad_weight_skips_that_row_and_names_the_field():
+    dataset = read_dataset(SHAPES / "messages_weight.jsonl", "skip")
+    assert dataset.rows == 2
+    assert dataset.bad.where == {"'weight' must be 0 or 1, found another number": ["line 2"]}
+
+
+@pytest.mark.parametrize("weight, found", [(2, "another number"), (0.5, "another number"), ("0", "text"),
+                                           (True, "true or false"), (None, "null"), ([1], "list"), ({"w": 1}, "dict")])
+def test_a_weight_that_is_not_0_or_1_is_a_bad_row_naming_the_field_and_the_turn(weight, found):
+    turns = [{"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET},
+             {"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET, "weight": weight}]
+    assert problem({"messages": turns}, "messages") == f"'weight' must be 0 or 1, found {found} (messages[4])"
+
+
+def test_weights_elsewhere_are_refused_or_ignored_and_1_0_is_1():
+    on_user = [{"role": "user", "content": SECRET, "weight": 1}, {"role": "assistant", "content": SECRET}]
+    assert problem({"messages": on_user}, "messages") == "'weight' on a user turn; only assistant turns have one (messages[1])"
+    floats = row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.0},
+                               {"role": "user", "content": "q"}, {"role": "assistant", "content": "b", "weight": 1.0}]},
+                 "messages")
+    assert [m.learned for m in floats.messages] == [True, False, True, True]
+    # ShareGPT has no weights: a `weight` key there is someone else's column.
+    sharegpt = row({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "weight": 0}]},
+                   "sharegpt")
+    assert sharegpt.messages[-1].learned
+
+
+def test_a_row_whose_every_reply_has_weight_0_is_a_bad_row():
+    turns = [{"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET, "weight": 0},
+             {"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET, "weight": 0}]
+    assert problem({"messages": turns}, "messages") == \
+        "every assistant turn in field 'messages' has weight 0: nothing to learn"
+
+
+def test_a_template_that_rewrites_earlier_turns_learns_the_last_weight_1_reply(reasoning):
+    # Like Qwen3's: reasoning shown on the last turn only, so per-turn cuts do not line up.
+    rewriting = build_tokenizer("chatml")
+    rewriting.chat_template = reasoning.chat_template.replace("message.reasoning_content is defined",
+                                                              "message.reasoning_content is defined and loop.last")
+    turns = [{"role": "user", "content": "Q1"},
+             {"role": "assistant", "content": [{"type": "reasoning", "value": "R1"}, {"type": "text", "value": "A1"}],
+              "weight": 0},
+             {"role": "user", "content": "Q2"},
+             {"role": "assistant", "content": [{"type": "reasoning", "value": "R2"}, {"type": "text", "value": "A2"}]},
+             {"role": "user", "content": "Q3"},
+             {"role": "assistant", "content": [{"type": "reasoning", "value": "R3"}, {"type": "text", "value": "A3"}],
+              "weight": 0}]
+    example = row({"messages": turns}, "messages")
+    assert [m.content for m in example.messages] == ["Q1", "A1", "Q2", "A2"]  # the last reply has weight 0: dropped
+    masked, learned = masks(rewriting, example)
+    assert masked == [chatml_turn("user", "Q1") + chatml_turn("assistant", "A1") + chatml_turn("user", "Q2")
+                      + "<|im_start|>assistant\n"]
+    assert learned == ["<think>\nR2\n</think>\n\nA2<|im_end|>"]
+
+
+# ------------------------------------------- content parts keyed value
+
+def test_parts_keyed_value_are_read_like_text_and_tools_as_json_text():
+    detected, (plain, calling) = examples_of(SHAPES / "messages_value_parts.jsonl")
+    assert detected == "messages"
+    assert plain.messages == (Message("system", "Answer briefly."), Message("user", "What do bees make?\nOne word."),
+                              Message("assistant", "Honey.", reasoning=("Bees make honey from nectar.",)))
+    assert [(c.name, json.loads(c.arguments)) for c in calling.messages[1].tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert calling.messages[1].content == "" and calling.messages[1].reasoning == ("I need the weather tool.",)
+    assert json.loads(calling.tools)[0]["function"]["name"] == "get_weather"
+    empty = row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "reasoning", "value": " "}, {"type": "text", "value": "a"}]}]}, "messages")
+    assert empty.messages[-1] == Message("assistant", "a")  # an empty reasoning part says nothing
+
+
+def test_reasoning_parts_reach_a_template_that_reads_them_and_are_counted_otherwise(chatml, qwen, reasoning):
+    from llmcustoms.data.chat_templates import supports_reasoning
+
+    assert supports_reasoning(reasoning) and not supports_reasoning(qwen) and not supports_reasoning(chatml)
+    _, (plain, _) = examples_of(SHAPES / "messages_value_parts.jsonl")
+    prompt = chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?\nOne word.")
+    assert masks(reasoning, plain) == ([prompt + "<|im_start|>assistant\n"],
+                                       ["<think>\nBees make honey from nectar.\n</think>\n\nHoney.<|im_end|>"])
+    assert masks(chatml, plain) == ([prompt + "<|im_start|>assistant\n"], ["Honey.<|im_end|>"])
+    assert read_dataset(SHAPES / "messages_value_parts.jsonl").reasoning_parts == 2
+
+
+def test_tool_call_parts_are_learned_as_calls(qwen, reasoning):
+    _, (_, calling) = examples_of(SHAPES / "messages_value_parts.jsonl")
+    masked, learned = masks(qwen, calling)  # Qwen2.5's template shows no reasoning: left out
+    assert masked[0].startswith("<|im_start|>system\n" + QWEN_DEFAULT_SYSTEM + "\n\n# Tools\n")
+    assert masked[1:] == ["<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n"
+                          "<|im_start|>assistant\n"]
+    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                       "It is 21 degrees in Paris.<|im_end|>"]
+    masked, learned = masks(reasoning, calling)
+    assert learned == ['<think>\nI need the weather tool.\n</think>\n\n<tool_call>{"name": "get_weather", '
+                       '"arguments": {"city": "Paris"}}</tool_call><|im_end|>\n', "It is 21 degrees in Paris.<|im_end|>"]
+    assert masked[1] == chatml_turn("tool", '{"celsius": 21}') + "<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("part, expected", [
+    ({"type": "text", "value": 5}, "text part's 'value' must be text, found int (messages[2].content[1])"),
+    ({"type": "reasoning"}, "reasoning part without 'text' or 'value' (messages[2].content[1])"),
+    ({"type": "reasoning", "text": [SECRET]}, "reasoning part's 'text' must be text, found list (messages[2].content[1])"),
+    ({"type": "tool_call", "value": "{" + SECRET}, "tool_call part's 'value' is not valid JSON (messages[2].content[1])"),
+    ({"type": "tool_call", "value": []}, "tool_call part's 'value' without a call (messages[2].content[1])"),
+    ({"type": "tool_call", "value": {"arguments": {"a": SECRET}}}, "tool call without a name (messages[2].content[1])"),
+    ({"type": "tool_call", "value": {"name": "f", "arguments": SECRET}},
+     "tool call arguments are not valid JSON (messages[2].content[1])"),
+])
+def test_a_part_that_cannot_be_read_names_its_type_and_key(part, expected):
+    turns = [{"role": "user", "content": SECRET}, {"role": "assistant", "content": [part, {"type": "text", "value": SECRET}]}]
+    assert problem({"messages": turns}, "messages") == expected
+
+
+def test_reasoning_and_tool_call_parts_belong_to_assistant_turns():
+    for kind in ("reasoning", "tool_call"):
+        turns = [{"role": "user", "content": [{"type": kind, "value": SECRET}]}, {"role": "assistant", "content": "a"}]
+        assert problem({"messages": turns}, "messages") == \
+            f"content part of type '{kind}' is only read in an assistant turn of a chat row (messages[1].content[1])"

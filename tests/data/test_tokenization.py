@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from llmcustoms.training.batching import collate
 from llmcustoms.data.chat_templates import ensure_chat_template
 from llmcustoms.data.dataset import usable_examples
-from llmcustoms.data.row_formats import Example
+from llmcustoms.data.row_formats import Example, Message
 from llmcustoms.data.tokenization import IGNORE_INDEX, Tokenizer, first_loss_position, truncate
 from tiny_models import FIXTURES
 
@@ -183,3 +183,35 @@ def test_resume_refuses_rows_that_would_be_tokenized_another_way(tmp_path, tiny_
     assert began.plan.tokens_key and list(prepare_resume(began.plan).train) == list(began.train)
     with pytest.raises(DataError, match="tokenized differently"):
         prepare_resume(replace(began.plan, tokens_key="made by another version"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi"])
+def test_a_reply_marked_weight_0_is_masked_exactly_in_every_template_style(tiny_models, family):
+    tokenizer = load_tokenizer(tiny_models[family])
+    first, second = (i for i, m in enumerate(CONVERSATION.messages) if m.role == "assistant")
+    messages = list(CONVERSATION.messages)
+    messages[first] = Message("assistant", messages[first].content, learned=False)
+    encoded = Tokenizer(tokenizer).encode(Example(row=1, messages=tuple(messages)))
+    assert spans(tokenizer, encoded.input_ids, encoded.labels, trained=True) == EXPECTED_REPLIES[family][1:]
+    prompts, replies = EXPECTED_PROMPTS[family], EXPECTED_REPLIES[family]
+    assert spans(tokenizer, encoded.input_ids, encoded.labels, trained=False) == [prompts[0] + replies[0] + prompts[1]]
+    with_prompts = Tokenizer(tokenizer, train_on_prompt=True).encode(Example(row=1, messages=tuple(messages)))
+    assert spans(tokenizer, with_prompts.input_ids, with_prompts.labels, trained=False) == [replies[0]]
+
+
+def test_reasoning_a_template_cannot_show_is_counted_in_the_data_report(tmp_path, tiny_models, monkeypatch):
+    import json
+
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+
+    monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
+    row = json.loads((FIXTURES / "shapes" / "messages_value_parts.jsonl").read_text().splitlines()[0])
+    path = tmp_path / "reasoning.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": row["messages"][1:]}) + "\n")
+    prepared = prepare_run(TrainOptions(data=str(path), model=str(tiny_models["qwen2"])), Hardware.cpu_only())
+    report = prepared.plan.data_report
+    assert report["reasoning_parts"] == 2 and report["reasoning_parts_dropped"] == 2
+    assert [line for line in report["advice"] if "reasoning" in line] == [
+        "2 reasoning parts left out: this model's chat template does not show reasoning (reasoning_content); "
+        "a model whose template does would learn them"]

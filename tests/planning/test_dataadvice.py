@@ -29,3 +29,15 @@ def test_facts_hold_percentiles_and_the_counts():
     facts = data_facts(CLEAN, list(range(1, 101)), "tokenizer", 512, 0, 0, 100, 1)
     assert facts["train_token_lengths"] == length_percentiles(range(1, 101)) == {"p50": 50, "p90": 90, "p99": 99, "max": 100}
     assert facts["rows"] == 1000 and facts["advice"] == []
+
+
+def test_suspicious_rows_come_first_with_count_lines_and_what_to_do():
+    found = [{"kind": "placeholder", "rows": 10, "first_lines": ["line 2", "line 3", "line 4"], "what": ["{{...}}"],
+              "finding": "template placeholders never filled in", "advice": "fill them in or remove those rows"},
+             {"kind": "echo_reply", "rows": 1, "first_lines": ["row 7 at line 9"], "what": [],
+              "finding": "replies identical to their prompt", "advice": "fix or remove that row"}]
+    lines = advice({**CLEAN, "duplicates": 5, "suspicious": found}, [100] * 900, 512, 0, 0, total_steps=200, epochs=2)
+    assert lines[:2] == ["template placeholders never filled in ({{...}}): 10 rows (line 2, line 3, line 4, ...); "
+                         "fill them in or remove those rows",
+                         "replies identical to their prompt: 1 row (row 7 at line 9); fix or remove that row"]
+    assert lines[2].startswith("5 exact duplicates")

@@ -2,8 +2,11 @@
 with rows or with one `LlmcustomsError` (exit 2), never another exception.
 
 Hypothesis writes files of every format the readers take (rows of every
-shape, with nesting, lone surrogates, NUL bytes, huge numbers and wrong types
-mixed in, and plain arbitrary bytes), reads each with every bad-row policy,
+shape, column pairs such as query/response among them, with nesting, lone
+surrogates, NUL bytes, "\\r\\n" and lone "\\r", huge numbers and wrong types
+mixed in, template placeholders, media fields and markers, replies that echo
+their prompt, .txt paragraphs, and plain arbitrary bytes), reads each with every
+bad-row policy (what passes holds no "\\r": line breaks are read as "\\n"),
 tokenizes the rows that pass with a tiny tokenizer, and loads arbitrary
 `LLMCUSTOMS_*` values from the environment and from a .env file. The profile
 is derandomized (the same examples in CI as here) and bounded in time.
@@ -11,6 +14,7 @@ is derandomized (the same examples in CI as here) and bounded in time.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -38,20 +42,28 @@ CI = settings.get_profile("llmcustoms-ci")
 # --- values a row may hold -------------------------------------------------
 
 FIELDS = ["instruction", "input", "output", "response", "context", "question", "answer", "prompt", "completion",
-          "text", "system", "messages", "conversations", "tools", "chosen", "rejected", "label"]
+          "query", "text", "system", "messages", "conversations", "tools", "chosen", "rejected", "label"]
+MEDIA_FIELDS = ["images", "image", "videos", "audios"]
+PROMPT_COLUMNS = ["prompt", "query", "question", "instruction", "input", "context"]
+REPLY_COLUMNS = ["completion", "response", "answer", "output"]
 TURN_KEYS = ["role", "from", "content", "value", "tool_calls", "tool_call_id", "name", "function", "arguments",
-             "type", "id", "text"]
+             "type", "id", "text", "weight"]
 ROLES = ["system", "user", "assistant", "tool", "developer", "human", "gpt", "function_call", "observation"]
-SHAPES = ["alpaca", "messages", "sharegpt", "prompt", "text", "pair", "chat_pair"]
+SHAPES = ["alpaca", "messages", "sharegpt", "prompt", "column_pair", "text", "pair", "chat_pair"]
 
 # Any character: lone surrogates (category Cs) and NUL included.
 any_char = st.characters(exclude_categories=())
 any_text = st.one_of(st.text(any_char, max_size=12), st.sampled_from(["", " ", "\x00", "\ud800", "\udfff", "a\ud83d",
                                                                        "hello", "Answer.", "user", "assistant"]))
-plain = st.sampled_from(["What is 2 plus 2?", "Four.", "Say hi.", "Hi there!", "Name a colour.", "Blue, say."])
+plain = st.sampled_from(["What is 2 plus 2?", "Four.", "Say hi.", "Hi there!", "Name a colour.", "Blue, say.",
+                         "Two\r\nlines.", "A lone\rCR.", "\r\n", "Ends\r"])
 # Mostly text a row would hold, so that files reach detection, validation and
 # the tokenizer, and now and then anything at all.
-field_text = st.one_of(plain, plain, plain, any_text)
+# What the suspicious-content check looks for (`data/suspicious.py`), and code it must leave alone.
+suspect = st.sampled_from(["I am {{name}}, made by {{author}}.", "Hello {user}!", "Call me <NAME>.", "<image>What is it?",
+                           "<video>\n<source src=a.mp4>\n</video>", "aaaaaa", "ha ha ha", "\u200b", "<image 2>",
+                           "def f(x): return {x: 1}", "{{ {x} }}", "{{", "<", "{"])
+field_text = st.one_of(plain, plain, plain, suspect, any_text)
 leaves = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 20, 10 ** 20), st.floats(), any_text)
 json_values = st.recursive(leaves, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.one_of(st.sampled_from(FIELDS + TURN_KEYS), any_text), inner,
@@ -63,20 +75,64 @@ deep_nesting = st.integers(60, 3000).map(lambda n: "[" * n + "]" * n)
 rarely = st.integers(0, 7).map(lambda n: n == 0)
 
 
+# OpenAI's per-turn weights: 0 and 1 (1.0 too), and what is neither.
+weights = st.sampled_from([0, 1, 0, 1, 1.0, 0.0, 2, -1, 0.5, "0", "1", True, False, None, [1], {}])
+calls = st.fixed_dictionaries({"name": field_text, "arguments": st.one_of(json_values, json_values.map(json.dumps))})
+
+
+def part(draw, kind: str | None) -> dict:
+    if kind == "tool_call":
+        payload = draw(st.one_of(calls, calls.map(json.dumps), st.lists(calls, max_size=2), json_values))
+    else:
+        payload = draw(json_values) if draw(rarely) else draw(field_text)
+    keyed = {draw(st.sampled_from(["text", "value"])): payload}
+    return keyed if kind is None else {"type": kind, **keyed}
+
+
+@st.composite
+def parts(draw, assistant: bool) -> list:
+    """A turn's content as parts keyed `text` or `value`: mostly text, and in a
+    reply reasoning and tool_call parts; now and then a type or a payload that is wrong."""
+    kinds = ["reasoning", "text", "tool_call"] if assistant else ["text"]
+    out = [part(draw, kind) for kind in kinds if kind == "text" or draw(st.booleans())]
+    if draw(rarely):
+        out.insert(draw(st.integers(0, len(out))),
+                   part(draw, draw(st.one_of(st.sampled_from(["image_url", "reasoning", "tool_call", None]), any_text))))
+    return out
+
+
 @st.composite
 def turns(draw, sharegpt: bool = False) -> list:
-    """Turns that alternate user and assistant, mostly, with tool calls now and then."""
+    """Turns that alternate user and assistant, mostly, with tool calls,
+    content parts and weights now and then."""
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     out = []
-    for k in range(draw(st.integers(0, 4)) if draw(rarely) else 2):
+    for k in range(draw(st.integers(0, 4)) if draw(rarely) else draw(st.sampled_from([2, 2, 4]))):
         usual = (["human", "gpt"] if sharegpt else ["user", "assistant"])[k % 2]
         role = draw(st.one_of(st.sampled_from(ROLES), any_text)) if draw(rarely) else usual
-        turn = {role_key: role, content_key: draw(json_values) if draw(rarely) else draw(field_text)}
+        content = draw(json_values) if draw(rarely) else draw(st.one_of(field_text, parts(role in ("assistant", "gpt"))))
+        turn = {role_key: role, content_key: content}
         if role in ("assistant", "gpt") and draw(rarely):
             arguments = draw(st.one_of(json_values, json_values.map(json.dumps), deep_nesting.map(lambda d: '{"a": ' + d + "}"),
                                        st.just('{"a": "\\ud800"}')))
             turn["tool_calls"] = [{"id": draw(field_text), "function": {"name": draw(field_text), "arguments": arguments}}]
+        if draw(st.booleans()) if role in ("assistant", "gpt") else draw(rarely):
+            turn["weight"] = draw(weights)
         out.append(turn)
+    return out
+
+
+@st.composite
+def weighted_turns(draw) -> list:
+    """OpenAI turns that mostly pass: replies of text or parts (reasoning,
+    text, tool calls), weighted 0 or 1 or not at all, and now and then otherwise."""
+    out = []
+    for _ in range(draw(st.sampled_from([2, 3, 1]))):
+        reply = {"role": "assistant", "content": draw(st.one_of(plain, parts(True)))}
+        weight = draw(st.one_of(st.sampled_from([1, 0, None]), weights)) if draw(rarely) else draw(st.sampled_from([1, 0, 0]))
+        if weight is not None:
+            reply["weight"] = weight
+        out += [{"role": "user", "content": draw(plain)}, reply]
     return out
 
 
@@ -90,12 +146,17 @@ def rows(draw, shape: str) -> object:
         if draw(st.booleans()):
             row["system"] = draw(st.one_of(st.none(), field_text))
     elif shape in ("messages", "sharegpt"):
-        row = {"messages" if shape == "messages" else "conversations": draw(turns(shape == "sharegpt"))}
+        drawn = draw(weighted_turns() if shape == "messages" and draw(st.booleans()) else turns(shape == "sharegpt"))
+        row = {"messages" if shape == "messages" else "conversations": drawn}
         if draw(rarely):
             row["tools"] = draw(st.one_of(json_values, json_values.map(json.dumps), deep_nesting,
                                           st.just([{"name": "f", "parameters": {"type": "object"}}])))
     elif shape == "prompt":
         row = {"prompt": draw(field_text), "completion": draw(field_text)}
+    elif shape == "column_pair":  # now and then two columns that could be the prompt, or the reply
+        names = draw(st.lists(st.sampled_from(PROMPT_COLUMNS), min_size=1, max_size=1 + draw(rarely), unique=True))
+        names += draw(st.lists(st.sampled_from(REPLY_COLUMNS), min_size=1, max_size=1 + draw(rarely), unique=True))
+        row = {name: draw(field_text) for name in names}
     elif shape == "text":
         row = {"text": draw(field_text)}
     elif shape == "pair":
@@ -106,6 +167,14 @@ def rows(draw, shape: str) -> object:
                "rejected": [{"role": "assistant", "content": draw(field_text)}]}
     if draw(rarely):
         row[draw(st.sampled_from(FIELDS))] = draw(json_values)
+    if draw(rarely):  # the reply is the prompt
+        asked, answer = next(((a, b) for a, b in (("instruction", "output"), ("prompt", "completion"),
+                                                  ("prompt", "chosen")) if a in row and b in row), (None, None))
+        if asked:
+            row[answer] = row[asked]
+    if draw(rarely):  # a row for a vision or audio model
+        row[draw(st.sampled_from(MEDIA_FIELDS))] = draw(st.one_of(st.just(["a.jpg"]), st.just("b.png"), st.just([]),
+                                                                  st.none(), json_values))
     return row
 
 
@@ -185,7 +254,19 @@ def parquet_files(draw) -> bytes:
     return data if cut is None else data[: int(len(data) * cut)]
 
 
-FILES = {".jsonl": jsonl_files(), ".json": json_files(), ".csv": csv_files(), ".parquet": parquet_files()}
+@st.composite
+def txt_files(draw) -> bytes:
+    """Paragraphs of lines, broken by "\\n", "\\r\\n" or a lone "\\r", and
+    separated by blank lines (of spaces now and then); a surrogate makes bytes that are not UTF-8."""
+    newline = draw(st.sampled_from(["\n", "\n", "\r\n", "\r"]))
+    paragraphs = draw(st.lists(st.lists(field_text.map(lambda t: t.replace("\n", " ")), min_size=1, max_size=3),
+                               min_size=1, max_size=6))
+    blank = newline + draw(st.sampled_from(["", "", "  ", "\t"])) + newline
+    return draw(st.sampled_from([b"", codecs.BOM_UTF8])) + encoded(blank.join(newline.join(p) for p in paragraphs))
+
+
+FILES = {".jsonl": jsonl_files(), ".json": json_files(), ".csv": csv_files(), ".parquet": parquet_files(),
+         ".txt": txt_files()}
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +275,8 @@ def scratch(tmp_path_factory) -> Path:
 
 
 def read_with_every_policy(path: Path) -> str:
-    """Which policies gave rows: what the examples reached, for the statistics."""
+    """Which policies gave rows: what the examples reached, for the statistics.
+    The rows that pass hold no "\\r": every line break is read as "\\n"."""
     read = []
     for policy in POLICIES:
         try:
@@ -202,6 +284,8 @@ def read_with_every_policy(path: Path) -> str:
             read.append(policy)
         except LlmcustomsError:
             pass
+    if "skip" in read:
+        assert not [e.row for e in usable_examples(path) if "\r" in e.identity_text()]
     return f"rows with: {', '.join(read) or 'none'}"
 
 
@@ -235,7 +319,14 @@ def tokenizers() -> list[Tokenizer]:
     with_tools.chat_template = TOOLS_TEMPLATE
     no_template = build_tokenizer("none")
     ensure_chat_template(no_template)  # what loading a model without a template gives it
-    return [Tokenizer(plain), Tokenizer(with_tools), Tokenizer(no_template)]
+    # Reasoning shown on the last turn only, as Qwen3's template does: reasoning
+    # parts reach it, and earlier turns are rewritten as the conversation grows.
+    reasoning = build_tokenizer("chatml")
+    reasoning.chat_template = TOOLS_TEMPLATE.replace(
+        "{{ message['content'] or '' }}",
+        "{% if loop.last and message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+        "{{ message['content'] or '' }}")
+    return [Tokenizer(plain), Tokenizer(with_tools), Tokenizer(no_template), Tokenizer(reasoning)]
 
 
 @settings(CI, max_examples=250)
@@ -251,12 +342,45 @@ def test_rows_that_pass_tokenize_or_give_a_user_error(scratch, tokenizers, file)
         return
     halves = [half.clipped(MAX_ROW_CHARS) for example in usable_examples(path) for half in example.halves()]
     event(f"{min(len(halves), 3)}+ rows to tokenize")  # shown by --hypothesis-show-statistics
+    turns = [m for half in halves for m in half.messages]
+    event(f"weight 0: {any(not m.learned for m in turns)}, reasoning: {any(m.reasoning for m in turns)}")
     for tokenizer in tokenizers:
         try:
             encoded_rows = tokenizer.encode_many(halves)
         except LlmcustomsError:
             continue
         assert len(encoded_rows) == len(halves)
+
+
+@settings(CI, max_examples=150)
+@given(turns=weighted_turns(), tools=st.one_of(st.none(), st.just([{"name": "f", "parameters": {"type": "object"}}]),
+                                               st.just('[{"name": "f"}]')))
+def test_weighted_rows_with_parts_end_with_a_learned_reply_and_tokenize(scratch, tokenizers, turns, tools):
+    """(2) OpenAI rows with weights and text, reasoning and tool_call parts:
+    a bad row, or a row that ends with a reply to learn and tokenizes (or an
+    LlmcustomsError)."""
+    from llmcustoms.data.data_files import read_rows
+    from llmcustoms.data.row_formats import RowProblem, to_example
+
+    path = scratch / "weighted.jsonl"
+    path.write_bytes(encoded(json.dumps({"messages": turns, **({"tools": tools} if tools else {})})))
+    (raw,) = read_rows(path)  # as reading sees it: a lone surrogate, say, is a problem here already
+    try:
+        if raw.problem is not None:
+            raise RowProblem(raw.problem)
+        example = to_example(raw, "messages")
+    except RowProblem as problem:
+        event(f"bad row: {str(problem).split(' (')[0][:40]}")
+        return
+    assert example.messages[-1].role == "assistant" and example.messages[-1].learned
+    event(f"weight 0: {any(not m.learned for m in example.messages)}, "
+          f"reasoning: {any(m.reasoning for m in example.messages)}")
+    for tokenizer in tokenizers:
+        try:
+            tokens = tokenizer.encode(example)
+        except LlmcustomsError:
+            continue
+        assert tokens.trainable_tokens > 0
 
 
 # --- settings ------------------------------------------------------------------
