@@ -208,6 +208,8 @@ def _checked(messages: list[Message], field_name: str) -> tuple[Message, ...]:
         if had_reply:
             raise RowProblem(f"every assistant turn in field '{field_name}' has weight 0: nothing to learn")
         raise RowProblem(f"field '{field_name}' has no assistant turn to learn from")
+    if messages[0].role == "assistant":  # nothing asks for it: a template cannot render what comes before
+        raise RowProblem(f"field '{field_name}' starts with an assistant turn: a user turn must come before the reply")
     if any(m.role == "system" for m in messages[1:]):
         raise RowProblem(f"field '{field_name}' has a system turn that is not the first turn")
     for i, message in enumerate(messages):

@@ -227,6 +227,15 @@ def test_unknown_role_is_named_and_the_accepted_roles_listed():
     assert problem(sentence, "messages").startswith("unknown role that is not a name (messages[1];")
 
 
+def test_a_conversation_that_starts_with_the_reply_is_a_bad_row_not_a_crash():
+    """No turn asks for it, so no template can render what comes before it (transformers refuses
+    an empty conversation): a row problem, for either spelling, even with a later system turn dropped."""
+    sharegpt = {"conversations": [{"from": "gpt", "value": SECRET}, {"from": "system", "value": SECRET}]}
+    openai = {"messages": [{"role": "assistant", "content": SECRET}]}
+    for value, fmt, field in ((sharegpt, "sharegpt", "conversations"), (openai, "messages", "messages")):
+        assert problem(value, fmt) == f"field '{field}' starts with an assistant turn: a user turn must come before the reply"
+
+
 # ------------------------------------------------------------------- ShareGPT
 
 def test_sharegpt_system_field_becomes_the_system_turn(chatml):
