@@ -25,6 +25,7 @@ A signal (`stop_signals.StopSignals`) reaches one process; the stop is agreed he
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,8 +102,10 @@ class Processes:
 
     def use_physical_cores(self) -> None:
         """CPU training: one thread per physical core, shared among the processes.
-        Hyper-threads compete for the same matrix units and slow matmuls down."""
-        if torch.cuda.is_available():
+        Hyper-threads compete for the same matrix units and slow matmuls down.
+        A thread count the user chose (OMP_NUM_THREADS) is kept: on a machine busy
+        with other work, fewer threads than cores can be much faster."""
+        if torch.cuda.is_available() or os.environ.get("OMP_NUM_THREADS", "").strip():
             return
         import psutil
 

@@ -277,3 +277,25 @@ def test_the_loop_position_is_one_record_read_from_flat_checkpoint_state():
     position = Position.from_state(state)
     assert (position.step, position.epoch, position.index, position.best_step) == (6, 1, 2, 4)
     assert position.early_stop(1.9, patience=2).cause is StopCause.EARLY_STOPPING
+
+
+def test_cpu_threads_follow_the_physical_cores_unless_the_user_chose_a_number(monkeypatch):
+    """One thread per physical core by default; OMP_NUM_THREADS, when set, is the user's choice and is kept."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from llmcustoms.training.processes import Processes
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 3)
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        Processes.use_physical_cores(SimpleNamespace(world=1))
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        Processes.use_physical_cores(SimpleNamespace(world=1))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
