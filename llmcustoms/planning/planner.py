@@ -230,6 +230,10 @@ def _schedule(r: _Resolver, train_rows: int, micro: int, accum_over_processes: i
     return _Schedule(per_epoch, epochs, total, warmup_steps)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) -> tuple[int, int, int]:
     """(eval_every, early-stopping patience, save_every)."""
     evals_per_epoch = r.get("evals_per_epoch", 1)
@@ -243,9 +247,12 @@ def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) ->
         per_epoch = max(1, schedule.steps_per_epoch // max(1, evals_per_epoch)) if evals_per_epoch else schedule.total_steps
         # A run shorter than the preset's interval (--max-steps) still gets a few evaluations.
         fewest = max(1, math.ceil(schedule.total_steps / MIN_EVALUATIONS))
-        why = (f"{evals_per_epoch} evaluation(s) per epoch" if per_epoch <= fewest
-               else f"{MIN_EVALUATIONS} evaluations in this {schedule.total_steps}-step run")
-        eval_every = r.chose("eval_every", min(per_epoch, fewest), f"evaluate every {min(per_epoch, fewest)} steps: {why}")
+        every = min(per_epoch, fewest)
+        # What the run will do, not what the preset asked: 2 per epoch of 3 steps is every step, 3 per epoch.
+        evaluations = max(1, schedule.steps_per_epoch // every)
+        why = (f"{_count(evaluations, 'evaluation')} per epoch of {_count(schedule.steps_per_epoch, 'step')}"
+               if per_epoch <= fewest else f"{MIN_EVALUATIONS} evaluations in this {schedule.total_steps}-step run")
+        eval_every = r.chose("eval_every", every, f"evaluate every {_count(every, 'step')}: {why}")
     patience = r.get("early_stopping_patience")
     if patience and not eval_every:  # from the preset: a given patience was refused with the given values
         r.reasons.append("early stopping off: there are no evaluation rows to watch")

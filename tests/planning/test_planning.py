@@ -428,3 +428,14 @@ def test_the_schedule_fits_a_run_of_max_steps_8():
     assert plan.eval_every == 2  # 4 evaluations, not only the final one
     assert plan.save_every == MIN_SAVE_EVERY  # not a checkpoint every step
     assert any("evaluate every 2 steps: 4 evaluations in this 8-step run" in r for r in plan.reasons)
+
+
+def test_the_evaluation_reason_says_what_the_run_will_do_not_what_the_preset_asked():
+    """A preset's 2 evaluations per epoch in a 3-step epoch is an evaluation every step: 3 per epoch."""
+    stats = DataStats(lengths=tuple([100] * 48), first_loss_positions=tuple([20] * 48), eval_rows=5)
+    plan = Planner(Hardware.cpu_only(), load_preset("quality"), None, ()).plan(
+        model("HuggingFaceTB/SmolLM2-135M-Instruct"), stats,
+        {"micro_batch_size": (4, "flag"), "grad_accum": (4, "flag"), "epochs": (3, "flag")})
+    assert plan.steps_per_epoch == 3 and plan.eval_every == 1
+    [reason] = [r for r in plan.reasons if r.startswith("evaluate every")]
+    assert reason == "evaluate every 1 step: 3 evaluations per epoch of 3 steps"
