@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs import measures, overwriting
+from llmcustoms.runs import overwriting
+from llmcustoms.commands.model_card import model_card
 from llmcustoms.planning.disk_space import TOKENIZER_BYTES
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.models.generation import Say, Waiting
-from llmcustoms.models.loading import Allowed, adapter_weights, card_base_model, check_weight_files
+from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
 from llmcustoms.training.preflight import bytes_under, check_export_space
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import model_name, trained_output
@@ -46,49 +47,6 @@ class Exported:
 
     path: Path
     what: str  # "the adapter", "the model", or "a merged model (float32 weights)"
-
-
-def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
-    status = run.read_status()
-    base = card_base_model(plan.model)
-    lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
-            f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
-    how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
-           if merged or plan.method == "full" else
-           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
-           "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
-    return "\n".join([
-        "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
-        f"base_model: {base}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
-        f"# {run.path.name}", "",
-        f"Fine-tuned from `{base}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
-        f"({plan.method}{', merged into the base' if merged else ''}).", "",
-        "| | |", "|---|---|",
-        f"| method | {lora} |", f"| preset | {plan.preset} |",
-        f"| data | {Path(plan.data).name} ({plan.data_format or 'unknown format'}), {plan.train_rows} training rows, "
-        f"{plan.eval_rows} evaluation rows |",
-        f"| training | {status.get('step', 0)} optimizer steps, effective batch {plan.effective_batch_size}, "
-        f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
-        f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
-        *_quality_rows(status),
-        "", "## Use", "", how, "",
-    ])
-
-
-def _quality_rows(status: dict[str, Any]) -> list[str]:
-    """Eval loss and perplexity, before and after; never the sample replies (they are the user's data)."""
-    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
-    rows = []
-    if base is not None:
-        rows.append(f"| base model eval loss | {base:.4f} (perplexity {measures.perplexity(base):.2f}) |")
-    if best is not None:
-        rows.append(f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}); "
-                    f"{measures.describe(base, best)} |")
-    if status.get("kept"):
-        rows.append(f"| weights | {status['kept']} |")
-    return rows
 
 
 def _no_display(what: str) -> Any:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from llmcustoms.commands import export
 from llmcustoms.cli import app
-from llmcustoms.commands.export import model_card
+from llmcustoms.commands.model_card import model_card
 from llmcustoms.models.loading import card_base_model
 from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import WIDE, build_model

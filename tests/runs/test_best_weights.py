@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from llmcustoms.training.batching import TrainingRows
 from llmcustoms.runs.best_weights import BestWeightFiles
-from llmcustoms.commands.export import model_card
+from llmcustoms.commands.model_card import model_card
 from llmcustoms.training.finetuner import FineTuner
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.losses.sft import select_logits, token_cross_entropy

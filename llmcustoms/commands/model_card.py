@@ -1,0 +1,55 @@
+"""The model card (README.md) an export writes beside the weights: what the
+model was trained from, how, and how it scores against its base; never the
+sample replies, which are the user's data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.models.loading import card_base_model
+from llmcustoms.runs import measures
+from llmcustoms.runs.run_directory import RunDirectory
+
+
+def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
+    status = run.read_status()
+    base = card_base_model(plan.model)
+    lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
+            f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
+    how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
+           if merged or plan.method == "full" else
+           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+           f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
+           "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
+    return "\n".join([
+        "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
+        f"base_model: {base}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
+        f"# {run.path.name}", "",
+        f"Fine-tuned from `{base}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
+        f"({plan.method}{', merged into the base' if merged else ''}).", "",
+        "| | |", "|---|---|",
+        f"| method | {lora} |", f"| preset | {plan.preset} |",
+        f"| data | {Path(plan.data).name} ({plan.data_format or 'unknown format'}), {plan.train_rows} training rows, "
+        f"{plan.eval_rows} evaluation rows |",
+        f"| training | {status.get('step', 0)} optimizer steps, effective batch {plan.effective_batch_size}, "
+        f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
+        f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
+        *_quality_rows(status),
+        "", "## Use", "", how, "",
+    ])
+
+
+def _quality_rows(status: dict[str, Any]) -> list[str]:
+    """Eval loss and perplexity, before and after; never the sample replies (they are the user's data)."""
+    best, base = status.get("best_eval_loss"), status.get("base_eval_loss")
+    rows = []
+    if base is not None:
+        rows.append(f"| base model eval loss | {base:.4f} (perplexity {measures.perplexity(base):.2f}) |")
+    if best is not None:
+        rows.append(f"| best eval loss | {best:.4f} (step {status.get('best_eval_step')}); "
+                    f"{measures.describe(base, best)} |")
+    if status.get("kept"):
+        rows.append(f"| weights | {status['kept']} |")
+    return rows
