@@ -280,13 +280,23 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
 @app.command(cls=flags.Command)
 @flags.takes_permissions
 def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = False, dtype: flags.Dtype = "auto",
+           format: flags.ExportFormat = "hf", quant: flags.Quant = "q8_0", verify: flags.Verify = True,
            overwrite: flags.ExportOverwrite = False, allowed: Any = None) -> None:
-    """Copy the adapter, or merge it into a standalone model."""
+    """Copy the adapter, merge it into a standalone model, or write a GGUF for Ollama and llama.cpp."""
     with ending():
-        from llmcustoms.commands.export import export_run
+        from llmcustoms.commands.export import export_run, gguf_options
 
-        written = export_run(run, output, merge, dtype, overwrite, ui().waiting, allowed)
-    ui().console.print(f"Exported {written.what} to {written.path}")
+        written = export_run(run, output, merge, dtype, overwrite, ui().waiting, allowed,
+                             gguf_options(format, quant, verify))
+        ui().console.print(f"Exported {written.what} to {written.path}")
+        for line in written.checks:
+            ui().console.print(f"  {line}")
+        if written.failed:
+            from llmcustoms.errors import CheckFailed
+
+            raise CheckFailed(f"The export's check failed: {written.failed}.",
+                              f"The files are kept in {written.path} for inspection; report the numbers above, "
+                              "or try another --quant.")
 
 
 def main() -> None:

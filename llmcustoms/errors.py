@@ -33,3 +33,10 @@ class ModelError(LlmcustomsError):
 
 class ConfigError(LlmcustomsError):
     """A flag, preset or setting has a value that cannot work."""
+
+
+class CheckFailed(LlmcustomsError):
+    """What a command wrote does not behave like what it came from (an export
+    whose model answers differently): exit 1, the files kept for inspection."""
+
+    exit_code = 1

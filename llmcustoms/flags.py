@@ -222,6 +222,9 @@ System = Annotated[Optional[str], typer.Option("--system", help="A system messag
 ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")]
 Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone model, in --dtype.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]
+ExportFormat = Annotated[str, typer.Option("--format", help="hf: the adapter or (--merge) a transformers model; gguf: model.gguf and an Ollama Modelfile, checked against the trained model.")]
+Quant = Annotated[str, typer.Option("--quant", help="GGUF weights: q8_0 (default: half of f16's size, replies nearly always identical), q4_0 (a quarter, small loss), f16, bf16.")]
+Verify = Annotated[bool, typer.Option("--verify/--no-verify", help="Read the GGUF back and compare it with the trained model (default on).")]
 ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
 # A bound that is a number generation can hold; no model's context is near it.
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, max=1_000_000, help="Longest reply in tokens.")]

@@ -1,4 +1,4 @@
-"""Take a trained model elsewhere: `llmcustoms export RUN --output DIR [--merge]`.
+"""Take a trained model elsewhere: `llmcustoms export RUN --output DIR [--merge | --format gguf]`.
 
 Without --merge: the PEFT adapter, tokenizer and chat template, and a model
 card. With --merge: the base is reloaded in its own saved dtype (or --dtype;
@@ -16,6 +16,11 @@ kill left only config.json, and --overwrite had deleted the old export). DIR
 must be new, empty, or (with --overwrite) an export this command wrote, which
 it recognises by the marker it writes first (`overwriting`): --overwrite once
 deleted whatever DIR was, the run itself or the folder of every run.
+
+A merge is checked (`merging.load_merged`: the merged model's greedy replies
+against the adapter's, the chat template carried over unchanged), and so is a
+GGUF (`export_gguf`). A failed GGUF check ends with exit 1 and keeps the files
+for inspection.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.runs import overwriting
+from llmcustoms.commands.export_gguf import GgufOptions, check_gguf_options, write_gguf_export
+from llmcustoms.commands.merging import load_merged
 from llmcustoms.commands.model_card import model_card
 from llmcustoms.planning.disk_space import TOKENIZER_BYTES
 from llmcustoms.errors import ConfigError
@@ -43,10 +50,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class Exported:
-    """What `export_run` wrote, for the line the command prints."""
+    """What `export_run` wrote, for the lines the command prints."""
 
     path: Path
     what: str  # "the adapter", "the model", or "a merged model (float32 weights)"
+    checks: tuple[str, ...] = ()  # what the checks of the export found, a line each
+    failed: str | None = None  # why a check failed: the files are kept, the command exits 1
 
 
 def _no_display(what: str) -> Any:
@@ -54,15 +63,20 @@ def _no_display(what: str) -> Any:
 
 
 def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overwrite: bool = False,
-               waiting: Waiting = _no_display, allowed: Allowed = Allowed()) -> Exported:
+               waiting: Waiting = _no_display, allowed: Allowed = Allowed(), gguf: GgufOptions | None = None) -> Exported:
     """Write the export of the run at `path`; `waiting` shows the merge (a
     minute or more for real models) as it goes. Everything that can be refused
     is refused before a byte of it is written."""
     run = RunDirectory.existing(path)
     plan, trained = trained_output(run)
-    if merge and dtype not in DTYPES:  # before anything is deleted
+    if (merge or gguf) and dtype not in DTYPES:  # before anything is deleted
         raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(DTYPES)}.")
-    if merge and plan.method != "full":  # what the merge would refuse to load, refused before anything is deleted
+    if gguf is not None:
+        if merge:
+            raise ConfigError("--merge and --format gguf cannot be used together.",
+                              "A GGUF export always merges the adapter in: drop --merge.")
+        check_gguf_options(gguf)
+    if (merge or gguf) and plan.method != "full":  # what the merge would refuse to load, refused before anything is deleted
         allowed.check(plan)
         check_weight_files(plan.model, allowed.pickle_weights)
         adapter_weights(trained)
@@ -74,21 +88,35 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
         raise ConfigError(f"--output {output} is inside the run's trained weights ({trained}).",
                           "Choose a --output folder outside the run directory.")
     partial = _start_partial(output)
+    checks: tuple[str, ...] = ()
+    failed = None
     try:
-        if not merge or plan.method == "full":
+        if gguf is not None:
+            checks, failed = write_gguf_export(run, plan, trained, partial, dtype, gguf, waiting, allowed)
+            what = f"a GGUF model ({gguf.quant}) and an Ollama Modelfile"
+        elif not merge or plan.method == "full":
             check_export_space(partial, bytes_under(trained), f"a copy of {trained}")
             shutil.copytree(trained, partial, dirs_exist_ok=True)
             make_readable(partial)  # runs trained before the weights were written readable
             what = "the model" if plan.method == "full" else "the adapter"
         else:
             with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
-                what = f"a merged model ({_merge(plan, trained, partial, dtype, say, allowed)} weights)"
-        (partial / "README.md").write_text(model_card(run, plan, merged=merge and plan.method != "full"))
+                written_dtype, checks = _merge(plan, trained, partial, dtype, say, allowed)
+            what = f"a merged model ({written_dtype} weights)"
+        (partial / "README.md").write_text(model_card(run, plan, merged=(merge or gguf is not None)
+                                                      and plan.method != "full"))
         _put_in_place(partial, output)
     except BaseException:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Exported(output, what)
+    return Exported(output, what, checks, failed)
+
+
+def gguf_options(format: str, quant: str, verify: bool) -> GgufOptions | None:
+    """The GGUF options of `--format gguf`, None for `--format hf`."""
+    if format not in ("hf", "gguf"):
+        raise ConfigError(f"Unknown --format {format}.", "Use hf (the default) or gguf.")
+    return GgufOptions(quant, verify) if format == "gguf" else None
 
 
 def _check_output(output: Path, overwrite: bool, keep: dict[str, Path]) -> None:
@@ -160,32 +188,21 @@ def _put_in_place(partial: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> str:
-    """Write the merged model; the dtype its weights were written in ("float32").
-    `say` hears each stage."""
-    from llmcustoms.models import loading as modeling
+def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> tuple[str, tuple[str, ...]]:
+    """Write the merged model; the dtype its weights were written in
+    ("float32") and what its checks found. `say` hears each stage."""
+    from transformers import AutoTokenizer
 
-    modeling.quiet_libraries()
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    say(f"Loading {model_name(plan.model)}")
-    # "auto": the dtype the base model was saved in (bf16 for the models in the
-    # presets). Never 4-bit, even for a QLoRA run.
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    trust = plan.trust_remote_code and allowed.remote_code
-    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
-                                     use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
-    say("Merging the adapter in")
-    merged = PeftModel.from_pretrained(base, adapter_weights(adapter)).merge_and_unload()
+    merged = load_merged(plan, adapter, dtype, say, allowed)
     # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
-    weights = sum(p.numel() * p.element_size() for p in merged.parameters())
-    check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", str(merged.dtype).removeprefix("torch."))
+    weights = sum(p.numel() * p.element_size() for p in merged.model.parameters())
+    check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", merged.dtype)
     say("Writing the merged model")
-    merged.save_pretrained(output, safe_serialization=True)
-    # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
-    modeling.from_pretrained(AutoTokenizer, str(adapter), trust_remote_code=trust).save_pretrained(output)
+    merged.model.save_pretrained(output, safe_serialization=True)
+    merged.tokenizer.save_pretrained(output)
     make_readable(Path(output))
-    # What was written, not what was asked for: "auto" is whatever the base was saved in.
-    return str(merged.dtype).removeprefix("torch.")
+    template = AutoTokenizer.from_pretrained(str(output)).chat_template
+    carried = "carried over unchanged" if template == merged.tokenizer.chat_template else "CHANGED in the export"
+    count = len(merged.prompts)
+    return merged.dtype, (f"merged model's greedy replies equal the adapter's for {merged.replies_equal}/{count} "
+                          "check prompts", f"chat template {carried}")

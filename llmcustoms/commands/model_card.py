@@ -1,6 +1,7 @@
 """The model card (README.md) an export writes beside the weights: what the
-model was trained from, how, and how it scores against its base; never the
-sample replies, which are the user's data."""
+model was trained from, how, and how it scores against its base (eval loss,
+and how many sample replies stopped); never the sample replies themselves,
+which are the user's data."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from llmcustoms.models.loading import card_base_model
 from llmcustoms.runs import measures
 from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.stop_rates import stop_rate_line
+from llmcustoms.training.samples import side_by_side
 
 
 def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
@@ -37,6 +40,7 @@ def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
         f"lr {plan.lr:.1e} ({plan.lr_scheduler}), {plan.max_seq_len} tokens |",
         f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
         *_quality_rows(status),
+        *_stop_rows(run),
         "", "## Use", "", how, "",
     ])
 
@@ -53,3 +57,9 @@ def _quality_rows(status: dict[str, Any]) -> list[str]:
     if status.get("kept"):
         rows.append(f"| weights | {status['kept']} |")
     return rows
+
+
+def _stop_rows(run: RunDirectory) -> list[str]:
+    """How many sample replies stopped, before training and after: numbers only, never a prompt or a reply."""
+    line = stop_rate_line(side_by_side(run.read_samples()))
+    return [f"| replies that stop | {line} (held-out prompts, greedy) |"] if line else []

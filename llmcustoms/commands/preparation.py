@@ -222,9 +222,9 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
 
 
 def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
-           dropped: int, reasoning_shown: bool = True) -> dict[str, Any]:
+           dropped: int, reasoning_shown: bool = True, end_tokens: dict[str, Any] | None = None) -> dict[str, Any]:
     epochs = None if plan.sources.get("total_steps") == "flag" else plan.epochs
-    report = dataset.to_json()
+    report = {**dataset.to_json(), **(end_tokens or {})}  # end_tokens: replies that do not learn to stop
     if not reasoning_shown:  # the model's chat template leaves the rows' reasoning parts out
         report["reasoning_parts_dropped"] = dataset.reasoning_parts
     return data_facts(report, lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps, epochs)
@@ -240,10 +240,15 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     if not len(train):
         raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
                           "Raise --max-seq-len.")
-    from llmcustoms.data.chat_templates import supports_reasoning
+    from llmcustoms.data.chat_templates import prompts_use_template, supports_reasoning
+    from llmcustoms.data.stop_tokens import end_token_facts
+    from llmcustoms.models.loading import stop_token_ids
 
+    hf = tokenized.tokenizer
+    end_tokens = end_token_facts(hf, train_full, prompts_use_template(hf, plan.data_format, plan.raw_prompts),
+                                 stop_token_ids(plan.model))
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
-                                            train_dropped, supports_reasoning(tokenized.tokenizer)),
+                                            train_dropped, supports_reasoning(hf), end_tokens),
                    tokens_key=tokenized.key)
     return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                    truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,

@@ -2,7 +2,8 @@
 
 Reads only the run directory (plan.json, metrics.jsonl, status.json,
 samples.jsonl) and answers the questions a user has after training: how much
-better than the base model is it, and which weights were kept; is the loss
+better than the base model is it, and which weights were kept; does it stop
+(the stop rate of the sample replies, `runs/stop_rates.py`); is the loss
 still falling, is the model overfitting, was the learning rate right, how
 fast was it, what went wrong along the way, and what to change next time.
 
@@ -26,6 +27,7 @@ from llmcustoms.runs import measures
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.preference_report import preference_findings
 from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.stop_rates import stop_findings
 from llmcustoms.training.samples import side_by_side
 
 # A loss that falls more than this share over the last quarter is "still falling".
@@ -71,7 +73,7 @@ class RunReport:
     total_steps: int
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[str] = field(default_factory=list)
-    samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
+    samples: list[dict[str, Any]] = field(default_factory=list)  # samples.side_by_side entries
     # What each recommendation changes ("lower lr"): two verdicts that ask for the
     # same change (the loss rose at the end, the rate looks too high) say it once.
     recommended: set[str] = field(default_factory=set, repr=False)
@@ -124,6 +126,10 @@ def analyse(run: RunDirectory) -> RunReport:
             report.recommend(change, text)
     else:
         _quality(report, plan, status, evals)
+    findings, advice = stop_findings(report.samples, status, plan.data_report, plan.epochs)
+    report.findings += [Finding(*finding) for finding in findings]
+    for change, text in advice:
+        report.recommend(change, text)
     losses = [r["loss"] for r in train]
     stopped_early = status.get("stop_cause") == "early stopping"
     evaluates = bool(evals.after) or bool(plan.eval_rows and plan.eval_every)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.data.chat_templates import prompts_use_template, template_refused
+from llmcustoms.data.stop_tokens import stop_ids
 from llmcustoms.errors import ModelError
 from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
 from llmcustoms.runs.run_directory import RunDirectory
@@ -184,10 +185,15 @@ def prompt_ids(tokenizer: Any, plan: Any, messages: list[dict[str, str]], what: 
 def generate(model: Any, tokenizer: Any, plan: Any, messages: list[dict[str, str]], max_new_tokens: int,
              temperature: float, on_text: Callable[[str], None] = lambda text: None) -> str:
     """The model's reply, streamed piece by piece to `on_text` as it is generated."""
+    return reply_and_stop(model, tokenizer, plan, messages, max_new_tokens, temperature, on_text)[0]
+
+
+def reply_and_stop(model: Any, tokenizer: Any, plan: Any, messages: list[dict[str, str]], max_new_tokens: int,
+                   temperature: float, on_text: Callable[[str], None] = lambda text: None) -> tuple[str, bool]:
+    """The model's reply (streamed to `on_text`), and whether it stopped: ended
+    with a token of `generation_stops` before `max_new_tokens` ran out."""
     import torch
     from transformers import TextStreamer
-
-    from llmcustoms.models import loading as modeling
 
     class Collect(TextStreamer):
         def __init__(self) -> None:
@@ -199,11 +205,22 @@ def generate(model: Any, tokenizer: Any, plan: Any, messages: list[dict[str, str
             on_text(text)
 
     ids = prompt_ids(tokenizer, plan, messages).to(model.device)
-    stop = sorted({tokenizer.eos_token_id} | modeling.stop_token_ids(plan.model))
+    stop = sorted(generation_stops(tokenizer, plan))
     streamer = Collect()
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                       eos_token_id=stop, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                       streamer=streamer, **sampling)
-    return "".join(streamer.pieces).strip()
+        sequence = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  eos_token_id=stop, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                  streamer=streamer, **sampling)[0]
+    stopped = len(sequence) > ids.shape[1] and int(sequence[-1]) in stop
+    return "".join(streamer.pieces).strip(), stopped
+
+
+def generation_stops(tokenizer: Any, plan: Any) -> set[int]:
+    """The tokens generation stops on: the tokenizer's EOS, those of the model's
+    generation_config.json, and the end-of-turn token the chat template ends a
+    reply with (`stop_tokens.end_of_turn`), which the run's rows learned."""
+    from llmcustoms.models import loading as modeling
+
+    templated = prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report)
+    return stop_ids(tokenizer, modeling.stop_token_ids(plan.model), templated)

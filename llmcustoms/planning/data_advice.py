@@ -46,6 +46,8 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
     if reasoning:
         lines.append(f"{reasoning:,} reasoning part{'s' if reasoning != 1 else ''} left out: this model's chat template "
                      "does not show reasoning (reasoning_content); a model whose template does would learn them")
+    if report.get("replies_without_end_token"):
+        lines.append(end_token_line(report["replies_without_end_token"]))
     if truncated:
         p99 = length_percentiles(lengths).get("p99", 0)
         lines.append(f"{truncated:,} rows are longer than {max_seq_len} tokens and lose the end of their reply"
@@ -70,6 +72,17 @@ def suspicious_line(found: dict[str, Any]) -> str:
     places = ", ".join(found["first_lines"]) + (", ..." if count > len(found["first_lines"]) else "")
     marks = f" ({', '.join(found['what'])})" if found.get("what") else ""
     return f"{found['finding']}{marks}: {count:,} row{'s' if count != 1 else ''} ({places}); {found['advice']}"
+
+
+def end_token_line(found: dict[str, Any]) -> str:
+    """The rows with a reply that never learns the end-of-turn token (`data/stop_tokens.end_token_facts`)."""
+    count, token = int(found["rows"]), found["token"]
+    why = ("the chat template writes it after a reply, but it is outside the learned tokens" if found.get("template_ends_reply")
+           else "the chat template writes no end-of-turn token right after an assistant reply; llmcustoms adds "
+                f"{token} only to a row's last reply")
+    return (f"{count:,} row{'s have' if count != 1 else ' has'} a reply that never learns to end with {token} ({why}): "
+            "after such a reply the model does not learn to stop, and may run on. Use a model whose chat template ends "
+            "every assistant reply with its end-of-turn token, or split those conversations into one row per reply")
 
 
 def data_facts(report: dict[str, Any], lengths: Sequence[int], length_source: str, max_seq_len: int,

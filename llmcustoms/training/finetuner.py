@@ -37,6 +37,7 @@ from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.losses.choice import loss_for
 from llmcustoms.losses.objective import LoopParts, Loss
 from llmcustoms.models.loading import load_model
+from llmcustoms.models.untrained_tokens import check_stop_tokens
 from llmcustoms.training.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.planning.plan import Plan
 from llmcustoms.training.position import Position, StopCause, StopReason, TrainResult
@@ -150,7 +151,10 @@ class FineTuner:
     def _setup_model(self) -> None:
         device_index = self.accelerator.local_process_index if torch.cuda.is_available() else None
         self.reporter.activity("loading the model")
-        self.model = self.processes.place(load_model(self.plan, device_index), self.plan, self.reporter.message)
+        model = load_model(self.plan, device_index)
+        if self.save_artifacts:  # a run's, not each tuning trial's; before sharding splits the embeddings
+            check_stop_tokens(model, self.tokenizer, self.plan, self.run_dir, lambda t: self.reporter.message(t, warning=True))
+        self.model = self.processes.place(model, self.plan, self.reporter.message)
         model = self.accelerator.unwrap_model(self.model)
         self.loss.setup(model, LoopParts(self.plan, self.data, self.run_dir, self.processes, self.accelerator.autocast,
                                          self.reporter.activity))

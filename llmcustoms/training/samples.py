@@ -7,11 +7,15 @@ model before the first step, by the model kept at the end, and at each
 evaluation when that is cheap next to the training between evaluations.
 Rows go to the run's samples.jsonl:
 
-    {"step": 0, "label": "base", "row": 17, "prompt": "...", "reply": "...", "reference": "..."}
+    {"step": 0, "label": "base", "row": 17, "prompt": "...", "reply": "...", "reference": "...", "stopped": true}
 
-`label` is "base", "eval" or "trained". The prompts are the user's data, so
-they stay in the terminal and the run directory; the exported model card
-never shows them. A sample is a look, never worth the run: a prompt too long
+`label` is "base", "eval" or "trained". `stopped` says whether the reply ended
+with a token generation stops on (EOS, the chat template's end-of-turn token:
+`generation.generation_stops`) before the token limit; the share of replies
+that did is the stop rate (`runs/stop_rates.py`), which the summary, `report`
+and the model card show. Rows written before it have no `stopped`. The
+prompts are the user's data, so they stay in the terminal and the run
+directory; the exported model card never shows them, only the stop rate. A sample is a look, never worth the run: a prompt too long
 for the plan's sequence length is not drawn, a failure to answer is a
 warning, and a stop asked for (SIGINT, SIGTERM) ends the answering at the next
 token, writing none of them.
@@ -120,7 +124,7 @@ class SampleReplies:
         """Greedy replies of `model` (in eval mode while answering), written and
         returned; none, with a warning, if answering fails (out of memory, ...),
         and none, silently, once `stopped()` says so (asked after every token)."""
-        from llmcustoms.models.generation import generate
+        from llmcustoms.models.generation import reply_and_stop
 
         def token(text: str) -> None:
             if stopped():
@@ -130,8 +134,8 @@ class SampleReplies:
         was_training = model.training
         model.eval()
         try:
-            replies = [generate(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0, token)
-                       for p in self.prompts]
+            replies = [reply_and_stop(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0,
+                                      token) for p in self.prompts]
         except StopRequested:
             return []
         except Exception as error:  # noqa: BLE001 - whatever it was, training goes on
@@ -141,7 +145,7 @@ class SampleReplies:
             model.train(was_training)
         self.seconds = time.perf_counter() - started
         rows = [{"step": step, "label": label, "row": p.row, "prompt": p.text, "reply": reply,
-                 "reference": p.reference} for p, reply in zip(self.prompts, replies)]
+                 "reference": p.reference, "stopped": stopped} for p, (reply, stopped) in zip(self.prompts, replies)]
         self.run_dir.append_samples(rows)
         return rows
 
@@ -150,12 +154,18 @@ class SampleReplies:
         return bool(self.prompts) and self.seconds is not None and self.seconds <= CHEAP_SHARE * training_seconds
 
 
-def side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One entry per prompt: its text, the data's reply, the base model's and the trained model's."""
-    by_row: dict[int, dict[str, str]] = {}
+def side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per prompt: its text, the data's reply, the base model's and the
+    trained model's; and, for rows that say so, whether each stopped
+    ("base_stopped", "trained_stopped": `runs/stop_rates.py` counts them)."""
+    by_row: dict[int, dict[str, Any]] = {}
     for row in rows:
         entry = by_row.setdefault(row["row"], {"prompt": row["prompt"], "reference": row.get("reference", ""),
                                                "base": "", "trained": ""})
         if row["label"] in ("base", "trained"):
             entry[row["label"]] = row["reply"]
+            if isinstance(row.get("stopped"), bool):  # not in older runs' rows, nor in a damaged one's
+                entry[f"{row['label']}_stopped"] = row["stopped"]
+            else:
+                entry.pop(f"{row['label']}_stopped", None)
     return [by_row[r] for r in sorted(by_row)]

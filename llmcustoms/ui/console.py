@@ -22,6 +22,7 @@ from rich.table import Table
 from llmcustoms.runs import measures
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.runs.preference_report import held_out_line
+from llmcustoms.runs.stop_rates import stop_rate_line
 from llmcustoms.planning.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
                                 TINY_MODEL_PARAMS)
 
@@ -158,6 +159,8 @@ def show_summary(result: Any) -> None:
     if result.best_eval_loss is not None and not result.held_out:
         table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step})")
         table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
+    if stops := stop_rate_line(result.samples):  # how many sample replies ended with the end-of-turn token
+        table.add_row("replies that stop", stops)
     table.add_row("time", _duration(result.seconds))
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
     if result.memory.get("peak_bytes"):

@@ -49,7 +49,7 @@ def card_plan(model: str) -> SimpleNamespace:
     lora = SimpleNamespace(r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"])
     return SimpleNamespace(model=model, method="lora", lora=lora, preset="quality", data="/data/train.jsonl",
                            data_format="alpaca", train_rows=90, eval_rows=10, effective_batch_size=8, lr=2e-4,
-                           lr_scheduler="cosine", max_seq_len=256, trust_remote_code=False)
+                           lr_scheduler="cosine", max_seq_len=256, trust_remote_code=False, eval_data=None, seed=0)
 
 
 def test_the_card_never_shows_the_local_path(tmp_path):

@@ -1,0 +1,129 @@
+"""`llmcustoms export RUN --output DIR --format gguf [--quant q8_0]`: the
+trained model as model.gguf, for Ollama, llama.cpp and LM Studio, with an
+Ollama Modelfile beside it, and both checked against the trained model.
+
+The stages, each shown with its time: the model is loaded and merged
+(`merging.load_merged`, never into 4-bit weights), written
+(`models/gguf_writing.py`), given a Modelfile (`models/modelfile.py`), and
+unless --no-verify read back and compared (`models/gguf_check.py`). Then:
+
+    ollama create my-model -f DIR/Modelfile
+    ollama run my-model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.commands.merging import MergedModel, load_merged
+from llmcustoms.errors import ConfigError
+from llmcustoms.models import modelfile as ollama
+from llmcustoms.models.generation import Waiting
+from llmcustoms.models.gguf_writing import QUANTS
+from llmcustoms.models.loading import Allowed
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.run_weights import model_name
+from llmcustoms.training.preflight import check_export_space
+
+GGUF_NAME = "model.gguf"
+# Bytes per weight of each quantization, for the disk check before writing (q8_0: 34 bytes per block
+# of 32, q4_0: 18; the embedding and output matrices of q4_0 stay q8_0, so it is counted a little high).
+BYTES_PER_WEIGHT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 0.75}
+
+
+@dataclass(frozen=True)
+class GgufOptions:
+    quant: str = "q8_0"
+    verify: bool = True
+
+
+def check_gguf_options(options: GgufOptions) -> None:
+    if options.quant not in QUANTS:
+        raise ConfigError(f"Unknown --quant {options.quant}.",
+                          f"Use one of {', '.join(QUANTS)} (q8_0, the default, is half the size of f16 and answers "
+                          "nearly always the same).")
+
+
+def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path, dtype: str, options: GgufOptions,
+                      waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
+    """Write model.gguf and the Modelfile into `partial`; what the checks found
+    (a line each) and, when one failed, why."""
+    from llmcustoms.models.gguf_check import check_gguf, expected_metadata, llama_cpp_check
+    from llmcustoms.models.gguf_writing import check_exportable, write_gguf
+    from llmcustoms.commands.merging import common_system_prompt
+
+    with waiting(f"Merging the adapter into {model_name(plan.model)}" if plan.method != "full"
+                 else f"Loading the trained {model_name(plan.model)}") as say:
+        merged = load_merged(plan, trained, dtype, say, allowed)
+    architecture = check_exportable(merged.model.config)
+    pieces, stops, end_of_turn = _chat_shape(merged)
+    weights = sum(p.numel() for p in merged.model.parameters())
+    check_export_space(partial, int(weights * BYTES_PER_WEIGHT[options.quant]) + 8 * 2**20, "the GGUF file",
+                       options.quant)
+    path = partial / GGUF_NAME
+    with waiting(f"Writing {GGUF_NAME} ({options.quant})") as say:
+        written = write_gguf(merged.model, merged.tokenizer, path, options.quant, _general_name(run.path.name),
+                             end_of_turn, lambda done, total: say(f"Writing {GGUF_NAME}: tensor {done}/{total}"))
+    (partial / "Modelfile").write_text(ollama.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan)))
+    lines = [f"{GGUF_NAME}: {written.bytes / 2**20:.1f} MiB, {written.architecture}, {written.tensors} tensors, "
+             f"{options.quant}",
+             "Modelfile: " + ("TEMPLATE matches the run's chat template on every probe conversation"
+                              if pieces else "no TEMPLATE (Ollama reads the chat template stored in the GGUF)")
+             + f"; stops at {', '.join(stops)}"]
+    if merged.replies_equal is not None:
+        lines.append(f"merged model's greedy replies equal the adapter's for {merged.replies_equal}/"
+                     f"{len(merged.prompts)} check prompts")
+    if not options.verify:
+        return tuple(lines + ["not verified (--no-verify)"]), None
+    stop_ids = sorted({merged.tokenizer.eos_token_id} | ({end_of_turn} if end_of_turn is not None else set()))
+    with waiting(f"Checking {GGUF_NAME} against the trained model") as say:
+        say(f"Reading {GGUF_NAME} back with transformers")
+        check = check_gguf(path, merged.model, merged.tokenizer, options.quant,
+                           expected_metadata(merged.model, merged.tokenizer, architecture, end_of_turn),
+                           merged.prompts, stop_ids)
+        say(f"Running {GGUF_NAME} in llama.cpp")
+        in_llama_cpp = llama_cpp_check(path, merged.tokenizer, merged.prompts, check.stopped)
+    lines.append("check: " + check.summary())
+    lines.append(in_llama_cpp.removeprefix("failed: ") if in_llama_cpp
+                 else "llama.cpp: not installed (pip install 'llmcustoms[llama-cpp]' runs the file in it too)")
+    problems = check.problems + ([in_llama_cpp.removeprefix("failed: ")]
+                                 if in_llama_cpp and in_llama_cpp.startswith("failed:") else [])
+    return tuple(lines), ("; ".join(problems) if problems else None)
+
+
+def _chat_shape(merged: MergedModel) -> tuple[ollama.Pieces | None, list[str], int | None]:
+    """The template's pieces for the Modelfile (None when Go cannot mirror it),
+    the tokens a reply stops at, and the end-of-turn token's id."""
+    from llmcustoms.data.chat_templates import starts_with_bos
+
+    tokenizer = merged.tokenizer
+
+    def render(messages: list[dict[str, str]], generation: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+    bos = tokenizer.bos_token if starts_with_bos(tokenizer) else None
+    pieces = ollama.template_pieces(render, bos) if tokenizer.chat_template else None
+    if pieces is not None and ollama.mismatches(pieces, render, bos):
+        pieces = None
+    end_of_turn = _end_of_turn(tokenizer, pieces)
+    stops = [tokenizer.convert_ids_to_tokens(i) for i in dict.fromkeys([end_of_turn, tokenizer.eos_token_id])
+             if i is not None]
+    return pieces, stops, end_of_turn
+
+
+def _end_of_turn(tokenizer: Any, pieces: ollama.Pieces | None) -> int | None:
+    """The special token the template ends an assistant's reply with (<|im_end|>,
+    <|end|>, </s>); the tokenizer's EOS when the template shows none."""
+    if pieces is not None:
+        special = set(tokenizer.all_special_ids)
+        for token_id in tokenizer(pieces.after["assistant"], add_special_tokens=False)["input_ids"]:
+            if token_id in special:
+                return int(token_id)
+    return tokenizer.eos_token_id
+
+
+def _general_name(name: str) -> str:
+    # transformers' GGUF reader takes a llama file named exactly "mistral" for a Mistral model.
+    return f"{name} (llmcustoms)" if name.lower() == "mistral" else name

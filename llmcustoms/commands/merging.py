@@ -1,0 +1,122 @@
+"""The trained model as one standalone model in memory, for `export --merge`
+and `export --format gguf`: the base reloaded in its own saved dtype (or the
+one asked for; never the 4-bit weights QLoRA trained on, since merging into
+those loses quality) with the adapter merged in; a full fine-tune as it was
+saved.
+
+The merge is checked, not trusted: before merging, the adapter model answers
+the sample prompts greedily; after, the merged model answers the same prompts,
+and the two must agree (`MergedModel.replies_equal`). A merge that changes
+what the model says is the peers' most reported export complaint ("the merged
+model is worse than the adapter").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.models.loading import Allowed, adapter_weights
+from llmcustoms.runs.run_weights import model_name
+
+Say = Callable[[str], None]
+CHECK_TOKENS = 32
+# Asked when the run's data has no prompt to ask (or cannot be read any more).
+GENERAL_PROMPTS = ("What is the capital of France?", "Write one sentence about the sea.",
+                   "Explain what a list is in Python.", "What is 12 times 7?")
+
+
+@dataclass
+class MergedModel:
+    model: Any
+    tokenizer: Any
+    dtype: str  # what the weights are in: "bfloat16", "float32"
+    prompts: list[list[dict[str, str]]]
+    replies_equal: int | None = None  # merged replies equal to the adapter's, of len(prompts); None: no adapter
+
+
+def check_prompts(plan: Any, count: int = 4) -> list[list[dict[str, str]]]:
+    """Prompts to check an export on: the run's own held-out (else training)
+    rows, drawn as its sample replies are, or general ones when the data is gone."""
+    from llmcustoms.data.dataset import usable_examples
+    from llmcustoms.training.samples import pick_prompts
+
+    try:
+        examples = list(usable_examples(plan.eval_data or plan.data))
+    except Exception:  # noqa: BLE001 - moved, deleted, unreadable: the general prompts do
+        examples = []
+    drawn = [list(p.messages) for p in pick_prompts(examples, count, plan.seed)]
+    return drawn or [[{"role": "user", "content": text}] for text in GENERAL_PROMPTS[:count]]
+
+
+def common_system_prompt(plan: Any) -> str | None:
+    """The system prompt every chat row of the training data starts with, if they all share one."""
+    from llmcustoms.data.dataset import usable_examples
+
+    seen: set[str] = set()
+    try:
+        for example in usable_examples(plan.data):
+            first = example.messages[0] if example.is_chat and example.messages else None
+            seen.add(first.content if first is not None and first.role == "system" else "")
+            if len(seen) > 1:
+                return None
+    except Exception:  # noqa: BLE001 - the data is gone: no system prompt to carry
+        return None
+    return next(iter(seen)) or None if seen else None
+
+
+def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed) -> MergedModel:
+    """The run's model, merged and checked; `say` hears each stage."""
+    from llmcustoms.models import loading as modeling
+
+    modeling.quiet_libraries()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trust = plan.trust_remote_code and allowed.remote_code
+    # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
+    tokenizer = modeling.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
+    prompts = check_prompts(plan)
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if plan.method == "full":
+        say(f"Loading the trained {model_name(plan.model)}")
+        model = modeling.from_pretrained(AutoModelForCausalLM, str(trained), dtype=torch_dtype, trust_remote_code=trust)
+        return MergedModel(model.eval(), tokenizer, _dtype_name(model), prompts)
+    from peft import PeftModel
+
+    say(f"Loading {model_name(plan.model)}")
+    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
+                                     use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
+    adapted = PeftModel.from_pretrained(base, adapter_weights(trained)).eval()
+    say("Answering the check prompts with the adapter")
+    before = [greedy(adapted, tokenizer, messages) for messages in prompts]
+    say("Merging the adapter in")
+    merged = adapted.merge_and_unload().eval()
+    say("Answering the check prompts with the merged model")
+    after = [greedy(merged, tokenizer, messages) for messages in prompts]
+    return MergedModel(merged, tokenizer, _dtype_name(merged), prompts,
+                       replies_equal=sum(a == b for a, b in zip(before, after)))
+
+
+def greedy(model: Any, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of the greedy reply to `messages`, up to CHECK_TOKENS."""
+    import torch
+
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    stop = tokenizer.eos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False, eos_token_id=stop,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _dtype_name(model: Any) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+def check_dtype(dtype: str, choices: tuple[str, ...]) -> None:
+    if dtype not in choices:
+        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(choices)}.")

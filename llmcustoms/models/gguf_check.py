@@ -1,0 +1,157 @@
+"""Check a written GGUF against the model it came from, before anyone runs it.
+
+Read back through transformers' GGUF reader, the file must give:
+  - the metadata of the model: architecture, context length, layers, heads,
+    vocabulary size, the chat template unchanged, and the special token ids
+    (BOS, EOS, the end-of-turn token a reply stops at);
+  - the same token ids for every sample prompt, rendered with the chat template;
+  - the same next-token predictions: at f16 and bf16 the greedy replies to the
+    sample prompts are identical; at q8_0 and q4_0 the logits stay within the
+    tolerance below (quantization moves them; how far is reported).
+When llama-cpp-python is installed, the file is also run in llama.cpp itself:
+its tokens for the prompts must equal the model's, and a reply must end at
+the end-of-turn token (`llama_cpp_check`).
+
+Tolerances, on the sample prompts' logits (every position), as the share of
+positions whose most likely next token is the same as the model's:
+  f16, bf16  every greedy reply identical (and 100% of positions)
+  q8_0       at least 95% of positions
+  q4_0       at least 80% of positions
+The largest logit difference is reported beside it; it is not a criterion,
+since one outlier logit of a token nobody picks says little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOP1_NEEDED = {"f16": 1.0, "bf16": 1.0, "q8_0": 0.95, "q4_0": 0.80}
+REPLY_TOKENS = 32
+
+
+@dataclass
+class GgufCheck:
+    quant: str
+    prompts: int = 0
+    ids_equal: int = 0
+    replies_equal: int = 0
+    top1_agreement: float = 0.0
+    max_logit_difference: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    stopped: list[bool] = field(default_factory=list)  # whether the model's greedy reply to each prompt stopped
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        parts = [f"token ids equal for {self.ids_equal}/{self.prompts} prompts",
+                 f"greedy replies equal {self.replies_equal}/{self.prompts}",
+                 f"next token agrees at {self.top1_agreement:.1%} of positions "
+                 f"(needed {TOP1_NEEDED[self.quant]:.0%})",
+                 f"largest logit difference {self.max_logit_difference:.3f}"]
+        return "; ".join(parts)
+
+
+def expected_metadata(model: Any, tokenizer: Any, architecture: str, end_of_turn: int | None) -> dict[str, Any]:
+    config = model.config
+    expected = {
+        "general.architecture": architecture,
+        f"{architecture}.context_length": config.max_position_embeddings,
+        f"{architecture}.block_count": config.num_hidden_layers,
+        f"{architecture}.embedding_length": config.hidden_size,
+        f"{architecture}.attention.head_count": config.num_attention_heads,
+        f"{architecture}.attention.head_count_kv": getattr(config, "num_key_value_heads", None)
+        or config.num_attention_heads,
+        "tokenizer.ggml.tokens": config.vocab_size,
+        "tokenizer.ggml.eos_token_id": tokenizer.eos_token_id,
+        "tokenizer.chat_template": tokenizer.chat_template,
+    }
+    if tokenizer.bos_token_id is not None:
+        expected["tokenizer.ggml.bos_token_id"] = tokenizer.bos_token_id
+    if end_of_turn is not None and end_of_turn != tokenizer.eos_token_id:
+        expected["tokenizer.ggml.eot_token_id"] = end_of_turn
+    return expected
+
+
+def check_gguf(path: Path, model: Any, tokenizer: Any, quant: str, expected: dict[str, Any],
+               prompts: list[list[dict[str, str]]], stop_ids: list[int]) -> GgufCheck:
+    """Compare the GGUF at `path` with `model` (merged, unquantized) on `prompts`."""
+    import torch
+
+    from llmcustoms.models import gguf_reading
+
+    check = GgufCheck(quant=quant, prompts=len(prompts))
+    found = gguf_reading.metadata(path)
+    for key, value in expected.items():
+        if found.get(key) != value:
+            shown = (lambda v: f"{len(v)} characters" if isinstance(v, str) and len(v) > 60 else repr(v))
+            check.problems.append(f"{key} is {shown(found.get(key))}, expected {shown(value)}")
+    gguf_tokenizer = gguf_reading.load_tokenizer(path)
+    gguf_model = gguf_reading.load_model(path, torch.float32).eval()
+    reference = model.float().eval() if model.dtype != torch.float32 else model.eval()
+    agree = positions = 0
+    for messages in prompts:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        check.ids_equal += gguf_tokenizer(text, add_special_tokens=False)["input_ids"] == ids
+        batch = torch.tensor([ids])
+        with torch.no_grad():
+            want, got = reference(batch).logits[0], gguf_model(batch).logits[0]
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        positions += len(ids)
+        check.max_logit_difference = max(check.max_logit_difference, float((want - got).abs().max()))
+        reply = _greedy(reference, batch, stop_ids)
+        check.stopped.append(bool(reply) and reply[-1] in stop_ids)
+        check.replies_equal += reply == _greedy(gguf_model, batch, stop_ids)
+    check.top1_agreement = agree / max(positions, 1)
+    if check.ids_equal < check.prompts:
+        check.problems.append(f"the GGUF's tokenizer gives other token ids for {check.prompts - check.ids_equal} "
+                              f"of {check.prompts} prompts")
+    if check.top1_agreement < TOP1_NEEDED[quant]:
+        check.problems.append(f"the next token agrees at only {check.top1_agreement:.1%} of positions "
+                              f"(at {quant} at least {TOP1_NEEDED[quant]:.0%} is expected)")
+    if quant in ("f16", "bf16") and check.replies_equal < check.prompts:
+        check.problems.append(f"{check.prompts - check.replies_equal} of {check.prompts} greedy replies differ at "
+                              f"{quant}, where they should be identical")
+    return check
+
+
+def _greedy(model: Any, batch: Any, stop_ids: list[int]) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(batch, max_new_tokens=REPLY_TOKENS, do_sample=False, eos_token_id=stop_ids,
+                             pad_token_id=stop_ids[0] if stop_ids else None)
+    return out[0, batch.shape[1]:].tolist()
+
+
+def llama_cpp_check(path: Path, tokenizer: Any, prompts: list[list[dict[str, str]]], stopped: list[bool]) -> str | None:
+    """Run the GGUF in llama.cpp (llama-cpp-python), when installed: its tokens
+    for each prompt must be the model's, and where the model's own greedy reply
+    stopped (`stopped`), llama.cpp's must stop at an end token too (the
+    "never stops in Ollama" fault). A line saying what it found; None when not
+    installed. Problems come back as a line starting with "failed:"."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from llmcustoms.models.gguf_reading import metadata
+
+    found = metadata(path)
+    context = found.get(f"{found.get('general.architecture')}.context_length") or 1024
+    llm = Llama(model_path=str(path), n_ctx=min(1024, int(context)), verbose=False, seed=0)
+    same_ids = stops = 0
+    for messages in prompts:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        same_ids += llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) == ids
+        llm.reset()
+        reply = llm.create_completion(ids, max_tokens=REPLY_TOKENS * 4, temperature=0.0)
+        stops += reply["choices"][0]["finish_reason"] == "stop"
+    line = (f"llama.cpp: token ids equal for {same_ids}/{len(prompts)} prompts, replies stopped at an end token "
+            f"{stops}/{len(prompts)} (the model's own: {sum(stopped)}/{len(prompts)})")
+    never_stops = any(stopped) and stops == 0
+    return line if same_ids == len(prompts) and not never_stops else f"failed: {line}"

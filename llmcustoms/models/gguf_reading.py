@@ -1,0 +1,78 @@
+"""Read a GGUF file back: its metadata, its tokenizer and its model, through
+transformers' GGUF reader (weights dequantized to the dtype asked for).
+
+Used twice: `export --format gguf` checks what it wrote against the model it
+came from, and `--model path/to/model.gguf` trains a model a user already has
+for Ollama, llama.cpp or LM Studio.
+
+transformers rebuilds a byte-level tokenizer's pre-tokenizer from
+`tokenizer.ggml.pre` only for the names it knows; for "smollm" (each digit
+alone, then GPT-2's split) it falls back to GPT-2's, which joins digits: the
+pre-tokenizer is set here, so "2024" gets the ids llama.cpp gives it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.models.gguf_vocab import GgufRefused
+
+# What each file type (general.file_type) is called, for messages.
+FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1", 10: "q2_k", 11: "q3_k_s",
+              12: "q3_k_m", 13: "q3_k_l", 14: "q4_k_s", 15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m", 18: "q6_k",
+              32: "bf16"}
+
+
+def metadata(path: Path) -> dict[str, Any]:
+    """Every scalar and string field of the file (arrays as their length), by key."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(path))
+    fields = {}
+    for key, field in reader.fields.items():
+        if not field.types:
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            fields[key] = len(field.data)
+        elif field.types[0] == GGUFValueType.STRING:
+            fields[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+        else:
+            fields[key] = field.parts[field.data[0]].tolist()[0]
+    fields["tensor types"] = sorted({tensor.tensor_type.name for tensor in reader.tensors})
+    return fields
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if metadata(path).get("tokenizer.ggml.pre") == "smollm":
+        from tokenizers import pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return tokenizer
+
+
+def load_model(path: Path, dtype: Any) -> Any:
+    """The model in the file, dequantized to `dtype`; one clear refusal for
+    what transformers cannot read."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws its own tqdm bar, over our display
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    except (ValueError, NotImplementedError, KeyError) as exc:
+        raise GgufRefused(f"transformers cannot read {path.name}: {str(exc).splitlines()[0][:200]}",
+                          "Use a GGUF of a Llama, Mistral, Qwen2 or Phi-3 model, or the model's own "
+                          "Hugging Face folder or name.") from None
+    finally:
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
