@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from llmcustoms.models import hub_access as hubaccess
+from llmcustoms.models.gguf_folder import is_gguf, source_quantization
 
 from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.planning.data_advice import data_facts
@@ -44,6 +45,23 @@ CHARS_PER_TOKEN = 3.6
 TEMPLATE_TOKENS_PER_MESSAGE = 6
 # Told how far preparation is: (stage "read" or "tokenize", rows done, rows in all or None).
 Progress = Callable[[str, int, "int | None"], None]
+
+
+def given_model_reason(name: str) -> str | None:
+    """What the plan says of a --model: a GGUF file and what was made of it, or
+    a model that cannot load; nothing for the usual folder or Hub id."""
+    from llmcustoms.models.loading import model_location
+
+    if is_gguf(name):
+        folder = Path(model_location(name))
+        quantization = source_quantization(folder) or "unknown"
+        kept = {"f16": "float16", "bf16": "bfloat16"}.get(quantization, "float32")
+        return (f"model {Path(name).name}: a GGUF file ({quantization}), read through transformers' GGUF reader "
+                f"and dequantized to {kept} once, into {folder}")
+    if hubaccess.availability(name) == hubaccess.UNAVAILABLE:
+        return (f"model {name}: {hubaccess.offline_note()}, and it is not in the local "
+                "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
+    return None
 
 
 def no_progress(stage: str, done: int, total: int | None) -> None:
@@ -164,9 +182,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     choice_reason = None
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
-        if hubaccess.availability(options.model) == hubaccess.UNAVAILABLE:
-            choice_reason = (f"model {options.model}: {hubaccess.offline_note()}, and it is not in the local "
-                             "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
+        choice_reason = given_model_reason(options.model)
     else:
         usable, offline_reason = hubaccess.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)

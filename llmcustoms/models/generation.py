@@ -3,7 +3,9 @@
 The run's base model is loaded the way it was trained (4-bit for QLoRA runs)
 with the chosen weights on top (`run_weights`: the adapter, or with
 --checkpoint a checkpoint's), and prompts are rendered with the chat template
-the run trained with, so the model sees the format it learned. What the
+the run trained with, so the model sees the format it learned. A reply ends
+at a token the run's rows end replies with (`generation_stops`: EOS, the
+generation_config's stop tokens, the template's end-of-turn token). What the
 loading may do (remote code, pickle weights) is what this command's flags
 allow (`loading.Allowed`), never what the run's plan.json says.
 """

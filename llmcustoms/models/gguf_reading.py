@@ -57,22 +57,29 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load_model(path: Path, dtype: Any) -> Any:
-    """The model in the file, dequantized to `dtype`; one clear refusal for
-    what transformers cannot read."""
-    import os
+    """The model in the file, dequantized to `dtype`, as a plain model (one
+    that saves like any other); one clear refusal for what transformers cannot read."""
+    from functools import partial
 
+    import transformers.modeling_gguf_pytorch_utils as reader
     from transformers import AutoModelForCausalLM
 
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws its own tqdm bar, over our display
+    bar = reader.tqdm
+    reader.tqdm = partial(bar, disable=True)  # its own progress bar, drawn over our display
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        read = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     except (ValueError, NotImplementedError, KeyError) as exc:
         raise GgufRefused(f"transformers cannot read {path.name}: {str(exc).splitlines()[0][:200]}",
                           "Use a GGUF of a Llama, Mistral, Qwen2 or Phi-3 model, or the model's own "
                           "Hugging Face folder or name.") from None
     finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
+        reader.tqdm = bar
+    # The weights are dequantized already, but the model still counts as "quantized with gguf",
+    # which save_pretrained refuses: the same weights in a plain model of the same config.
+    config = read.config
+    for attribute in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(read.state_dict())
+    return plain.eval()

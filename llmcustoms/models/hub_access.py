@@ -118,7 +118,8 @@ def is_cached(hub_id: str) -> bool:
 def availability(name: str) -> str:
     """Where a model would load from: LOCAL, CACHED, DOWNLOADABLE or UNAVAILABLE.
     Asks the Hub only for a model that is on neither the disk nor the cache."""
-    if Path(name).expanduser().is_dir():
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return LOCAL
     if is_cached(name):
         return CACHED

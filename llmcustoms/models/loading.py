@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcustoms.models import hub_access as hubaccess, folder as modelfolder
+from llmcustoms.models.gguf_folder import gguf_folder, is_gguf
 from llmcustoms.errors import ModelError
 from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.planning.plan import ModelChoice, Plan
@@ -74,6 +75,8 @@ def model_location(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path.resolve())
+    if is_gguf(name) and looks_like_path(name):  # read once into a cached folder: then a folder like any other
+        return str(gguf_folder(path))
     if looks_like_path(name):
         raise ModelError(f"Model directory not found: {name}",
                          "Pass --model with a directory that holds config.json, or a Hugging Face Hub id.")

@@ -39,6 +39,8 @@ def untrained_rows(matrix: Any, ids: list[int]) -> dict[int, str]:
     """Of `ids`, those whose row of `matrix` (vocabulary x hidden) looks untrained, and why."""
     import torch
 
+    if not ids:
+        return {}
     with torch.no_grad():
         rows = matrix[ids].float()
         norms, distances = [], []

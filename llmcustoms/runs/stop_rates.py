@@ -11,7 +11,7 @@ report says so, with what the run recorded of why (status.json's
 `stop_tokens`: the end-of-turn token and whether the base model's looked
 untrained, `models/untrained_tokens.py`; the data report's
 `replies_without_end_token`, `data/stop_tokens.py`). Runs written before
-`stopped` existed have no stop rate, and nothing is said. No torch here.
+`stopped` existed have no stop rate, and nothing is said of it. No torch here.
 """
 
 from __future__ import annotations
