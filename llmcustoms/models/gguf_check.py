@@ -144,13 +144,16 @@ def llama_cpp_check(path: Path, tokenizer: Any, prompts: list[list[dict[str, str
     context = found.get(f"{found.get('general.architecture')}.context_length") or 1024
     llm = Llama(model_path=str(path), n_ctx=min(1024, int(context)), verbose=False, seed=0)
     same_ids = stops = 0
-    for messages in prompts:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        same_ids += llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) == ids
-        llm.reset()
-        reply = llm.create_completion(ids, max_tokens=REPLY_TOKENS * 4, temperature=0.0)
-        stops += reply["choices"][0]["finish_reason"] == "stop"
+    try:
+        for messages in prompts:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            same_ids += llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) == ids
+            llm.reset()
+            reply = llm.create_completion(ids, max_tokens=REPLY_TOKENS * 4, temperature=0.0)
+            stops += reply["choices"][0]["finish_reason"] == "stop"
+    finally:
+        llm.close()  # now, not at interpreter exit, where llama.cpp's teardown fails noisily
     line = (f"llama.cpp: token ids equal for {same_ids}/{len(prompts)} prompts, replies stopped at an end token "
             f"{stops}/{len(prompts)} (the model's own: {sum(stopped)}/{len(prompts)})")
     never_stops = any(stopped) and stops == 0

@@ -112,6 +112,17 @@ def test_a_sentencepiece_tokenizer_is_written_as_llama_with_byte_tokens(tmp_path
     normal = [i for i, kind in enumerate(vocab.types) if kind == 1]
     assert vocab.scores[normal[0]] > vocab.scores[normal[-1]]  # earlier merges score higher
 
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    path = write_gguf(model, tokenizer, tmp_path / "spm.gguf", "f16", "spm", None).path
+    reread = gguf_reading.load_tokenizer(path)
+    for text in ("hello world", "the quick brown fox", "ünïcode ✓ falls back to bytes"):
+        assert reread(text)["input_ids"] == tokenizer(text)["input_ids"]
+
 
 def test_pre_tokenizers_are_read_off_the_tokenizer(tiny_models):
     from tokenizers import pre_tokenizers
