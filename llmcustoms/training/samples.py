@@ -72,7 +72,11 @@ def prompt_of(example: Example) -> SamplePrompt | None:
 
 def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SamplePrompt]:
     """Up to `count` prompts from `examples`, the same for the same seed, in row order."""
-    prompts = [p for p in map(prompt_of, examples) if p is not None]
+    # One per distinct conversation: real data repeats questions ("What is up?"
+    # six times in the identity data), and the same prompt twice shows nothing new.
+    drawable = [p for p in map(prompt_of, examples) if p is not None]
+    distinct = {tuple((m["role"], m["content"]) for m in p.messages): p for p in reversed(drawable)}
+    prompts = sorted(distinct.values(), key=lambda p: p.row)
     chosen = random.Random(seed).sample(prompts, min(count, len(prompts)))
     return sorted(chosen, key=lambda p: p.row)
 

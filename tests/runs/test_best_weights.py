@@ -262,3 +262,15 @@ def test_a_non_finite_eval_loss_is_never_the_best():
     position.step = 3
     position.early_stop(float("inf"), patience=2)
     assert (position.best_step, position.best_eval, position.evals_since_best) == (2, 1.5, 1)
+
+
+def test_a_question_the_data_repeats_is_drawn_once():
+    from llmcustoms.data.row_formats import Example, Message
+
+    def ask(row: int, question: str) -> Example:
+        return Example(row=row, messages=(Message("user", question), Message("assistant", "Hello!")))
+
+    rows = [ask(1, "What is up?"), ask(2, "Who are you?"), ask(3, "What is up?"), ask(4, "What is up?")]
+    picked = pick_prompts(rows, 3, seed=0)
+    assert sorted(p.text for p in picked) == ["What is up?", "Who are you?"]
+    assert [p.row for p in picked] == [1, 2]  # the first row that asks it
