@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def _convert(path: Path, folder: Path) -> None:
 
     try:
         found = gguf_reading.metadata(path)
-    except (ValueError, OSError, IndexError) as exc:  # not GGUF at all, or cut short
+    except (ValueError, OSError, IndexError, struct.error) as exc:  # not GGUF at all, or cut short
         raise GgufRefused(f"{path.name} is not a readable GGUF file ({str(exc).splitlines()[0][:120]}).",
                           "Check that the download finished, or pass --model a model folder or Hub id.") from None
     kind = gguf_reading.FILE_TYPES.get(found.get("general.file_type"), "unknown")

@@ -25,22 +25,20 @@ FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9:
 
 
 def metadata(path: Path) -> dict[str, Any]:
-    """Every scalar and string field of the file (arrays as their length), by key."""
-    from gguf import GGUFReader, GGUFValueType
+    """Every scalar and string field of the file (arrays as their length), by
+    key. transformers' reader, which skips over the arrays: gguf's own
+    GGUFReader parses every token of the vocabulary, a minute on a busy machine."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    reader = GGUFReader(str(path))
-    fields = {}
-    for key, field in reader.fields.items():
-        if not field.types:
-            continue
-        if field.types[0] == GGUFValueType.ARRAY:
-            fields[key] = len(field.data)
-        elif field.types[0] == GGUFValueType.STRING:
-            fields[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-        else:
-            fields[key] = field.parts[field.data[0]].tolist()[0]
-    fields["tensor types"] = sorted({tensor.tensor_type.name for tensor in reader.tensors})
-    return fields
+    fields, _ = read_gguf_metadata(str(path), ())
+    return {key: len(value) if isinstance(value, (list, tuple)) else value for key, value in fields.items()}
+
+
+def tensor_types(path: Path) -> list[str]:
+    """The storage types of the file's tensors ("F16", "Q8_0"), sorted."""
+    from gguf import GGUFReader
+
+    return sorted({tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors})
 
 
 def load_tokenizer(path: Path) -> Any:
