@@ -96,6 +96,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
 def _chat_shape(merged: MergedModel) -> tuple[ollama.Pieces | None, list[str], int | None]:
     """The template's pieces for the Modelfile (None when Go cannot mirror it),
     the tokens a reply stops at, and the end-of-turn token's id."""
+    from llmcustoms.data import stop_tokens
     from llmcustoms.data.chat_templates import starts_with_bos
 
     tokenizer = merged.tokenizer
@@ -107,21 +108,10 @@ def _chat_shape(merged: MergedModel) -> tuple[ollama.Pieces | None, list[str], i
     pieces = ollama.template_pieces(render, bos) if tokenizer.chat_template else None
     if pieces is not None and ollama.mismatches(pieces, render, bos):
         pieces = None
-    end_of_turn = _end_of_turn(tokenizer, pieces)
+    end_of_turn = stop_tokens.end_of_turn(tokenizer, templated=bool(tokenizer.chat_template)).token_id
     stops = [tokenizer.convert_ids_to_tokens(i) for i in dict.fromkeys([end_of_turn, tokenizer.eos_token_id])
              if i is not None]
     return pieces, stops, end_of_turn
-
-
-def _end_of_turn(tokenizer: Any, pieces: ollama.Pieces | None) -> int | None:
-    """The special token the template ends an assistant's reply with (<|im_end|>,
-    <|end|>, </s>); the tokenizer's EOS when the template shows none."""
-    if pieces is not None:
-        special = set(tokenizer.all_special_ids)
-        for token_id in tokenizer(pieces.after["assistant"], add_special_tokens=False)["input_ids"]:
-            if token_id in special:
-                return int(token_id)
-    return tokenizer.eos_token_id
 
 
 def _general_name(name: str) -> str:
