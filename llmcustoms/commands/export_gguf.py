@@ -50,7 +50,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
                       waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
     """Write model.gguf and the Modelfile into `partial`; what the checks found
     (a line each) and, when one failed, why."""
-    from llmcustoms.models.gguf_check import check_gguf, expected_metadata, llama_cpp_check
+    from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata, llama_cpp_check
     from llmcustoms.models.gguf_writing import check_exportable, write_gguf
     from llmcustoms.commands.merging import common_system_prompt
 
@@ -86,6 +86,8 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
         say(f"Running {GGUF_NAME} in llama.cpp")
         in_llama_cpp = llama_cpp_check(path, merged.tokenizer, merged.prompts, check.stopped)
     lines.append("check: " + check.summary())
+    if cost_note(check):
+        lines.append(cost_note(check))
     lines.append(in_llama_cpp.removeprefix("failed: ") if in_llama_cpp
                  else "llama.cpp: not installed (pip install 'llmcustoms[llama-cpp]' runs the file in it too)")
     problems = check.problems + ([in_llama_cpp.removeprefix("failed: ")]
