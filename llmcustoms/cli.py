@@ -75,18 +75,21 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
 @takes_options("resume")
 @flags.takes_permissions
 def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, reset_optimizer: flags.ResetOptimizer = False,
-           epochs: flags.ResumeEpochs = None, model_changed_ok: flags.ModelChangedOk = False, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
+           epochs: flags.ResumeEpochs = None, max_steps: flags.ResumeMaxSteps = None,
+           model_changed_ok: flags.ModelChangedOk = False, quiet: flags.Quiet = False, env_file: flags.EnvFile = None,
            num_processes: flags.NumProcesses = None, num_machines: flags.NumMachines = None,
            machine_rank: flags.MachineRank = 0, main_process_ip: flags.MainIp = None,
            main_process_port: flags.MainPort = None, allowed: Any = None, **values: Any) -> None:
     """Continue an interrupted or failed run from its checkpoint.
 
-    From the last good checkpoint or --from one, with any number of processes; --epochs extends a run."""
+    From the last good checkpoint or --from one, with any number of processes; --epochs or --max-steps
+    changes its length."""
     from llmcustoms.commands import train as training
 
     launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
-        session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs, model_changed_ok)
+        session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs,
+                                                                      model_changed_ok, max_steps)
         if launch.needs_relaunch():
             raise typer.Exit(training.launch_resume(run_dir, session, launch))
         quiet_libraries()
@@ -128,8 +131,8 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
 @takes_options("tune")
 def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_tokens: flags.BudgetTokens = None,
          timeout: flags.Timeout = None, storage: flags.Storage = None, study_name: flags.StudyName = None,
-         sampler: flags.SamplerOpt = flags.Sampler.tpe, lr_find: flags.LrFind = False, env_file: flags.EnvFile = None,
-         **values: Any) -> None:
+         sampler: flags.SamplerOpt = flags.Sampler.tpe, lr_find: flags.LrFind = None, confirm: flags.Confirm = True,
+         env_file: flags.EnvFile = None, **values: Any) -> None:
     """Search hyperparameters with Optuna; write the best preset.
 
     Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
@@ -143,15 +146,15 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
 
         session = _session(values, env_file)
         options = session.train_options()
-        request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value)
+        request = StudyRequest(trials, max_steps, budget_tokens, timeout, storage, study_name, sampler.value, confirm)
         with PreparationProgress() as progress:
             study = prepare_study(options, session.output_dir, request, progress)
         show_prepared(study.prepared, options.data)
-        study = centre_study(study, session.output_dir) if lr_find else study
+        study = study if lr_find is False else centre_study(study, session.output_dir, run_missing=bool(lr_find))
         view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
         with view.TrialsDisplay() as display:
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
-                                study.settings, on_update=display.update, warn=display.warn)
+                                study.settings, on_update=display.update, warn=display.warn, say=display.say)
     view.show_study_outcome(outcome, options.data, options.model)
     if outcome.signum is not None:
         raise typer.Exit(128 + outcome.signum)  # 130 for Ctrl-C, 143 for SIGTERM
@@ -214,9 +217,27 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 
 
 @app.command(cls=flags.Command)
+def settings(example: flags.Example = False, env_file: flags.EnvFile = None) -> None:
+    """Show the LLMCUSTOMS_ settings in effect and where each comes from.
+
+    From the environment, then ./.env (or --env-file); --example prints every variable."""
+    with ending():
+        from llmcustoms.planning.settings import example_file, settings_in_effect
+
+        found = [] if example else settings_in_effect(env_file)
+    if example:
+        print(example_file(), end="")
+        return
+    for name, value, where in found:
+        print(f"{name}={value}  # {where}")
+    if not found:
+        print("No LLMCUSTOMS_ setting is set. `llmcustoms settings --example` lists them all.")
+
+
+@app.command(cls=flags.Command)
 @takes_options("runs")
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
-    """List the runs: model, method, status, steps, best eval loss."""
+    """List the runs: model, method, status, steps, best eval loss, training time."""
     with ending():
         from llmcustoms.runs.run_directory import list_runs
 
@@ -244,10 +265,10 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
 @flags.takes_permissions
 def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: flags.Prompt = None,
              checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 256,
-             temperature: flags.Temperature = 0.7, seed: flags.Seed = None, allowed: Any = None) -> None:
+             temperature: flags.GenerateTemperature = 0.0, seed: flags.Seed = None, allowed: Any = None) -> None:
     """Generate a reply to one prompt with the run's model.
 
-    The reply goes to stdout, what is being loaded to stderr."""
+    Greedy by default; the reply goes to stdout, what is being loaded to stderr."""
     with ending():
         from llmcustoms.ui import dialog
         from llmcustoms.models.generation import open_trained
@@ -263,7 +284,7 @@ def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: f
 @app.command(cls=flags.Command)
 @flags.takes_permissions
 def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens: flags.MaxNewTokens = 512,
-         temperature: flags.Temperature = 0.7, system: flags.System = None, allowed: Any = None) -> None:
+         temperature: flags.ChatTemperature = 0.7, system: flags.System = None, allowed: Any = None) -> None:
     """Talk with the run's model. /exit or Ctrl-D ends it; /reset starts over.
 
     Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""

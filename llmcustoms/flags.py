@@ -184,6 +184,7 @@ FromStep = Annotated[Optional[str], typer.Option("--from", metavar="step-N", hel
 ModelChangedOk = Annotated[bool, typer.Option("--model-changed-ok", help="Go on although the base model's files differ from those the run began with: the run continues training on the new weights.")]
 ResetOptimizer = Annotated[bool, typer.Option("--reset-optimizer", help="Start the optimizer state afresh (AdamW moments zero); weights, learning-rate schedule, data order and random state are the checkpoint's.")]
 ResumeEpochs = Annotated[Optional[float], typer.Option("--epochs", metavar="<float>", show_default=False, parser=_parser(options.BY_NAME["epochs"]), help="Train to this many epochs in all, more than the run has: extends it, a completed run too. The learning-rate decay is stretched to the new length. Only this flag extends a run, not LLMCUSTOMS_EPOCHS.")]
+ResumeMaxSteps = Annotated[Optional[int], typer.Option("--max-steps", metavar="<int>", min=1, show_default=False, help="Train to this many steps in all, more than the run has done: shortens or extends it, a completed run too. The learning-rate decay follows the new length. Only this flag, not LLMCUSTOMS_MAX_STEPS.")]
 
 # `tune`'s own.
 Trials = Annotated[int, typer.Option("--trials", "-n", metavar="<int>", min=1, help="Trials to run now (added to the study's earlier ones).")]
@@ -192,7 +193,8 @@ BudgetTokens = Annotated[Optional[int], typer.Option("--budget-tokens", metavar=
 Timeout = Annotated[Optional[float], typer.Option("--timeout", metavar="<float>", parser=_finite(1), help="Stop starting new trials after this many seconds.")]
 Storage = Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:FILE). Default: SQLite in the study directory.")]
 StudyName = Annotated[Optional[str], typer.Option("--study-name", help="Name of the study. Default: from the data file and model.")]
-LrFind = Annotated[bool, typer.Option("--lr-find/--no-lr-find", help="Centre the lr range on `llmcustoms lr-find`'s suggestion for this model and data (the range test runs first if none is saved).")]
+LrFind = Annotated[Optional[bool], typer.Option("--lr-find/--no-lr-find", show_default=False, help="Centre the lr range on `llmcustoms lr-find`'s suggestion for this model and data. Default: when one is saved; --lr-find runs the range test first if none is; --no-lr-find: around the preset's lr.")]
+Confirm = Annotated[bool, typer.Option("--confirm/--no-confirm", help="Train the best trial and the preset for a whole run each and write the better as the preset (two runs' time; --no-confirm writes the best trial unchecked).")]
 
 # `lr-find`'s own.
 LrSteps = Annotated[Optional[int], typer.Option("--steps", metavar="<int>", min=5, help="Optimizer steps of the range test. Default: 100, or fewer if a whole run is shorter.")]
@@ -211,6 +213,7 @@ SamplerOpt = Annotated[Sampler, typer.Option("--sampler", help="tpe (default), r
 # `setup`'s own.
 SetupData = Annotated[Optional[str], typer.Option("--data", help="Your training data (asked for if not given).")]
 SetupEnvFile = Annotated[Path, typer.Option("--env-file", help="The settings file to write.")]
+Example = Annotated[bool, typer.Option("--example", help="Print an example .env instead: every LLMCUSTOMS_ variable, explained, commented out.")]
 
 # After training.
 RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="A run directory, e.g. runs/my-run.")]
@@ -228,7 +231,8 @@ Verify = Annotated[bool, typer.Option("--verify/--no-verify", help="Read the GGU
 ExportOverwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
 # A bound that is a number generation can hold; no model's context is near it.
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", metavar="<int>", min=1, max=1_000_000, help="Longest reply in tokens.")]
-Temperature = Annotated[float, typer.Option("--temperature", metavar="<float>", parser=_finite(0.0, 100.0), help="0 for greedy; higher is more varied.")]
+GenerateTemperature = Annotated[float, typer.Option("--temperature", metavar="<float>", parser=_finite(0.0, 100.0), help="0 (the default) is greedy: the most likely reply, the same every time, to check what the model learned; higher samples more varied replies.")]
+ChatTemperature = Annotated[float, typer.Option("--temperature", metavar="<float>", parser=_finite(0.0, 100.0), help="0 is greedy: the most likely reply, the same every time; higher is more varied. The default, 0.7, samples replies.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", metavar="<int>", parser=_parser(options.BY_NAME["seed"]), help=options.BY_NAME["seed"].help)]
 
 # Loading a run's model (`takes_permissions`): given on the command itself, or not at all.

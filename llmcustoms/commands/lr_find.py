@@ -254,26 +254,28 @@ def _notes(result: RangeTestResult, test: RangeTest) -> list[str]:
     return []
 
 
-def centre_study(study: Any, output_dir: Path) -> Any:
-    """`tune --lr-find`: the study (`tune.PreparedStudy`) with its lr range
-    centred on the saved range test for this model and data, or on one run
-    now if none is saved."""
+def centre_study(study: Any, output_dir: Path, run_missing: bool = True) -> Any:
+    """`tune`: the study (`tune.PreparedStudy`) with its lr range centred on the
+    saved range test for this model and data; with none saved, on one run now
+    (`run_missing`, `tune --lr-find`) or the study as it is."""
     from llmcustoms.ui import tune_view as tuneview
-    from llmcustoms.commands.tune import search_space
 
     plan = study.prepared.plan
     path = result_path(output_dir, plan)
     result = load_saved(path, plan)
     ran = result is None
     if result is None:
+        if not run_missing:
+            return study
         tuneview.show_lr_find_starting(path)
         result, path = _run_and_save(study.prepared, RangeTest(), output_dir)
     lr = result.suggestion.lr
     if lr is None:
+        if not run_missing:
+            return study
         raise no_suggestion_error(result.suggestion, result.steps)
     tuneview.show_lr_centre(path, lr, ran)
-    return replace(study, settings=replace(study.settings, lr_centre=lr),
-                   space=search_space(plan, study.hardware, centre=lr))
+    return replace(study, settings=replace(study.settings, lr_centre=lr), space=study.space.centred(lr))
 
 
 # -------------------------------------------------------------- the loop

@@ -145,9 +145,10 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
     output_dir = dialog.ask("Where to put runs", "runs")
     save_every = ask_save_every()
 
-    # The data too, so `llmcustoms train`, `plan` and `tune` need no argument.
-    values = {f"{PREFIX}DATA": data_path, f"{PREFIX}PRESET": preset_name, f"{PREFIX}MODEL": model,
-              f"{PREFIX}OUTPUT_DIR": output_dir}
+    # The data too, so `llmcustoms train`, `plan` and `tune` need no argument; its whole
+    # path, so they find it from any directory (given --env-file).
+    values = {f"{PREFIX}DATA": str(Path(data_path).resolve()), f"{PREFIX}PRESET": preset_name,
+              f"{PREFIX}MODEL": model, f"{PREFIX}OUTPUT_DIR": output_dir}
     if skip_bad_rows:
         values[f"{PREFIX}SKIP_BAD_ROWS"] = "true"
     if save_every != "auto":
@@ -379,7 +380,7 @@ def _write_env(path: Path, values: dict[str, str]) -> None:
     kept = {}
     if path.exists():
         kept = {k: v for k, (v, _) in read_env_file(path).items() if k not in values and not k.startswith(PREFIX)}
-    lines = ["# Written by `llmcustoms setup`. See .env.example for every variable.", ""]
+    lines = ["# Written by `llmcustoms setup`. `llmcustoms settings --example` prints every variable, explained.", ""]
     lines += [f"{k}={_quote(v)}" for k, v in values.items()]
     if kept:
         lines += ["", "# Kept from the previous file"] + [f"{k}={_quote(v)}" for k, v in kept.items()]

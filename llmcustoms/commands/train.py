@@ -94,11 +94,12 @@ class Session:
                 + (["--report-to", self.report_to] if self.report_to else []) + self.allowed.flags())
 
     def resuming(self, from_step: str | None, reset_optimizer: bool, epochs: float | None,
-                 model_changed_ok: bool = False) -> "Session":
-        """This session with `resume`'s own flags. `epochs` is the flag's value
-        only: LLMCUSTOMS_EPOCHS, set for `train`, must not extend a run at every resume."""
+                 model_changed_ok: bool = False, max_steps: int | None = None) -> "Session":
+        """This session with `resume`'s own flags. `epochs` and `max_steps` are the flags' values
+        only: LLMCUSTOMS_EPOCHS or _MAX_STEPS, set for `train`, must not change a run at every resume."""
         step = step_named(from_step) if from_step is not None else None
-        return replace(self, start=ResumeFrom(step, reset_optimizer, epochs), model_changed_ok=model_changed_ok)
+        start = ResumeFrom(step, reset_optimizer, epochs, max_steps)
+        return replace(self, start=start, model_changed_ok=model_changed_ok)
 
     def start_options(self) -> list[str]:
         """`resume`'s own flags, for the processes a relaunch starts: not for a
@@ -107,6 +108,7 @@ class Session:
         return ((["--from", str(start.step)] if start.step is not None else [])
                 + (["--reset-optimizer"] if start.reset_optimizer else [])
                 + (["--epochs", repr(start.epochs)] if start.epochs is not None else [])
+                + (["--max-steps", str(start.max_steps)] if start.max_steps is not None else [])
                 + (["--model-changed-ok"] if self.model_changed_ok else []))
 
 
@@ -185,7 +187,10 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
         if launching.is_main_process():
             run_dir.create(overwrite or world > 1, keep)  # the launching process already checked
             run_dir.write_plan(plan)
-            run_dir.write_status("running", step=0, data=plan.data_report)  # bad rows skipped, advice: from the start
+            # Bad rows skipped, advice: from the start. Its training time starts with the loop, the model loaded.
+            run_dir.write_status("running", training=False, step=0, data=plan.data_report)
+        if not quiet:
+            ui.console.print(f"Run directory: [bold]{ui.escape(str(run_dir.path))}[/]", soft_wrap=True)
         wait_for_all_processes(world)
         return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
 
@@ -199,19 +204,19 @@ def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int
 
 
 def _resumable(run_dir: Path | None, session: Session) -> Any:
-    """The run to continue, refused if finished (unless extended) or being
-    trained right now, or if --from or --epochs cannot be done."""
+    """The run to continue, refused if finished (unless its length changes) or
+    being trained right now, or if --from, --epochs or --max-steps cannot be done."""
     from llmcustoms.runs.checkpoints import CheckpointManager
     from llmcustoms.runs.run_directory import RunDirectory, find_unfinished_run
 
     directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
     plan, start = session.allowed.applied_to(directory.read_plan()), session.start  # remote code refused here
-    if directory.read_status().get("status") == "completed" and start.epochs is None:
+    status = directory.read_status()
+    if status.get("status") == "completed" and not start.resizes:
         raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
                               "Start a new run with `llmcustoms train`, extend this one with `llmcustoms resume "
-                              "RUN --epochs N`, or use it (`report`, `chat`, `export`).")
-    if start.epochs is not None:
-        plan.extended_to(start.epochs)  # an error now, before the data is read, if it is no extension
+                              "RUN --epochs N` (or --max-steps N), or use it (`report`, `chat`, `export`).")
+    start.planned(plan, status.get("step", 0))  # an error now, before the data is read, if it cannot be
     if start.step is not None:
         CheckpointManager(directory.checkpoints_path, keep=1).verified(start.step)
     pid = None if launching.inside_launch() else directory.running_pid()  # a launcher holds it for its processes
@@ -240,19 +245,18 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
     plan = session.allowed.applied_to(directory.read_plan())
     world = launching.world_size()
     prepared = prepare_resume(plan, world_size=world, model_changed_ok=session.model_changed_ok)
-    if session.start.epochs is not None:
-        prepared = replace(prepared, plan=prepared.plan.extended_to(session.start.epochs))
+    prepared = replace(prepared, plan=session.start.planned(prepared.plan, directory.read_status().get("step", 0)))
     check_disk_space(prepared.plan, directory.path, resuming=True)  # exit 2 if the rest of the run cannot fit
     restart = directory.pending_restart()
     recovery = None
     if restart is not None:  # a process failed where the others could not learn of it
         prepared, recovery = _recover_before_restart(prepared, restart, directory)
     # Every process has read plan.json (and the request) before it changes: the
-    # check of --epochs in a process that read it later would fail.
+    # check of --epochs or --max-steps in a process that read it later would fail.
     wait_for_all_processes(world)
     if launching.is_main_process():
         if prepared.plan != plan:
-            directory.write_plan(prepared.plan)  # new world size, recovery, or more epochs
+            directory.write_plan(prepared.plan)  # new world size, recovery, or another length
         if recovery is not None:
             directory.add_recovery(recovery.to_json())
             directory.clear_restart()
@@ -307,7 +311,7 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
     from llmcustoms.training.finetuner import FineTuner
     from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted
     from llmcustoms.runs.run_log import LoggingReporter, completed_text, plan_line
-    from llmcustoms.training.samples import SampleReplies, held_out_prompts
+    from llmcustoms.training.samples import run_samples
     from llmcustoms.runs.tracking import TrackingReporter
     from llmcustoms.ui.train_view import make_reporter
 
@@ -317,8 +321,7 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
                                                      tracker if main else "none", run_dir, prepared.plan),
                                run_dir.log_path if main and run_dir.writable else None)
     reporter.log.write("info", ("resuming: " if resume else "starting: ") + plan_line(prepared.plan))
-    samples = SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir,
-                            warn=lambda text: reporter.message(text, warning=True))
+    samples = run_samples(prepared, run_dir, warn=lambda text: reporter.message(text, warning=True))
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
                       faults=FaultInjector.from_env(spent_through=faults_spent_through), samples=samples)
     try:
@@ -341,6 +344,7 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
         reporter.activity(None)  # a spinner left by a failure outside the live display
         if main and launching.world_size() == 1:
             _keep_speed(prepared.plan, run_dir, cache)
+    result.general = run_dir.read_status().get("general_knowledge") or {}  # the forgetting check's, for the summary
     reporter.log.write("info", completed_text(result))
     return result if main else None
 

@@ -1,10 +1,12 @@
 """`llmcustoms tune`: an Optuna study around the same `FineTuner` and `Plan` as `train`.
 
 Each trial is a short real training run, scored by eval loss on one fixed,
-seeded held-out split. The search space is learning rate (log scale), LoRA
-rank, alpha as a ratio of rank, dropout and warmup fraction; ranks whose
-estimated memory does not fit are left out before the study starts. Eval loss
-is reported during each trial so a median pruner can stop poor trials early.
+seeded held-out split. What is searched, and each trial's plan, are in
+`commands/tune_space.py`: the preset's own values are the study's first trial,
+so the best trial is never worse than the preset on that score. Trials report
+their eval loss at the rungs of successive halving, which stops all but the
+best third at each. After the search the best trial and the preset are trained
+for a whole run and only the winner is written (`commands/tune_confirm.py`).
 The study lives in a storage (SQLite in the output directory by default), so
 running the same command again continues it, and several processes can share
 one study through an RDB or journal storage. `commands/tune_studies.py` holds the study's
@@ -17,10 +19,9 @@ attributes), the study stops, and the command exits 128 + the signal.
 
 from __future__ import annotations
 
-import math
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,24 +29,21 @@ from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.planning.memory import MemoryEstimator
-from llmcustoms.planning.plan import LoraSettings, Plan
 from llmcustoms.commands.preparation import PreparedRun
-from llmcustoms.planning.presets import TrainingPreset, load_families, find_model_spec
+from llmcustoms.planning.presets import TrainingPreset
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.runs.run_directory import RunDirectory
-from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, check_identity, choose_study, default_name, duplicate_of,
-                                claim, fail_stale_trials, open_storage, redact_storage, storage_full,
-                                study_dir, study_identity)
+from llmcustoms.commands.tune_confirm import FullLengthCheck, enqueue_preset, preset_trial
+from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, SearchSpace, make_pruner, preset_point,
+                                            search_space, trial_plan, trial_steps)
+from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, check_identity, choose_study,
+                                              claim, default_name, duplicate_of, fail_stale_trials, open_storage,
+                                              redact_storage, storage_full, stored_choices, study_dir, study_identity,
+                                              taking_turns)
 from llmcustoms.commands.tune_results import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
 
-RANKS = (4, 8, 16, 32, 64)
-ALPHA_RATIOS = (0.5, 1.0, 2.0, 4.0)
-DROPOUTS = (0.0, 0.05, 0.1)
-WARMUPS = (0.0, 0.03, 0.1)
-LR_SPAN = 10.0  # search lr within [preset lr / 10, preset lr * 10]
-DEFAULT_TRIAL_STEPS = 100
-REPORTS_PER_TRIAL = 5
+__all__ = ["LR_FIND_SPAN", "LR_SPAN", "SearchSpace", "TuneSettings", "prepare_study", "run_study", "search_space"]
+
 # A trial that drew the values of an earlier one is skipped and another drawn in
 # its place, in at most this many rounds (an exhausted grid draws only repeats).
 REDRAW_ROUNDS = 3
@@ -53,93 +51,6 @@ REDRAW_ROUNDS = 3
 
 class TrialFailed(Exception):
     """A trial that could not finish (out of memory or divergence beyond recovery)."""
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    lr_low: float
-    lr_high: float
-    ranks: tuple[int, ...]
-    alpha_ratios: tuple[float, ...] = ALPHA_RATIOS
-    dropouts: tuple[float, ...] = DROPOUTS
-    warmups: tuple[float, ...] = WARMUPS
-    lora: bool = True
-    excluded_ranks: tuple[int, ...] = ()
-    lr_centre: float | None = None  # from `lr-find`; None: the base plan's lr
-
-    def suggest(self, trial: Any) -> dict[str, Any]:
-        params: dict[str, Any] = {"lr": trial.suggest_float("lr", self.lr_low, self.lr_high, log=True),
-                                  "warmup_ratio": trial.suggest_categorical("warmup_ratio", list(self.warmups))}
-        if self.lora:
-            params["lora_r"] = trial.suggest_categorical("lora_r", list(self.ranks))
-            params["alpha_ratio"] = trial.suggest_categorical("alpha_ratio", list(self.alpha_ratios))
-            params["lora_dropout"] = trial.suggest_categorical("lora_dropout", list(self.dropouts))
-        return params
-
-    def grid(self) -> dict[str, list[Any]]:
-        """The same space, discrete, for the grid sampler (lr on 5 log-spaced points)."""
-        lrs = [self.lr_low * (self.lr_high / self.lr_low) ** (i / 4) for i in range(5)]
-        grid: dict[str, list[Any]] = {"lr": lrs, "warmup_ratio": list(self.warmups)}
-        if self.lora:
-            grid.update(lora_r=list(self.ranks), alpha_ratio=list(self.alpha_ratios), lora_dropout=list(self.dropouts))
-        return grid
-
-    def describe(self) -> list[tuple[str, str]]:
-        rows = [("learning rate", f"{self.lr_low:.1e} .. {self.lr_high:.1e} (log scale)")]
-        if self.lr_centre is not None:
-            rows.append(("lr centred on", f"{self.lr_centre:.1e}, lr-find's suggestion"))
-        rows.append(("warmup fraction", ", ".join(f"{w:g}" for w in self.warmups)))
-        if self.lora:
-            ranks = ", ".join(map(str, self.ranks))
-            if self.excluded_ranks:
-                ranks += f" ({', '.join(map(str, self.excluded_ranks))} left out: they do not fit)"
-            rows += [("LoRA rank", ranks), ("LoRA alpha / rank", ", ".join(f"{a:g}" for a in self.alpha_ratios)),
-                     ("LoRA dropout", ", ".join(f"{d:g}" for d in self.dropouts))]
-        return rows
-
-
-def search_space(base: Plan, hardware: Hardware, centre: float | None = None) -> SearchSpace:
-    """The space around the base plan (its lr range around `centre` when given,
-    `lr-find`'s suggestion); ranks the memory estimate rules out are dropped."""
-    middle = base.lr if centre is None else centre
-    high = min(0.1, middle * LR_SPAN)
-    low = min(max(1e-6, middle / LR_SPAN), high)
-    if base.lora is None:
-        return SearchSpace(low, high, ranks=(), lora=False, lr_centre=centre)
-    families = load_families()
-    spec = find_model_spec(base.model, families)
-    fitting, excluded = [], []
-    for rank in RANKS:
-        fits = True
-        if spec is not None and base.memory:
-            estimate = MemoryEstimator(spec, hardware.has_gpu, base.memory["budget_bytes"]).estimate(
-                base.method, base.micro_batch_size, base.max_seq_len, base.mixed_precision,
-                base.gradient_checkpointing, lora_rank=rank, lora_targets=base.lora.target_modules)
-            fits = estimate.fits
-        (fitting if fits else excluded).append(rank)
-    if not fitting:
-        raise ConfigError("No LoRA rank fits in memory with this plan.", "Try --method qlora or a smaller --max-seq-len.")
-    return SearchSpace(low, high, ranks=tuple(fitting), excluded_ranks=tuple(excluded), lr_centre=centre)
-
-
-def trial_steps(base: Plan, max_steps: int | None, budget_tokens: int | None, mean_tokens: float) -> int:
-    """Optimizer steps per trial: given, or from a token budget, or a default."""
-    if max_steps:
-        return max_steps
-    if budget_tokens:
-        return max(1, math.ceil(budget_tokens / (base.effective_batch_size * max(1.0, mean_tokens))))
-    return min(base.total_steps, DEFAULT_TRIAL_STEPS)
-
-
-def trial_plan(base: Plan, params: dict[str, Any], steps: int) -> Plan:
-    """The base plan with one trial's values, shortened to `steps` and evaluated often."""
-    lora = base.lora
-    if lora is not None and "lora_r" in params:
-        rank = params["lora_r"]
-        lora = LoraSettings(r=rank, alpha=max(1, round(rank * params["alpha_ratio"])), dropout=params["lora_dropout"],
-                            target_modules=lora.target_modules)
-    return replace(base, lr=params["lr"], lora=lora, total_steps=steps, warmup_steps=int(params["warmup_ratio"] * steps),
-                   eval_every=max(1, steps // REPORTS_PER_TRIAL), early_stopping_patience=0, save_every=steps + 1)
 
 
 @dataclass(frozen=True)
@@ -153,6 +64,7 @@ class StudyRequest:
     storage: str | None = None
     study_name: str | None = None
     sampler: str = "tpe"
+    confirm: bool = True  # train the best and the preset at full length before writing the preset
 
 
 @dataclass
@@ -184,7 +96,7 @@ def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest
                               request.study_name is not None, study_identity(base, steps))
     settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=study_dir(output_dir, name),
                             storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed,
-                            note=note)
+                            confirm=request.confirm, note=note)
     return PreparedStudy(prepared, hardware, settings, search_space(base, hardware),
                          round(steps * base.effective_batch_size * mean_tokens))
 
@@ -201,31 +113,36 @@ def make_sampler(name: str, space: SearchSpace, seed: int) -> Any:
 
 def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
               on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None,
-              warn: Callable[[str], None] = lambda text: None) -> StudyOutcome:
-    """Run `settings.trials` more trials of the study (creating it if needed). A
-    storage that fails (a full disk, a lost database) ends it with one message:
-    what the storage holds stays, and the same command continues it."""
+              warn: Callable[[str], None] = lambda text: None, say: Callable[[str], None] = lambda text: None,
+              ) -> StudyOutcome:
+    """Run `settings.trials` more trials of the study (creating it if needed;
+    the preset's point first, unless the study has it), check the best at full
+    length, and write the winner. `say` tells how the check goes. A storage that
+    fails (a full disk, a lost database) ends it with one message: what the
+    storage holds stays, and the same command continues it."""
     from llmcustoms.recovery.faults import FaultInjector, disk_full_from
 
     base = prepared.plan
     if base.eval_rows == 0 or not prepared.evaluation:
         raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
                           "Pass --eval-split 0.1 (or more), or --eval-data FILE.")
-    space = search_space(base, hardware, settings.lr_centre)
     settings.study_dir.mkdir(parents=True, exist_ok=True)
     full_disk = FullDisk(disk_full_from())
     storage = open_storage(settings.storage, settings.study_dir, full_disk)
+    space = search_space(base, hardware, settings.lr_centre).matching(stored_choices(storage, settings.study_name))
     trials = StudyTrials(prepared, settings, space, open_study(settings, space, storage),
                          faults or FaultInjector.from_env(), on_update, warn, full_disk)  # one injector: faults fire once
     outcome = trials.outcome
     try:
         check_identity(outcome.study, study_identity(base, settings.steps))
         outcome.stale = fail_stale_trials(storage, outcome.study, settings.study_dir)
+        with taking_turns(settings.storage, settings.study_dir):  # two `tune` starting at once queue it once
+            enqueue_preset(outcome.study, space.preset)
         trials.optimize()
         outcome.rows = trial_rows(outcome.study)
         write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
         if best_trial(outcome.study) is not None:
-            outcome.best_preset_path = write_best_preset(outcome.study, base, preset, prepared, settings)
+            trials.conclude(preset, say)
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as error:
@@ -261,7 +178,8 @@ class StudyTrials:
                  on_update: Callable[[list[dict[str, Any]]], None], warn: Callable[[str], None], full_disk: FullDisk):
         self.prepared, self.settings, self.space, self.study = prepared, settings, space, study
         self.faults, self.on_update, self.warn, self.full_disk = faults, on_update, warn, full_disk
-        self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None)
+        self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None,
+                                    confirm=settings.confirm, lr_centre=settings.lr_centre)
         self.redraws = 0  # trials skipped for drawing an earlier trial's values
 
     def optimize(self) -> None:
@@ -322,13 +240,14 @@ class StudyTrials:
         finally:
             self.outcome.steps_run = steps_before + tuner.position.step
             self.outcome.steps_budgeted += self.settings.steps
-            _note_trial(trial, run_dir, tuner.position.step, time.perf_counter() - started)
+            _note_trial(trial, run_dir, tuner.position.step, self.settings.steps, time.perf_counter() - started)
         if tuner.signals.received is not None:  # it came in the last step: the trial is whole, the study stops
             self.outcome.signum = tuner.signals.received
             self.study.stop()
         if result.stop is not None and result.stop.cause is StopCause.CALLER:
-            trial.set_user_attr("reason", f"pruned at step {tuner.position.step}")
-            raise optuna.TrialPruned(f"pruned at step {tuner.position.step}")
+            step, budget = tuner.position.step, self.settings.steps
+            trial.set_user_attr("reason", f"pruned at step {step} of {budget}: not in the best third at step {step}")
+            raise optuna.TrialPruned(f"pruned at step {step} of {budget}")
         return last.get("eval_loss", float("nan"))
 
     def _interrupted(self, trial: Any, signum: int, step: int) -> None:
@@ -347,11 +266,40 @@ class StudyTrials:
         self.outcome.trials_this_run += 1
         _refresh(study, self.on_update)
 
+    def conclude(self, preset: TrainingPreset, say: Callable[[str], None]) -> None:
+        """After the trials: check the best at full length (unless --no-confirm),
+        then write the winner as the study's preset. Nothing is written when a
+        signal stopped the study or the check: the same command checks it."""
+        from llmcustoms.recovery.recovery_system import TrainingInterrupted
+
+        outcome, base = self.outcome, self.prepared.plan
+        point, best = self.space.preset or preset_point(base), best_trial(self.study)
+        if self.settings.confirm:
+            if outcome.interrupted:
+                return
+            check = FullLengthCheck(self.prepared, self.settings, self.study, self.faults, self.warn, say)
+            try:
+                outcome.confirmation = check.run(best, preset_trial(self.study, point), point)
+            except TrainingInterrupted as stopped:
+                outcome.signum = stopped.signum
+            except KeyboardInterrupt:  # a second Ctrl-C
+                outcome.signum = signal.SIGINT
+            if outcome.interrupted:
+                return
+            outcome.search_won = outcome.confirmation.search_won
+        said = _winner_said(outcome.confirmation, best, len(self.study.trials))
+        params = best.params if outcome.search_won else point
+        outcome.best_preset_path = write_best_preset(self.study, base, preset, self.prepared, self.settings, params, said)
+
     def _pruning_report(self, trial: Any, last: dict[str, float]) -> Callable[[int, float], bool]:
         """The trial's `on_evaluate`: reports eval loss to Optuna (keeping the latest
-        in `last`) and says whether the pruner stops the trial."""
+        in `last`) and says whether the pruner stops the trial. The pruner sees
+        every trial's values at the rungs, the preset's too, but never stops
+        the preset's (the mark the others are measured against) nor a trial at
+        its last step (it is finished)."""
         reported: set[int] = set()
         steps_before = self.outcome.steps_run
+        stoppable = not trial.user_attrs.get("preset")
 
         def report(step: int, eval_loss: float) -> bool:
             self.full_disk.steps = steps_before + step
@@ -360,7 +308,9 @@ class StudyTrials:
                 reported.add(step)
                 trial.report(eval_loss, step)
             _refresh(self.study, self.on_update, running=(trial.number, step, eval_loss))
-            return trial.should_prune()
+            if step >= self.settings.steps:
+                return False
+            return trial.should_prune() and stoppable
 
         return report
 
@@ -373,17 +323,34 @@ def open_study(settings: TuneSettings, space: SearchSpace, storage: Any) -> Any:
     sampler = TrialSeededSampler(lambda seed: make_sampler(settings.sampler, space, seed), settings.seed)
     try:
         return optuna.create_study(study_name=settings.study_name, storage=storage, sampler=sampler,
-                                   pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-                                   direction="minimize", load_if_exists=True)
+                                   pruner=make_pruner(settings.steps), direction="minimize", load_if_exists=True)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(f"Cannot open the study {settings.study_name} in {settings.where}: "
                           f"{redact_storage(str(exc), settings.storage)}",
                           "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
 
 
-def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, seconds: float) -> None:
-    """What a trial did, kept with it in the study: steps, time, recoveries."""
+def _winner_said(check: Any, best: Any, trials: int) -> str:
+    """The preset file's description of what it holds."""
+    if check is None:
+        return f"best of {trials} trials, eval loss {best.value:.4f} (trial {best.number}), not checked at full length."
+    if check.same:
+        return f"the preset's own values, the best of {trials} trials (trial {best.number})."
+    if check.search_won:
+        return (f"best of {trials} trials (trial {best.number}); at full length ({check.steps} steps) its "
+                f"validation loss {check.best:.4f} beat the preset's {_loss(check.preset)}.")
+    return (f"the preset's own values: the best of {trials} trials (trial {best.number}) did not beat them at "
+            f"full length ({check.steps} steps; validation loss {_loss(check.best)} vs {_loss(check.preset)}).")
+
+
+def _loss(value: float | None) -> str:
+    return "none (failed)" if value is None else f"{value:.4f}"
+
+
+def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, budget: int, seconds: float) -> None:
+    """What a trial did, kept with it in the study: steps (of its budget), time, recoveries."""
     trial.set_user_attr("steps", steps)
+    trial.set_user_attr("budget", budget)
     trial.set_user_attr("seconds", round(seconds, 2))
     recoveries = run_dir.read_status().get("recoveries", [])
     if recoveries:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
 from llmcustoms.runs import run_lock as runlock
+from llmcustoms.commands.tune_space import rungs
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.run_directory import RunDirectory
 
@@ -74,13 +75,19 @@ class TuneSettings:
     sampler: str = "tpe"
     timeout: float | None = None
     seed: int = 42
-    lr_centre: float | None = None  # the lr range's centre, from `lr-find` (`tune --lr-find`)
+    lr_centre: float | None = None  # the lr range's centre, from `lr-find`'s saved suggestion
+    confirm: bool = True  # train the best and the preset at full length before writing the preset (`tune_confirm`)
     note: str = ""  # why the study is not the one of the name asked for (`choose_study`)
 
     @property
     def where(self) -> str:
         """Where the study is stored, as shown: the URL without its password."""
         return shown_storage(self.storage, self.study_dir)
+
+    @property
+    def rungs(self) -> tuple[int, ...]:
+        """The steps at which successive halving judges a trial (`tune_space.rungs`)."""
+        return rungs(self.steps)
 
 
 def shown_storage(url: str | None, study_path: Path) -> str:
@@ -142,8 +149,34 @@ def _one_creator(target: str) -> Iterator[None]:
     if not target.startswith("sqlite:///") or target == "sqlite:///:memory:":
         yield
         return
+    with _turns(target[len("sqlite:///"):]):
+        yield
+
+
+@contextmanager
+def taking_turns(url: str | None, path: Path) -> Iterator[None]:
+    """The `tune` processes of one study on this machine, one at a time: what
+    reads the study and then writes on what it read (whether the preset's trial
+    is queued) is one step. The same flock as `_one_creator`, beside the SQLite
+    or journal file; a server database goes on as is (two processes starting a
+    study at the same moment may then both queue the preset's point)."""
+    if url is None:
+        file = str((path / "study.db").resolve())
+    elif url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        file = url[len("sqlite:///"):]
+    elif url.startswith("journal:"):
+        file = url[len("journal:"):]
+    else:
+        yield
+        return
+    with _turns(file):
+        yield
+
+
+@contextmanager
+def _turns(file: str) -> Iterator[None]:
     try:
-        fd = os.open(f"{target[len('sqlite:///'):]}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(f"{file}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         yield
         return
@@ -305,6 +338,7 @@ def fail_stale_trials(storage: Any, study: Any, path: Path) -> int:
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_user_attr(trial_id, "reason", "its process ended without finishing it (killed?)")
+        storage.set_trial_user_attr(trial_id, "killed", True)  # not the values' fault: the preset's is tried again
         storage.set_trial_state_values(trial_id, TrialState.FAIL)
         failed += 1
     return failed
@@ -341,6 +375,24 @@ class TrialSeededSampler:
 
     def reseed_rng(self) -> None:
         pass  # the seeds come from the trial numbers
+
+
+def stored_choices(storage: Any, name: str) -> dict[str, tuple[Any, ...]]:
+    """The choices of each categorical parameter in the study of that name, as
+    its trials recorded them; empty for a new study. Optuna refuses other choices
+    for a parameter within one study, so a continued study keeps these."""
+    from optuna.distributions import CategoricalDistribution
+
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return {}
+    found: dict[str, tuple[Any, ...]] = {}
+    for trial in storage.get_all_trials(study_id, deepcopy=False):
+        for param, distribution in trial.distributions.items():
+            if isinstance(distribution, CategoricalDistribution):
+                found[param] = tuple(distribution.choices)
+    return found
 
 
 def duplicate_of(study: Any, trial: Any, params: dict[str, Any]) -> int | None:

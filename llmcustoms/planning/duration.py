@@ -6,10 +6,16 @@ per token over the machine's nominal rate: a rough figure for the plan (shown,
 never acted on), so the constants are measured once and rounded, not tuned
 per model. The plan says which it is, and the live display replaces it with
 the measured step time from the first step on.
+
+Both rates are an idle machine's, with a thread per core; on a CPU the estimate
+is then stretched by the share of it the run will get beside other work and
+with the plan's threads (`cpu_share.slowdown`), assuming the machine stays as
+busy as it was when planned, and the reason says so.
 """
 
 from __future__ import annotations
 
+from llmcustoms.planning.cpu_share import busy_text, slowdown
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.memory import parameter_counts
 from llmcustoms.planning.plan import DataStats
@@ -48,26 +54,28 @@ def _computed_params(arch: ModelSpec) -> int:
 
 
 def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware,
-                     eval_tokens: float = 0.0) -> float:
-    """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs)."""
+                     eval_tokens: float = 0.0, threads: int = 0) -> float:
+    """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs),
+    with `threads` CPU threads in all (0: an idle machine's thread per core)."""
     per_token = flops_per_token(arch, method, gradient_checkpointing)
     work = tokens + eval_tokens * 2 * _computed_params(arch) / per_token  # in training tokens
-    measured = hardware.measured_speed(arch.hub_id, method)
+    measured = hardware.measured_speed(arch.hub_id, method)  # an idle machine's (`runs/speeds.py`)
     if measured is not None:
-        return work / measured
+        return work / measured * slowdown(hardware, threads)
     if hardware.has_gpu:
         rate = hardware.peak_tflops * 1e12 * GPU_MFU
     else:
         rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores * (CPU_BF16_SPEEDUP[method] if hardware.cpu_bf16 else 1.0)
-    seconds = work * per_token / rate
+    seconds = work * per_token / rate * slowdown(hardware, threads)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
 
 def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
                      gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
-                     evaluations: int) -> float:
+                     evaluations: int, threads: int = 0) -> float:
     """Notes the rows truncation cuts or drops; returns the estimated seconds of
-    training and evaluating (`evaluations` passes over the evaluation rows)."""
+    training and evaluating (`evaluations` passes over the evaluation rows) with
+    `threads` CPU threads in all (`cpu_share.choose_threads`; 0 on a GPU)."""
     truncated = stats.rows_truncated(max_seq_len)
     if truncated:
         reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
@@ -75,20 +83,22 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
                           if train_rows < stats.train_rows else ""))
     length = stats.mean_length(max_seq_len)
     seconds = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
-                               evaluations * stats.eval_rows * length)
-    reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None))
+                               evaluations * stats.eval_rows * length, threads)
+    reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
+                                   busy_text(hardware, threads)))
     return seconds
 
 
-def duration_reason(seconds: float, hardware: Hardware, measured: bool = False) -> str:
+def duration_reason(seconds: float, hardware: Hardware, measured: bool = False, busy: str = "") -> str:
+    """`busy`: what the machine's load does to the estimate (`cpu_share.busy_text`), or ""."""
     hours = seconds / 3600
     text = f"estimated duration {human_duration(seconds)}"
     text += (" (from the speed measured on this machine with this model and method)" if measured
              else " (rough: from this machine's nominal speed; the live display measures it from the first step)")
     if not hardware.has_gpu and hours >= 1:
-        return (text + ": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
-                "minutes to an hour; on this machine try --preset highspeed, a smaller model or --max-steps")
-    return text
+        text += (": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
+                 "minutes to an hour; on this machine try --preset highspeed, a smaller model or --max-steps")
+    return text + (f"; {busy}" if busy else "")
 
 
 def human_duration(seconds: float) -> str:

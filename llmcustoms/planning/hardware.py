@@ -1,4 +1,5 @@
-"""What this machine has: GPUs (via nvidia-ml-py's `pynvml`), CPU cores and RAM.
+"""What this machine has: GPUs (via nvidia-ml-py's `pynvml`), CPU cores and RAM,
+and how busy its CPU is with other work (the load average).
 
 `detect()` reads the machine once into a frozen `Hardware`. Nothing here
 imports torch, so `llmcustoms plan` and `hardware` stay fast, and planning is
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 
 import psutil
@@ -60,6 +63,12 @@ class Hardware:
     # What runs attention over packed rows on this machine's GPUs: "flash-attn" (the
     # package), "torch" (torch's own varlen FlashAttention, torch >= 2.11), "" for none.
     varlen_attention: str = ""
+    # Other work on the CPU when detected: the 1-minute load average (threads running or
+    # waiting for a core) less this process's own share (`other_load`); None where the OS
+    # has no load average. Planning chooses the threads and scales the estimate by it.
+    cpu_load: float | None = None
+    # The threads the user set in OMP_NUM_THREADS (torch obeys it); None when unset.
+    omp_threads: int | None = None
 
     def measured_speed(self, model: str, method: str) -> float | None:
         return dict(self.speeds).get(f"{model}|{method}")
@@ -245,10 +254,46 @@ def varlen_attention() -> str:
     return "torch" if (major, minor) >= (2, 11) else ""
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none (Windows). Tests replace it."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def other_load(load: float | None, own_cpu_s: float, own_age_s: float) -> float | None:
+    """`load` (the 1-minute load average) less what this process added to it: its CPU
+    time over its life as a rate, weighted as the kernel's exponential average weighs the
+    last minute. Reading a large file before the plan must not look like someone else's work."""
+    if load is None:
+        return None
+    age = max(own_age_s, 1.0)
+    own = own_cpu_s / age * (1 - math.exp(-age / 60))
+    return round(max(0.0, load - own), 2)
+
+
+def _cpu_load() -> float | None:
+    load = _load_average()
+    try:
+        me = psutil.Process()
+        times = me.cpu_times()
+        return other_load(load, times.user + times.system, time.time() - me.create_time())
+    except (psutil.Error, OSError):
+        return None if load is None else round(load, 2)
+
+
+def omp_threads(value: str | None) -> int | None:
+    """The threads OMP_NUM_THREADS asks for ("4", or "4,2" for nested levels: the first), or None."""
+    first = (value or "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
 def detect() -> Hardware:
     gpus, note = _detect_gpus()
     memory = psutil.virtual_memory()
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     return Hardware(gpus=gpus, cpu_cores=cores, ram_bytes=int(memory.total),
                     ram_free_bytes=int(memory.available), driver_note=note, cpu_bf16=cpu_bf16(_read_cpuinfo()),
-                    varlen_attention=varlen_attention() if gpus else "")
+                    varlen_attention=varlen_attention() if gpus else "", cpu_load=_cpu_load(),
+                    omp_threads=omp_threads(os.environ.get("OMP_NUM_THREADS")))

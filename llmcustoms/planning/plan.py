@@ -128,6 +128,9 @@ class Plan:
     packing: bool = False
     # torch.compile of the model.
     compile: bool = False
+    # CPU threads of each process (`planning/cpu_share.py`); 0: torch's own (a GPU run,
+    # or a plan written before it was chosen: one per physical core).
+    cpu_threads: int = 0
     # Where the rows came from, so `resume` rebuilds exactly the same ones.
     data: str = ""
     data_format: str = ""
@@ -230,3 +233,18 @@ class Plan:
         return replace(self, epochs=float(epochs), total_steps=steps, estimated_seconds=seconds,
                        reasons=self.reasons + (reason,),
                        sources={**self.sources, "epochs": "flag", "total_steps": "planner"})
+
+    def with_max_steps(self, steps: int, done: int) -> "Plan":
+        """The plan for `steps` optimizer steps in all (`resume --max-steps`), fewer or
+        more than it has; an error unless more than the `done` steps the run goes on
+        from. As with `extended_to`, warmup keeps its steps and the learning-rate
+        decay follows the new length."""
+        if steps <= done:
+            raise ConfigError(f"The run is already at step {done}: --max-steps {steps} would not train it further.",
+                              f"Give more than {done} steps; to use the run as it is, `generate`, `chat` and "
+                              "`export` take --checkpoint latest.")
+        seconds = self.estimated_seconds * steps / self.total_steps if self.estimated_seconds is not None else None
+        reason = (f"set to {steps} steps by `resume --max-steps` (was {self.total_steps}); the learning-rate decay "
+                  f"follows the new length (warmup kept at {self.warmup_steps} steps)")
+        return replace(self, total_steps=steps, estimated_seconds=seconds, reasons=self.reasons + (reason,),
+                       sources={**self.sources, "total_steps": "flag"})

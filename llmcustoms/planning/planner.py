@@ -19,6 +19,7 @@ from typing import Any
 
 from llmcustoms.planning.options import Overrides
 from llmcustoms.planning import options
+from llmcustoms.planning.cpu_share import choose_threads
 from llmcustoms.planning.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
@@ -415,9 +416,11 @@ class Planner:
         evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0
         # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
         work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
+        threads = choose_threads(r, hardware, world_size)  # CPU threads, from the machine's load
         seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
                                    batch.gradient_checkpointing, max_seq_len, train_rows,
-                                   round(schedule.total_steps * effective * work), evaluations * evaluation_work)
+                                   round(schedule.total_steps * effective * work), evaluations * evaluation_work,
+                                   threads * world_size)
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source
@@ -439,7 +442,7 @@ class Planner:
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
             memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
             distributed=batch.distributed, optimizer=batch.memory_shape["optimizer"], packing=packing,
-            compile=compiled, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
+            compile=compiled, cpu_threads=threads, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
         )
 
 

@@ -3,8 +3,9 @@
 Precedence, for every value: flag > environment > preset > default. The
 environment is the process environment, then the env file (`./.env`, or
 `--env-file PATH`): a variable set in the shell wins over the file. Every
-variable is an option of `planning/options.py` and is documented in `.env.example`,
-which `example_file()` writes from that table.
+variable is an option of `planning/options.py` and is documented in the
+example .env that `example_file()` writes from that table (`llmcustoms settings
+--example` prints it; `.env.example` in the repository is its copy).
 
 Other variables in the file (HF_TOKEN, HF_HOME, ...) are exported to this
 process for the libraries that read them. HF_TOKEN is never printed, logged
@@ -95,13 +96,30 @@ def load_settings(env_file: Path | None = None) -> Settings:
     problems += [f"unknown setting {n if n.isprintable() else ascii(n)}" for n in unknown]
     if problems:
         raise ConfigError("Invalid setting(s):\n  " + "\n  ".join(problems),
-                          "See .env.example for every LLMCUSTOMS_ variable and its values.")
+                          "`llmcustoms settings --example` lists every LLMCUSTOMS_ variable and its values.")
     return Settings(values)
+
+
+def settings_in_effect(env_file: Path | None = None) -> list[tuple[str, str, str]]:
+    """(variable, value, where it comes from) for each setting that is set, as
+    `load_settings` reads them (an error, as there, for one that is not valid)."""
+    load_settings(env_file)
+    path = env_file if env_file is not None else Path(".env")
+    from_file = read_env_file(path) if path.is_file() else {}
+    found = []
+    for option in SETTINGS:
+        name = option.variable
+        if name in os.environ:  # the shell's, even empty (then not set), wins over the file
+            found += [(name, os.environ[name], "environment")] if os.environ[name].strip() else []
+        elif name in from_file and from_file[name][0].strip():
+            found.append((name, from_file[name][0], f"{path}, line {from_file[name][1]}"))
+    return found
 
 
 def example_file() -> str:
     """The text of .env.example: every variable, documented, commented out."""
-    lines = ["# Copy this file to .env in the directory you run llmcustoms from (or pass --env-file PATH).",
+    lines = ["# An example .env, as `llmcustoms settings --example` prints it. Save it as .env in the directory",
+             "# you run llmcustoms from (or pass --env-file PATH), and set the variables you want.",
              "# Precedence for every value: command-line flag > environment > preset > default.",
              "# A variable already set in the shell wins over this file. `llmcustoms setup` writes one for you.",
              "", "# --- llmcustoms settings (each is the default for the flag of the same name) ---"]

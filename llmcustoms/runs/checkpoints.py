@@ -88,12 +88,29 @@ def step_named(text: str) -> int:
 class ResumeFrom:
     """What `resume` was asked for besides going on: the checkpoint of `step`
     (None: the newest that verifies), without its optimizer state, for a run
-    extended to `epochs` in all. Given once: a restart after a failure goes on
-    from the newest checkpoint as it is."""
+    extended to `epochs` in all, or set to `max_steps` in all. Given once: a
+    restart after a failure goes on from the newest checkpoint as it is."""
 
     step: int | None = None
     reset_optimizer: bool = False
     epochs: float | None = None
+    max_steps: int | None = None
+
+    @property
+    def resizes(self) -> bool:
+        """Whether the run's length is changed: a completed run goes on then."""
+        return self.epochs is not None or self.max_steps is not None
+
+    def planned(self, plan: Any, last_step: int) -> Any:
+        """The run's plan with its new length, if one was asked for; an error if it
+        cannot be. `last_step`: the step the run is at (status.json's), unless --from says."""
+        if self.epochs is not None and self.max_steps is not None:
+            raise ConfigError("--epochs and --max-steps both set the run's length.", "Give one of them.")
+        if self.epochs is not None:
+            return plan.extended_to(self.epochs)
+        if self.max_steps is not None:
+            return plan.with_max_steps(self.max_steps, last_step if self.step is None else self.step)
+        return plan
 
     def went_on(self, position: Any, checkpoints: CheckpointManager, main: bool, total_steps: int) -> str:
         """Once the checkpoint of `position.step` is restored: the checkpoints after
@@ -108,12 +125,13 @@ class ResumeFrom:
         if self.reset_optimizer:
             lines.append("the optimizer state starts fresh (AdamW moments zero); weights, learning-rate schedule, "
                          "data order and random state are the checkpoint's")
-        if self.epochs is not None:
-            # More epochs asked for: a run that stopped early would otherwise stop
+        if self.resizes:
+            # A new length asked for: a run that stopped early would otherwise stop
             # again at its next evaluation, on the count it ended with.
             position.evals_since_best = 0
-            lines.append(f"extended to {self.epochs:g} epochs, {total_steps} steps in all; the learning-rate decay "
-                         "is stretched over them")
+            length, decay = ((f"extended to {self.epochs:g} epochs", "is stretched over them")
+                             if self.epochs is not None else ("set by --max-steps", "follows them"))
+            lines.append(f"{length}, {total_steps} steps in all; the learning-rate decay {decay}")
         return "\n".join(lines)
 
 

@@ -31,11 +31,10 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs import overwriting, run_lock as runlock, run_records as runrecords
+from llmcustoms.runs import overwriting, run_lock as runlock, run_records as runrecords, training_time as trainingtime
 from llmcustoms.runs.disk_writes import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.plan import Plan
@@ -43,7 +42,7 @@ from llmcustoms.planning.plan import Plan
 STATUSES = ("running", "completed", "failed", "interrupted")
 # What status.json keeps when a full disk leaves room for no more: how the run stands and why.
 ESSENTIAL_STATUS = ("status", "step", "total_steps", "reason", "suggestions", "recoveries", "pid", "started_at",
-                    "updated_at")
+                    "updated_at", "training_seconds", "training_since")
 # Room under a file system's 255-byte name limit for the names made from it (".tmp" files, suffixes).
 MAX_RUN_NAME_BYTES = 200
 
@@ -314,15 +313,19 @@ class RunDirectory:
         saying `running`, and its pid may be another program's by now."""
         return runlock.holder(self.path)
 
-    def write_status(self, status: str, **fields: Any) -> dict[str, Any]:
+    def write_status(self, status: str, *, training: bool = True, **fields: Any) -> dict[str, Any]:
+        """Say how the run stands, keeping its training time (`training_time`).
+        `training=False`: `running`, but its training has not begun (the model loads)."""
         assert status in STATUSES, status
         current = self.read_status()
         if not self.writable:
             return current
         current.update(fields)
+        now = time.strftime(runrecords.TIME_FORMAT)
+        trainingtime.count_segment(current, status, now, begins=training)  # before the pid is this process's
         current["status"] = status
         current["pid"] = os.getpid()
-        current["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        current["updated_at"] = now
         current.setdefault("started_at", current["updated_at"])
         current.setdefault("recoveries", [])
         self._save_status(current)
@@ -361,7 +364,7 @@ class RunSummary:
     base_eval_loss: float | None  # the model before training, for the change
     kept_step: int | None  # whose weights adapter/ holds, when the run kept another than its last
     started_at: str | None
-    seconds: float | None  # from start to the last status update
+    seconds: float | None  # training time (`training_time`): its segments summed, up to now while it trains
     objective: str = "sft"  # "dpo": its eval loss is DPO's, not a perplexity
     peak_bytes: int | None = None  # measured peak memory (`resource_use`), and against the plan's prediction
     memory_ratio: float | None = None
@@ -382,15 +385,12 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
             status = run.read_status()
         except ConfigError:  # not JSON: the run is listed with what plan.json says
             status = {"status": "damaged"}
-        started, updated = status.get("started_at"), status.get("updated_at")
-        seconds = None
-        if started and updated:
-            seconds = (_parse_time(updated) - _parse_time(started)).total_seconds()
-        memory = status.get("memory") or {}
+        memory, current = status.get("memory") or {}, _current_status(run, status)
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
-                               _current_status(run, status), status.get("step", 0), plan.get("total_steps"),
+                               current, status.get("step", 0), plan.get("total_steps"),
                                status.get("best_eval_loss"), status.get("base_eval_loss"),
-                               status.get("kept_step") if status.get("last_output") else None, started, seconds,
+                               status.get("kept_step") if status.get("last_output") else None, status.get("started_at"),
+                               trainingtime.training_seconds(status, running=current == "running"),
                                plan.get("objective", "sft"), memory.get("peak_bytes"), memory.get("ratio")))
     return runs
 
@@ -400,7 +400,3 @@ def _current_status(run: RunDirectory, status: dict[str, Any]) -> str:
     process owns (killed, or its terminal closed, before it could say so)."""
     said = status.get("status", "unknown")
     return "stopped" if said == "running" and run.running_pid() is None else said
-
-
-def _parse_time(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z")  # as write_status writes it

@@ -97,20 +97,23 @@ class Processes:
     def start(cls, plan: Plan, run_dir: RunDirectory, signals: StopSignals) -> Processes:
         """The accelerator and the process group: once per run."""
         processes = cls(accelerator_for(plan.mixed_precision), plan.distributed == "fsdp", run_dir, signals)
-        processes.use_physical_cores()
+        processes.use_physical_cores(plan.cpu_threads)
         return processes
 
-    def use_physical_cores(self) -> None:
-        """CPU training: one thread per physical core, shared among the processes.
+    def use_physical_cores(self, planned: int = 0) -> None:
+        """CPU training: the plan's threads per process (`planning/cpu_share.py`: one per
+        physical core, fewer on a machine busy with other work), never more than this
+        machine's physical cores shared among the processes; without a planned number
+        (`planned` 0: a plan written before it was chosen), one per physical core.
         Hyper-threads compete for the same matrix units and slow matmuls down.
-        A thread count the user chose (OMP_NUM_THREADS) is kept: on a machine busy
-        with other work, fewer threads than cores can be much faster."""
+        A thread count the user chose (OMP_NUM_THREADS) is kept: torch reads it itself."""
         if torch.cuda.is_available() or os.environ.get("OMP_NUM_THREADS", "").strip():
             return
         import psutil
 
         cores = psutil.cpu_count(logical=False) or torch.get_num_threads()
-        torch.set_num_threads(max(1, cores // self.world))
+        per_process = max(1, cores // self.world)
+        torch.set_num_threads(min(planned, per_process) if planned > 0 else per_process)
 
     # ------------------------------------------------------------ the model
 

@@ -31,6 +31,15 @@ the device is and how much of its memory is in use (by every process, the CUDA
 context included); a row gets the mean utilisation and the most memory since
 the row before. The thread never touches the training's tensors.
 
+On a CPU a row also gets the threads torch trains with (`cpu_threads`) and
+the other work since the row before (`cpu_others`), in the load average's
+unit (threads wanting a core): the machine's busy CPU time less this
+process's, over the wall time; and when every CPU was busy, over the share of
+a core this run's threads got, since the others then got no more each (the
+scheduler's fair share). It is what the run's speed was measured beside, kept
+with it (`runs/speeds.py`); the load average cannot tell, as it counts this
+run's own threads.
+
 The run's measured peak is compared with the plan's predicted one in
 `comparison`; status.json, the summary, `runs` and `report` show it.
 """
@@ -40,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +63,10 @@ from llmcustoms.planning.memory import CUDA_CONTEXT_BYTES
 GPU_SAMPLE_S = 0.5
 STATUS_FILE = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
+# Every CPU counts as busy from this share of the time on (a little is lost to switching).
+SATURATED = 0.9
+# Shorter intervals than this say little of other work (CPU time is counted in 10 ms ticks).
+MIN_INTERVAL_S = 0.1
 
 
 def _resident_bytes() -> int:
@@ -149,6 +163,42 @@ def nvml_reader(device: int) -> Callable[[], tuple[float, int]] | None:
     return read
 
 
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, the machine's busy CPU seconds, this process's CPU seconds), or None."""
+    try:
+        machine, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    # As psutil counts busy time: guest time is inside user time already, iowait is idle.
+    idle = sum(getattr(machine, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
+    return time.monotonic(), sum(machine) - idle, own.user + own.system
+
+
+class OtherWork:
+    """Other processes' work between readings, in threads wanting a core."""
+
+    def __init__(self, cpus: int | None = None) -> None:
+        self.cpus = cpus or psutil.cpu_count() or 1  # what /proc/stat's busy time is summed over
+        self.last = _cpu_seconds()
+
+    def take(self, threads: int) -> float | None:
+        """Since the last reading, beside this process's `threads`; None when unreadable, or
+        too soon to say (the kernel counts CPU time in ticks: the next call measures from the last reading)."""
+        now, last = _cpu_seconds(), self.last
+        if now is not None and last is not None and now[0] - last[0] < MIN_INTERVAL_S:
+            return None
+        self.last = now
+        if now is None or last is None:
+            return None
+        wall = now[0] - last[0]
+        busy, own = (now[1] - last[1]) / wall, (now[2] - last[2]) / wall
+        others = max(0.0, busy - own)
+        if busy >= SATURATED * self.cpus and own > 0:
+            # No CPU to spare: the others wanted more than they got, and got each what ours did.
+            others /= min(1.0, own / max(1, threads))
+        return round(others, 2)
+
+
 class ResourceUse:
     """Memory per step row, and the run's peak. Made before the model loads:
     on a CPU that is the resident size the training's memory is counted from."""
@@ -166,6 +216,7 @@ class ResourceUse:
         self.peak = 0
         self.batch_tokens = 0  # the largest micro-batch trained, in padded tokens
         self.gpu_util: list[float] = []
+        self.others = OtherWork() if device is None else None
 
     @classmethod
     def start(cls, device: Any, plan: Any, status: dict[str, Any]) -> "ResourceUse":
@@ -186,6 +237,8 @@ class ResourceUse:
             _reset_peak_resident()
         if self.sampler is not None:
             self.sampler.take()
+        if self.others is not None:
+            self.others.take(1)
 
     def row(self, batch_tokens: int | None = None) -> dict[str, float | int]:
         """The memory since the last row (and GPU use); starts the next interval.
@@ -203,6 +256,7 @@ class ResourceUse:
             values["memory_bytes"] = max(0, used - self.baseline)
             if self.kernel_peak:
                 _reset_peak_resident()
+            values.update(self._cpu_share())
         if self.sampler is not None:
             values.update(self.sampler.take())
             if "gpu_util" in values:
@@ -211,6 +265,14 @@ class ResourceUse:
             self.peak = max(self.peak, int(values["memory_bytes"]))
             self.batch_tokens = max(self.batch_tokens, batch_tokens)
         return values
+
+    def _cpu_share(self) -> dict[str, float | int]:
+        """A CPU row's threads and the cores other work kept busy since the row before."""
+        import torch
+
+        threads = torch.get_num_threads()
+        others = self.others.take(threads) if self.others is not None else None
+        return {"cpu_threads": threads, **({"cpu_others": others} if others is not None else {})}
 
     def comparison(self) -> dict[str, Any]:
         """Measured peak (a resumed run's included) against the plan's prediction,

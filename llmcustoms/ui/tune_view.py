@@ -27,10 +27,34 @@ def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> 
                                   f"{base.grad_accum}, {base.max_seq_len} tokens"))
     table.add_row("budget per trial", f"{settings.steps} optimizer steps (about {tokens_per_trial:,} tokens), "
                                       f"eval loss on {base.eval_rows} held-out rows")
-    table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}, median pruner"
+    table.add_row("pruning", _pruning(settings))
+    table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}"
                             + (f", timeout {settings.timeout:g} s" if settings.timeout else ""))
+    table.add_row("then", _check(settings, base))
     table.add_row("stored in", escape(settings.where))  # without the URL's password
     console.print(table)
+
+
+def _pruning(settings: Any) -> str:
+    if not settings.rungs:
+        return "none: a trial this short has no step to be judged at"
+    at = " and ".join(map(str, settings.rungs))
+    return (f"successive halving: at steps {at} of {settings.steps}, only the best third of the trials that "
+            "got there go on (the preset's trial always does)")
+
+
+def _check(settings: Any, base: Any) -> str:
+    """What follows the trials: the full-length check and its cost, or not."""
+    if not settings.confirm:
+        return "the best trial is written as the preset, unchecked (--no-confirm)"
+    if settings.steps >= base.total_steps:
+        return ("the best trial against the preset's own: trials are whole runs here, so nothing is trained "
+                "again; the better is written as the preset")
+    runs = 2 * base.total_steps
+    return (f"the best trial and the preset each trained for a whole run ({base.total_steps} steps; "
+            f"{runs:,} steps in all, as much as {runs / settings.steps:.1f} trials; less if known from "
+            "before) and compared on the held-out rows; the better is written as the preset (--no-confirm "
+            "skips it)")
 
 
 def trials_table(rows: list[dict[str, Any]]) -> Table:
@@ -42,10 +66,12 @@ def trials_table(rows: list[dict[str, Any]]) -> Table:
         loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         if r["best"]:
             loss = f"[bold green]{loss}[/]"
+        steps = _blank(r["steps"]) + (f"/{r['budget']}" if r.get("budget") and r["steps"] is not None else "")
+        note = "; ".join(filter(None, ["the preset's own values" if r.get("preset") else "", r["reason"]]))
         table.add_row(str(r["trial"]), f"[{colours.get(r['state'], 'white')}]{r['state']}[/]", loss,
                       "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
-                      _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), _blank(r["steps"]),
-                      "" if r["seconds"] is None else f"{r['seconds']:.0f}s", escape(r["reason"] or ""))
+                      _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), steps,
+                      "" if r["seconds"] is None else f"{r['seconds']:.0f}s", escape(note))
     return table
 
 
@@ -70,6 +96,10 @@ class TrialsDisplay:
         """A trial's warning (Ctrl-C acknowledged, a recovery), above the table."""
         self.live.console.print(f"[yellow]warning:[/] {escape(text)}")
 
+    def say(self, text: str) -> None:
+        """How the full-length check goes, above the table."""
+        self.live.console.print(escape(text))
+
     def __exit__(self, *exc: Any) -> None:
         self.live.__exit__(*exc)
         console.print()
@@ -87,21 +117,57 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
         saved = 1 - outcome.steps_run / outcome.steps_budgeted
         console.print(f"Pruning: {outcome.steps_run:,} of {outcome.steps_budgeted:,} budgeted steps ran "
                       f"({saved:.0%} saved).")
+    if outcome.lr_centre is not None:
+        console.print(f"Learning rates were searched around lr-find's suggestion, {outcome.lr_centre:.1e}.")
     if outcome.interrupted:
         console.print("[yellow]Interrupted.[/] The study is saved; run the same command again to continue it.")
     best = outcome.best_row()
-    if outcome.best_preset_path is None or best is None:
+    if best is None:
         console.print("No trial completed yet, so there is no best preset.")
         return
-    console.print(f"Best: trial {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
+    console.print(f"Best trial: {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
                   + (f", r {best['lora_r']}, alpha/r {best['alpha_ratio']:g}, dropout {best['lora_dropout']:g}"
                      if best["lora_r"] is not None else "") + f", warmup {best['warmup_ratio']:g}).")
+    _show_verdict(outcome, best)
+    if outcome.best_preset_path is None:
+        console.print("Stopped before the full-length check was done, so no preset was written: the same command "
+                      "continues the study and checks its best.")
+        return
     console.print(f"Wrote {escape(str(outcome.best_preset_path))} and "
                   f"{escape(str(outcome.best_preset_path.parent / 'trials.csv'))}.")
     command = f"llmcustoms train {data_path} --preset {outcome.best_preset_path}" + (f" --model {model}" if model else "")
-    console.print("Train with the best settings:")
+    console.print("Train with it:")
     console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied
 
+
+def _show_verdict(outcome: Any, best: dict[str, Any]) -> None:
+    """Which won, the search's best or the preset, and by how much."""
+    check, preset = outcome.confirmation, outcome.preset_row()
+    if check is None:
+        if preset is not None and not best["preset"]:
+            change = best["eval_loss"] / preset["eval_loss"] - 1
+            console.print(f"Against the preset's own trial ({preset['trial']}): eval loss {preset['eval_loss']:.4f} -> "
+                          f"{best['eval_loss']:.4f} ({change:+.1%}) in {best['budget'] or '?'}-step trials.")
+        if not outcome.confirm:
+            console.print("Not checked at a whole run's length (--no-confirm).")
+        return
+    for note in check.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if check.same:
+        console.print("[bold]The preset stays:[/] no trial beat the preset's own values.")
+    elif check.search_won and check.change is not None:
+        console.print(f"[bold green]The search's best lowered validation loss {check.preset:.4f} -> {check.best:.4f} "
+                      f"({check.change:+.1%}) vs the preset[/], at full length ({check.steps} steps).")
+    elif check.search_won:
+        console.print("[bold green]The search's best wins:[/] the preset failed at full length.")
+    else:
+        versus = "" if check.change is None else f" ({check.best:.4f} vs {check.preset:.4f}, {check.change:+.1%})"
+        console.print(f"[bold]The preset stays:[/] the search's best did not beat it at full length{versus}.")
+    if check.from_trials:
+        console.print("The trials were whole runs, so their own evaluations decided: nothing was trained again.")
+    elif check.runs:
+        console.print(f"The check trained {check.runs} whole run(s), {check.steps_run:,} steps in "
+                      f"{check.seconds:.0f} s.")
 
 
 class RangeTestDisplay:

@@ -110,3 +110,12 @@ def test_step_profile_measures_each_lever_on_a_given_model(tiny_models):
     assert [r["variant"] for r in summary["results"]] == ["fp32", "fp32_selective", "bf16_autocast", "bf16_weights",
                                                            "no_mask"]
     assert all(r["tokens_per_s"] > 0 for r in summary["results"])
+
+
+def test_busy_machine_plans_beside_a_hog(tiny_models):
+    summary = run("busy_machine.py", "--model", str(tiny_models["llama"]), "--data", str(DATA_FILES["alpaca"]),
+                  "--dry-run", "--runs", "idle,busy", "--hog", "1", "--warmup", "0")
+    assert [r["run"] for r in summary["runs"]] == ["idle", "busy"] and summary["runs"][1]["hog"] == 1
+    for result in summary["runs"]:
+        assert result["threads"] >= 1 and result["estimate_s"] > 0
+        assert result["threads_reason"].startswith(f"threads {result['threads']}: ")

@@ -52,6 +52,11 @@ def test_detected_format_and_plan_are_shown(tmp_path, tiny_models):
     assert "ShareGPT" in result.output
     assert "fallback template" in result.output  # Phi-2 style tokenizers have no chat template
     assert "Training plan" in result.output and "Training finished" in result.output
+    # Where the run goes, said before it trains (and not with --quiet: the test below).
+    shown = flat(result.output)
+    assert f"Run directory: {tmp_path / 'r'}" in shown
+    assert shown.index("Run directory:") > shown.index("Training plan")
+    assert shown.index("Run directory:") < shown.index("Training finished")
 
 
 def test_quiet_prints_only_where_the_adapter_is(tmp_path, tiny_models):

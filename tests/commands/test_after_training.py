@@ -66,11 +66,16 @@ def test_report_spots_overfitting_and_recommends_fewer_epochs(tmp_path, trained)
     assert any("eval loss rose after step 20" in r and "--early-stopping-patience 3" in r for r in report.recommendations)
 
 
-def test_generate_prints_text(trained):
-    result = invoke("generate", str(trained), "--prompt", "What do bees make?", "--max-new-tokens", "8",
-                    "--temperature", "0")
-    assert result.exit_code == 0, result.output
-    assert result.output.strip()
+def test_generate_prints_text_greedy_by_default(trained):
+    def reply(*extra: str) -> str:
+        result = invoke("generate", str(trained), "--prompt", "What do bees make?", "--max-new-tokens", "8", *extra)
+        assert result.exit_code == 0, result.output
+        return result.stdout  # the reply alone: what is loaded, and how long it took, goes to stderr
+
+    greedy = reply("--temperature", "0")
+    assert greedy.strip()
+    # What the model learned, the same every time: no sampling unless asked for.
+    assert reply("--seed", "1") == reply("--seed", "2") == greedy
 
 
 def test_chat_streams_replies_and_ends_on_exit(trained):

@@ -14,7 +14,7 @@ from conftest import DATA_FILES
 from llmcustoms.commands import lr_find as lrfind
 from llmcustoms.cli import app
 from llmcustoms.commands.lr_find import lr_sequence, sample_rows, smooth, stop_reason, suggest
-from llmcustoms.commands.tune import LR_SPAN
+from llmcustoms.commands.tune import LR_FIND_SPAN as LR_SPAN  # the span around a suggestion
 
 runner = CliRunner()
 

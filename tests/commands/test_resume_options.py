@@ -16,6 +16,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.training.optimization import lr_multiplier
 from llmcustoms.planning.plan import Plan
 from llmcustoms.training.position import Position
+from llmcustoms.runs.training_time import seconds_between
 
 STEPS = 8
 
@@ -131,6 +132,37 @@ def test_epochs_extends_a_completed_run(tmp_path, tiny_models, cli):
     assert again.returncode == 2 and "would not extend the run" in again.stderr
 
 
+@pytest.mark.slow
+def test_max_steps_shortens_an_interrupted_run_and_extends_a_completed_one(tmp_path, tiny_models, cli):
+    run = tmp_path / "run"
+    stopped = cli(*train_args(tiny_models["llama"], tmp_path, "run", "--max-steps", str(STEPS)),
+                  env={"LLMCUSTOMS_FAULT_INJECT": "sigint@3"})
+    assert stopped.returncode == 130, stopped.stderr
+    assert read_json(run / "status.json")["step"] == 3
+
+    refused = cli("resume", str(run), "--max-steps", "3", "--quiet")
+    assert refused.returncode == 2, refused.stderr
+    assert "already at step 3" in " ".join(refused.stderr.split())
+    assert read_json(run / "plan.json")["total_steps"] == STEPS  # nothing changed
+
+    shortened = cli("resume", str(run), "--max-steps", "5", "--quiet")
+    assert shortened.returncode == 0, shortened.stderr
+    plan, status = read_json(run / "plan.json"), read_json(run / "status.json")
+    assert (plan["total_steps"], plan["sources"]["total_steps"]) == (5, "flag") and "--max-steps" in plan["reasons"][-1]
+    assert (status["status"], status["step"], status["total_steps"]) == ("completed", 5, 5)
+    assert [r["step"] for r in step_rows(run)] == [1, 2, 3, 4, 5]
+    # The decay follows the new length: the learning rate of step 5 is the plan's for 5 steps.
+    assert step_rows(run)[-1]["lr"] == pytest.approx(plan["lr"] * lr_multiplier(4, Plan.from_json(plan)))
+
+    extended = cli("resume", str(run), "--max-steps", "7", "--quiet")  # completed: goes on
+    assert extended.returncode == 0, extended.stderr
+    status = read_json(run / "status.json")
+    assert (status["step"], read_json(run / "plan.json")["total_steps"]) == (7, 7)
+    # Three segments of training, each closed; never more than the time from the first start to the end.
+    assert status["training_since"] is None
+    assert 0 < status["training_seconds"] <= seconds_between(status["started_at"], status["updated_at"])
+
+
 # ---------------------------------------------------------- the pieces, fast
 
 def test_a_checkpoint_is_named_as_users_name_it(tmp_path, clean_environment):
@@ -152,6 +184,26 @@ def test_the_flags_reach_every_process_but_not_a_restart_nor_from_the_environmen
     assert session.start_options() == ["--from", "4", "--reset-optimizer", "--epochs", "2.5"]
     assert session.resume_options() == ["--quiet"]  # what a restart after a failure is given
     assert Session.load({}, None).resuming(None, False, None).start == ResumeFrom()  # not LLMCUSTOMS_EPOCHS
+    monkeypatch.setenv("LLMCUSTOMS_MAX_STEPS", "9")
+    session = Session.load({}, None).resuming(None, False, None, max_steps=6)
+    assert session.start == ResumeFrom(max_steps=6) and session.start_options() == ["--max-steps", "6"]
+    assert Session.load({}, None).resuming(None, False, None).start == ResumeFrom()  # not LLMCUSTOMS_MAX_STEPS
+
+
+def test_max_steps_sets_the_length_either_way_but_never_at_or_before_the_step_done():
+    ten_steps = plan_of(max_steps=10)
+    shorter = ResumeFrom(max_steps=6).planned(ten_steps, last_step=4)
+    assert (shorter.total_steps, shorter.warmup_steps) == (6, ten_steps.warmup_steps)
+    assert shorter.sources["total_steps"] == "flag" and "was 10" in shorter.reasons[-1]
+    assert ResumeFrom(max_steps=13).planned(ten_steps, last_step=10).total_steps == 13  # a completed run, extended
+    with pytest.raises(ConfigError, match="already at step 4"):
+        ResumeFrom(max_steps=4).planned(ten_steps, last_step=4)
+    with pytest.raises(ConfigError, match="already at step 2"):  # --from step-2: the run goes on from there
+        ResumeFrom(step=2, max_steps=2).planned(ten_steps, last_step=8)
+    assert ResumeFrom(step=2, max_steps=3).planned(ten_steps, last_step=8).total_steps == 3
+    with pytest.raises(ConfigError, match="both"):
+        ResumeFrom(epochs=3, max_steps=20).planned(ten_steps, last_step=4)
+    assert ResumeFrom().planned(ten_steps, last_step=4) is ten_steps
 
 
 def test_extending_counts_steps_as_planning_does_and_refuses_less():

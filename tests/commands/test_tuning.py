@@ -21,8 +21,9 @@ runner = CliRunner()
 
 
 def tune(tmp_path, model, *extra: str, env: dict | None = None):
+    """A study of 6-step trials, without the full-length check (test_tune_search.py tests it)."""
     args = ["tune", str(DATA_FILES["alpaca"]), "--model", str(model), "--max-steps", "6", "--eval-split", "0.2",
-            "--output-dir", str(tmp_path), "--study-name", "s", *extra]
+            "--output-dir", str(tmp_path), "--study-name", "s", "--no-confirm", *extra]
     return runner.invoke(app, args, env=env, catch_exceptions=False)
 
 
@@ -36,11 +37,13 @@ def test_a_study_continues_where_it_stopped_and_its_best_preset_trains(tmp_path,
     # The search space and the budget are shown before any trial runs.
     output = first.output
     assert output.index("Search space") < output.index("Trials") and "budget per trial" in output
-    assert len(load(tmp_path).trials) == 3
+    first_trials = load(tmp_path).trials
+    assert len(first_trials) == 3 and first_trials[0].user_attrs["preset"]  # the preset's own point first
     second = tune(tmp_path, tiny_models["llama"], "--trials", "2")
     assert second.exit_code == 0, second.output
     study = load(tmp_path)
     assert [t.number for t in study.trials] == [0, 1, 2, 3, 4]
+    assert all(t.params not in [f.params for f in first_trials] for t in study.trials[3:])  # new points
     assert "5 trials in all" in " ".join(second.output.split())
 
     rows = list(csv.DictReader(open(tmp_path / "tune-s" / "trials.csv")))
@@ -60,12 +63,12 @@ def test_a_study_continues_where_it_stopped_and_its_best_preset_trains(tmp_path,
     assert plan["lora"]["r"] == best.params["lora_r"]
 
 
-def test_the_median_pruner_stops_a_bad_trial(tmp_path, tiny_models):
+def test_successive_halving_stops_a_bad_trial(tmp_path, tiny_models):
     options = TrainOptions(data=str(DATA_FILES["alpaca"]), model=str(tiny_models["llama"]),
                            overrides={"eval_split": (0.2, "flag"), "lr": (1e-3, "flag")})
     hardware = Hardware.cpu_only()
     prepared = prepare_run(options, hardware)
-    settings = TuneSettings(trials=3, steps=10, study_name="prune", study_dir=tmp_path / "prune")
+    settings = TuneSettings(trials=3, steps=10, study_name="prune", study_dir=tmp_path / "prune", confirm=False)
     settings.study_dir.mkdir()
     study = optuna.create_study(study_name="prune", storage=f"sqlite:///{settings.study_dir / 'study.db'}",
                                 direction="minimize")
@@ -76,7 +79,7 @@ def test_the_median_pruner_stops_a_bad_trial(tmp_path, tiny_models):
     states = [t.state.name for t in load_study(settings)]
     assert states[:2] == ["COMPLETE", "COMPLETE"] and states[2] == "PRUNED"
     assert outcome.steps_run < outcome.steps_budgeted  # pruning saved steps
-    assert "pruned at step" in outcome.rows[2]["reason"]
+    assert "pruned at step 2 of 10" in outcome.rows[2]["reason"]  # the first rung: a ninth of the trial
 
 
 def load_study(settings):

@@ -118,6 +118,23 @@ def test_setup_with_enter_throughout_writes_a_sensible_env_file(tmp_path):
     assert plan["data"] == str(DATA_FILES["alpaca"].resolve())
 
 
+def test_setup_writes_the_data_path_whole_so_train_finds_it_from_anywhere(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "data.jsonl").write_bytes(DATA_FILES["alpaca"].read_bytes())
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, "\n" * 20, data=Path("mine") / "data.jsonl")  # relative to where it runs
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert env_values(env_file)["LLMCUSTOMS_DATA"] == str((tmp_path / "mine" / "data.jsonl").resolve())
+    # The file names what exists for a pip-installed user, not a .env.example they do not have.
+    assert "llmcustoms settings --example" in env_file.read_text() and ".env.example" not in env_file.read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    result = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["data"] == str((tmp_path / "mine" / "data.jsonl").resolve())
+
+
 def test_setup_answers_are_used_and_other_variables_are_kept(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text("HF_TOKEN=hf_keepme\nLLMCUSTOMS_PRESET=quality\n")

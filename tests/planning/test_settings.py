@@ -14,6 +14,7 @@ from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.settings import SETTINGS, example_file, load_settings
+from tiny_models import WIDE
 
 runner = CliRunner()
 ROOT = Path(__file__).parent.parent.parent
@@ -86,6 +87,33 @@ def test_env_example_documents_every_variable():
     for setting in SETTINGS:
         assert f"# {setting.variable}=" in text
     assert "HF_TOKEN" in text
+
+
+def test_settings_example_prints_every_variable_explained_for_users_without_the_repository():
+    result = runner.invoke(app, ["settings", "--example"], env={"COLUMNS": WIDE})
+    assert result.exit_code == 0, result.output
+    assert result.output == example_file()
+    lines = result.output.splitlines()
+    for setting in SETTINGS:
+        line = lines.index(f"# {setting.variable}=")
+        assert lines[line - 1].startswith(f"# {setting.help}")  # its one-line explanation above it
+    assert "HF_TOKEN" in result.output
+
+
+def test_settings_shows_those_set_and_where_from_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMCUSTOMS_CACHE_DIR")  # clean_environment's
+    result = runner.invoke(app, ["settings"], env={"COLUMNS": WIDE})
+    assert result.exit_code == 0 and "No LLMCUSTOMS_ setting is set" in result.output
+    (tmp_path / ".env").write_text("HF_TOKEN=hf_secret\nLLMCUSTOMS_PRESET=highspeed\nLLMCUSTOMS_LR=1e-3\n")
+    monkeypatch.setenv("LLMCUSTOMS_LR", "2e-4")  # the shell wins over the file
+    result = runner.invoke(app, ["settings"], env={"COLUMNS": WIDE})
+    assert result.exit_code == 0, result.output
+    assert "LLMCUSTOMS_PRESET=highspeed" in result.output and "line 2" in result.output
+    assert "LLMCUSTOMS_LR=2e-4" in result.output and "environment" in result.output
+    assert "1e-3" not in result.output and "hf_secret" not in result.output
+    monkeypatch.setenv("LLMCUSTOMS_LR", "fast")
+    result = runner.invoke(app, ["settings"], env={"COLUMNS": WIDE})
+    assert result.exit_code == 2 and "LLMCUSTOMS_LR" in result.output
 
 
 def test_an_unset_value_is_ignored(tmp_path):

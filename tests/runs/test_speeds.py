@@ -3,6 +3,7 @@ used (and said) once a model has trained here."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,8 @@ from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats
 from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
-from llmcustoms.runs.speeds import FILE_NAME, measured_tokens_per_s, record_speed, with_measured_speeds
+from llmcustoms.runs.speeds import (FILE_NAME, measured_beside, measured_tokens_per_s, record_speed, typical_speed,
+                                    with_measured_speeds)
 
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FAMILIES = load_families()
@@ -60,3 +62,45 @@ def test_the_warm_up_step_and_short_runs_are_not_measured(tmp_path):
     assert with_measured_speeds(Hardware.cpu_only(), tmp_path).speeds == ()  # a damaged file is ignored
     record_speed(tmp_path, Hardware.cpu_only(), SMOL, "lora", steps(1.0, 1.0, 1.0, 1.0))  # and replaced
     assert with_measured_speeds(Hardware.cpu_only(), tmp_path).measured_speed(SMOL, "lora") == pytest.approx(100.0)
+
+
+def cpu_steps(tokens_per_s: float, others: float, threads: int) -> list[dict]:
+    return [{**row, "cpu_others": others, "cpu_threads": threads} for row in steps(9.0, 2.0, 2.0, 2.0, tokens_per_s=tokens_per_s)]
+
+
+def test_one_run_under_heavy_load_does_not_become_the_machines_speed(tmp_path):
+    machine = Hardware.cpu_only(cores=2)
+    for _ in range(4):
+        record_speed(tmp_path, machine, SMOL, "lora", cpu_steps(100.0, 0.1, 2))
+    # Beside 6 threads of other work (a load of 6 on 2 cores), with 1 thread: 7x slower than idle.
+    record_speed(tmp_path, machine, SMOL, "lora", cpu_steps(100.0 / 7, 6.0, 1))
+    kept = json.loads((tmp_path / FILE_NAME).read_text())[machine.machine_key][f"{SMOL}|lora"]
+    assert len(kept) == 5 and kept[-1] == {"tokens_per_s": 14.29, "load": 6.0, "threads": 1}
+    measured = with_measured_speeds(machine, tmp_path).measured_speed(SMOL, "lora")
+    assert measured == pytest.approx(105.0, rel=0.01)  # the idle runs' 100 tokens/s beside 0.1 others: 1.05x
+    # An outlier the load does not explain is outvoted by the median.
+    record_speed(tmp_path, machine, SMOL, "lora", cpu_steps(3.0, 0.0, 2))
+    assert with_measured_speeds(machine, tmp_path).measured_speed(SMOL, "lora") == pytest.approx(105.0, rel=0.01)
+    assert len(json.loads((tmp_path / FILE_NAME).read_text())[machine.machine_key][f"{SMOL}|lora"]) == 5  # the last 5
+    # Today's load applies to the idle speed: the plan on a busy machine is longer by its slow-down.
+    idle, busy = plan(with_measured_speeds(machine, tmp_path)), plan(with_measured_speeds(replace(machine, cpu_load=2.9), tmp_path))
+    assert busy.estimated_seconds == pytest.approx(3.9 * idle.estimated_seconds)
+    assert any("from the speed measured on this machine" in r and "the machine is busy (load 2.9 on 2 cores)" in r
+               for r in busy.reasons)
+
+
+def test_speeds_json_of_one_number_per_key_still_reads_and_grows_into_a_list(tmp_path):
+    machine = Hardware.cpu_only(cores=2)
+    (tmp_path / FILE_NAME).write_text(json.dumps({machine.machine_key: {f"{SMOL}|lora": 50.0, f"{SMOL}|full": "x"}}))
+    assert with_measured_speeds(machine, tmp_path).speeds == ((f"{SMOL}|lora", 50.0),)
+    record_speed(tmp_path, machine, SMOL, "lora", steps(9.0, 2.0, 2.0, 2.0, tokens_per_s=70.0))  # rows without load
+    kept = json.loads((tmp_path / FILE_NAME).read_text())[machine.machine_key][f"{SMOL}|lora"]
+    assert kept == [{"tokens_per_s": 50.0}, {"tokens_per_s": 70.0}]
+    assert with_measured_speeds(machine, tmp_path).measured_speed(SMOL, "lora") == pytest.approx(60.0)
+
+
+def test_a_gpus_speed_is_kept_as_measured():
+    rows = cpu_steps(100.0, 6.0, 1)
+    gpu = Hardware.with_gpu(24)
+    assert measured_beside(rows) == {"load": 6.0, "threads": 1} and measured_beside(steps(1.0, 1.0)) == {}
+    assert typical_speed([{"tokens_per_s": 100.0, "load": 6.0, "threads": 1}], gpu.cpu_cores, gpu.has_gpu) == 100.0

@@ -280,7 +280,8 @@ def test_the_loop_position_is_one_record_read_from_flat_checkpoint_state():
 
 
 def test_cpu_threads_follow_the_physical_cores_unless_the_user_chose_a_number(monkeypatch):
-    """One thread per physical core by default; OMP_NUM_THREADS, when set, is the user's choice and is kept."""
+    """One thread per physical core by default, or the plan's fewer (a busy machine, `planning/cpu_share.py`),
+    never more than this machine has; OMP_NUM_THREADS, when set, is the user's choice and is kept."""
     from types import SimpleNamespace
 
     import psutil
@@ -294,8 +295,14 @@ def test_cpu_threads_follow_the_physical_cores_unless_the_user_chose_a_number(mo
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         Processes.use_physical_cores(SimpleNamespace(world=1))
         assert torch.get_num_threads() == 1
+        Processes.use_physical_cores(SimpleNamespace(world=1), 2)
+        assert torch.get_num_threads() == 1
         monkeypatch.delenv("OMP_NUM_THREADS")
         Processes.use_physical_cores(SimpleNamespace(world=1))
+        assert torch.get_num_threads() == 3
+        Processes.use_physical_cores(SimpleNamespace(world=1), 2)  # the plan's, on a busy machine
+        assert torch.get_num_threads() == 2
+        Processes.use_physical_cores(SimpleNamespace(world=1), 8)  # a plan made for a larger machine
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

@@ -15,7 +15,8 @@ from rich.console import Console
 from conftest import DATA_FILES
 from llmcustoms.planning.memory import CUDA_CONTEXT_BYTES
 from llmcustoms.commands.report import analyse
-from llmcustoms.training.resource_use import GpuSampler, ResourceUse, compare, predicted_at
+from llmcustoms.training import resource_use
+from llmcustoms.training.resource_use import GpuSampler, OtherWork, ResourceUse, compare, predicted_at
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.ui.train_progress import TrainingProgress
 from llmcustoms.ui.train_view import RichReporter
@@ -133,6 +134,21 @@ def test_the_report_flags_an_under_used_gpu(tmp_path):
     assert any("busy only 31%" in r and "--batch-size" in r for r in report.recommendations)
 
 
+def test_other_work_is_counted_in_threads_wanting_a_core(monkeypatch):
+    """(wall s, the machine's busy CPU s, this process's CPU s) readings 10 s apart on 2 CPUs."""
+    readings = iter([(0.0, 0.0, 0.0), (10.0, 11.0, 10.0), (20.0, 31.0, 25.0), (30.0, 51.0, 30.0), (30.01, 51.0, 30.0),
+                     (40.0, 61.0, 35.0)])
+    monkeypatch.setattr(resource_use, "_cpu_seconds", lambda: next(readings))
+    others = OtherWork(cpus=2)
+    assert others.take(threads=1) == 0.1  # a CPU to spare: the others used what they wanted
+    # Every CPU busy: 2 threads got 1.5 cores (0.75 each), so the others' 0.5 of a core was 0.67 threads wanting one.
+    assert others.take(threads=2) == 0.67
+    # 1 thread with half a core beside 1.5 cores of others: 3 threads wanting one each (a load of 3).
+    assert others.take(threads=1) == 3.0
+    assert others.take(threads=1) is None  # too soon to say: the next reading measures from the one before
+    assert others.take(threads=1) == 0.5
+
+
 @pytest.mark.slow
 def test_a_cpu_run_measures_memory_on_every_step_and_compares_it_with_the_plan(tmp_path, tiny_models, cli):
     result = cli("train", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--max-steps", "6",
@@ -143,6 +159,9 @@ def test_a_cpu_run_measures_memory_on_every_step_and_compares_it_with_the_plan(t
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 6 and all(r["memory_bytes"] > 0 and r["batch_tokens"] > 0 for r in steps)
+    # What the speed was measured beside; other work over at least 0.1 s (a tiny model's step is shorter).
+    assert all(r["cpu_threads"] >= 1 for r in steps) and all(r["cpu_others"] >= 0 for r in rows if "cpu_others" in r)
+    assert any("cpu_others" in r for r in rows)
     assert all("memory_bytes" in r for r in rows if "eval_loss" in r)
     memory = json.loads((run / "status.json").read_text())["memory"]
     plan = json.loads((run / "plan.json").read_text())
