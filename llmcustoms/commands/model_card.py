@@ -1,7 +1,8 @@
 """The model card (README.md) an export writes beside the weights: what the
 model was trained from, how, and how it scores against its base (eval loss,
-and how many sample replies stopped); never the sample replies themselves,
-which are the user's data."""
+how many sample replies stopped, and how many general questions it answers,
+`runs/forgetting.py`); never the sample replies themselves, which are the
+user's data, nor the general questions' replies."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from llmcustoms.models.loading import card_base_model
 from llmcustoms.runs import measures
+from llmcustoms.runs.forgetting import general_line
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.stop_rates import stop_rate_line
 from llmcustoms.training.samples import side_by_side
@@ -41,6 +43,7 @@ def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
         f"| final train loss | {status.get('final_loss', float('nan')):.4f} |" if status.get("final_loss") is not None else "",
         *_quality_rows(status),
         *_stop_rows(run),
+        *_general_rows(status),
         "", "## Use", "", how, "",
     ])
 
@@ -63,3 +66,10 @@ def _stop_rows(run: RunDirectory) -> list[str]:
     """How many sample replies stopped, before training and after: numbers only, never a prompt or a reply."""
     line = stop_rate_line(side_by_side(run.read_samples()))
     return [f"| replies that stop | {line} (held-out prompts, greedy) |"] if line else []
+
+
+def _general_rows(status: dict[str, Any]) -> list[str]:
+    """How many of llmcustoms' general questions the base and the trained model
+    answered right (the forgetting check): numbers only, never a reply."""
+    line = general_line(status.get("general_knowledge"))
+    return [f"| general questions | {line} answered right (llmcustoms' general questions, greedy) |"] if line else []

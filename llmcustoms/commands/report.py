@@ -3,7 +3,8 @@
 Reads only the run directory (plan.json, metrics.jsonl, status.json,
 samples.jsonl) and answers the questions a user has after training: how much
 better than the base model is it, and which weights were kept; does it stop
-(the stop rate of the sample replies, `runs/stop_rates.py`); is the loss
+(the stop rate of the sample replies, `runs/stop_rates.py`); has it
+forgotten what it knew outside the data (`runs/forgetting.py`); is the loss
 still falling, is the model overfitting, was the learning rate right, how
 fast was it, what went wrong along the way, and what to change next time.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from llmcustoms.runs import measures
 from llmcustoms.errors import ConfigError
+from llmcustoms.runs.forgetting import forgetting_findings
 from llmcustoms.runs.preference_report import preference_findings
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.stop_rates import stop_findings
@@ -126,10 +128,11 @@ def analyse(run: RunDirectory) -> RunReport:
             report.recommend(change, text)
     else:
         _quality(report, plan, status, evals)
-    findings, advice = stop_findings(report.samples, status, plan.data_report, plan.epochs)
-    report.findings += [Finding(*finding) for finding in findings]
-    for change, text in advice:
-        report.recommend(change, text)
+    for findings, advice in (stop_findings(report.samples, status, plan.data_report, plan.epochs),
+                             forgetting_findings(status.get("general_knowledge"), plan)):
+        report.findings += [Finding(*finding) for finding in findings]
+        for change, text in advice:
+            report.recommend(change, text)
     losses = [r["loss"] for r in train]
     stopped_early = status.get("stop_cause") == "early stopping"
     evaluates = bool(evals.after) or bool(plan.eval_rows and plan.eval_every)

@@ -94,6 +94,7 @@ class TrainResult:
     samples: list[dict[str, str]] = field(default_factory=list)  # samples.side_by_side entries
     held_out: dict[str, float] = field(default_factory=dict)  # the loss's `held_out`: DPO's best evaluation row
     memory: dict[str, Any] = field(default_factory=dict)  # measured peak against the plan's (`resource_use.compare`)
+    general: dict[str, Any] = field(default_factory=dict)  # status.json's general_knowledge (`runs/forgetting.py`)
 
     @classmethod
     def finished(cls, position: Position, stop: StopReason | None, seconds: float, tokens: int, output_path: Path,

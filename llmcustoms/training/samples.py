@@ -15,7 +15,9 @@ with a token generation stops on (EOS, the chat template's end-of-turn token:
 that did is the stop rate (`runs/stop_rates.py`), which the summary, `report`
 and the model card show. Rows written before it have no `stopped`. The
 prompts are the user's data, so they stay in the terminal and the run
-directory; the exported model card never shows them, only the stop rate. A sample is a look, never worth the run: a prompt too long
+directory; the exported model card never shows them, only the stop rate. In a run with evaluation rows the
+"base" and "trained" answers come with the forgetting check's score
+(`general_knowledge.py`). A sample is a look, never worth the run: a prompt too long
 for the plan's sequence length is not drawn, a failure to answer is a
 warning, and a stop asked for (SIGINT, SIGTERM) ends the answering at the next
 token, writing none of them.
@@ -31,6 +33,7 @@ from typing import Any, Callable
 from llmcustoms.data.dataset import usable_examples
 from llmcustoms.data.row_formats import Example
 from llmcustoms.recovery.stop_signals import StopRequested
+from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS, GeneralKnowledge, general_check
 
 SAMPLE_PROMPTS = 3
 MAX_NEW_TOKENS = 48
@@ -94,12 +97,20 @@ def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SampleP
     return pick_prompts([e for e in usable_examples(source) if e.row in rows], count, plan.seed)
 
 
+def run_samples(prepared: Any, run_dir: Any, warn: Callable[[str], None]) -> "SampleReplies":
+    """A run's sample replies (`train`, `resume`), with the forgetting check when it has evaluation rows."""
+    return SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir, warn=warn,
+                         general=general_check(prepared, run_dir, warn))
+
+
 class SampleReplies:
     """Answers the prompts with a model and appends the replies to samples.jsonl."""
 
     def __init__(self, prompts: list[SamplePrompt], tokenizer: Any, plan: Any, run_dir: Any,
-                 max_new_tokens: int = MAX_NEW_TOKENS, warn: Callable[[str], None] = lambda text: None):
+                 max_new_tokens: int = MAX_NEW_TOKENS, warn: Callable[[str], None] = lambda text: None,
+                 general: GeneralKnowledge | None = None):
         self.prompts = prompts
+        self.general = general  # the forgetting check, scored beside the "base" and "trained" replies
         self.tokenizer = tokenizer
         self.plan = plan
         self.run_dir = run_dir
@@ -120,6 +131,9 @@ class SampleReplies:
         if processes.is_main:
             activity(f"sample replies ({label})")
             self.answer(processes.accelerator.unwrap_model(model), step, label, stopped)
+            if self.general is not None and label in GENERAL_LABELS:
+                activity(f"general questions ({label})")
+                self.general.score(processes.accelerator.unwrap_model(model), step, label, stopped)
             activity(None)
         processes.accelerator.wait_for_everyone()
 

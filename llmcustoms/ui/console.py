@@ -22,6 +22,7 @@ from rich.table import Table
 from llmcustoms.runs import measures
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.runs.preference_report import held_out_line
+from llmcustoms.runs.forgetting import general_line
 from llmcustoms.runs.stop_rates import stop_rate_line
 from llmcustoms.planning.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
                                 TINY_MODEL_PARAMS)
@@ -161,6 +162,8 @@ def show_summary(result: Any) -> None:
         table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
     if stops := stop_rate_line(result.samples):  # how many sample replies ended with the end-of-turn token
         table.add_row("replies that stop", stops)
+    if general := general_line(result.general):  # the forgetting check: general questions answered right
+        table.add_row("general questions", general)
     table.add_row("time", _duration(result.seconds))
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
     if result.memory.get("peak_bytes"):
