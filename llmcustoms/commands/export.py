@@ -104,7 +104,7 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
                 written_dtype, checks = _merge(plan, trained, partial, dtype, say, allowed)
             what = f"a merged model ({written_dtype} weights)"
         (partial / "README.md").write_text(model_card(run, plan, merged=(merge or gguf is not None)
-                                                      and plan.method != "full"))
+                                                      and plan.method != "full", gguf=gguf is not None))
         _put_in_place(partial, output)
     except BaseException:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
         shutil.rmtree(partial, ignore_errors=True)

@@ -17,22 +17,25 @@ from llmcustoms.runs.stop_rates import stop_rate_line
 from llmcustoms.training.samples import side_by_side
 
 
-def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
+def model_card(run: RunDirectory, plan: Any, merged: bool, gguf: bool = False) -> str:
     status = run.read_status()
     base = card_base_model(plan.model)
     lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
             f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
-    how = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    how = (OLLAMA_USE if gguf else "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
            "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
            if merged or plan.method == "full" else
            "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
            f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
            "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
+    # A Hub id in the card's metadata links the model to its base there; a local folder's name would link nowhere.
+    from_hub = "/" in base
     return "\n".join([
         "---", "library_name: " + ("transformers" if merged or plan.method == "full" else "peft"),
-        f"base_model: {base}", "tags: [llmcustoms, " + plan.method + "]", "---", "",
+        *([f"base_model: {base}"] if from_hub else []),
+        "tags: [llmcustoms, " + plan.method + (", gguf" if gguf else "") + "]", "---", "",
         f"# {run.path.name}", "",
-        f"Fine-tuned from `{base}` with [llmcustoms](https://pypi.org/project/llmcustoms/) "
+        f"Fine-tuned from {'' if from_hub else 'a local model, '}`{base}`, with [llmcustoms](https://pypi.org/project/llmcustoms/) "
         f"({plan.method}{', merged into the base' if merged else ''}).", "",
         "| | |", "|---|---|",
         f"| method | {lora} |", f"| preset | {plan.preset} |",
@@ -46,6 +49,10 @@ def model_card(run: RunDirectory, plan: Any, merged: bool) -> str:
         *_general_rows(status),
         "", "## Use", "", how, "",
     ])
+
+
+OLLAMA_USE = ("In Ollama, from this folder:\n\n```bash\nollama create my-model -f Modelfile\nollama run my-model\n```\n\n"
+              "In llama.cpp: `llama-cli -m model.gguf -cnv`. In LM Studio: put model.gguf in its models folder.")
 
 
 def _quality_rows(status: dict[str, Any]) -> list[str]:

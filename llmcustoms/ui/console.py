@@ -119,6 +119,10 @@ def plan_table(plan: Any) -> Table:
     if plan.world_size > 1:
         rows.insert(3, ("processes", f"{plan.world_size}, " + DISTRIBUTED_LABELS.get(plan.distributed, plan.distributed),
                         "distributed"))
+    if plan.cpu_threads:  # CPU training: the threads chosen (busy machine, OMP_NUM_THREADS)
+        rows.insert(rows.index(next(r for r in rows if r[0] == "precision")) + 1,
+                    ("CPU threads", f"{plan.cpu_threads}" + (" per process" if plan.world_size > 1 else ""),
+                     "cpu_threads"))
     if plan.lora is not None:
         rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout}", "lora.r"))
         rows.insert(4, ("LoRA targets", " ".join(plan.lora.target_modules), None))

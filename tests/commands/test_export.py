@@ -101,3 +101,12 @@ def test_exported_weights_are_readable_like_every_other_file(run_with_adapter, t
     modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
     assert any(name.endswith(".safetensors") for name in modes)  # safetensors writes these 0600
     assert set(modes.values()) == {usual_mode()}, modes
+
+
+def test_a_local_base_gets_no_hub_link_and_a_gguf_card_says_how_to_run_it(tmp_path):
+    saved = local_model(tmp_path / "models" / "my-llama")
+    card = model_card(RunDirectory(tmp_path / "run"), card_plan(str(saved)), merged=True, gguf=True)
+    assert "base_model:" not in card  # a local folder's name is no Hub id to link to
+    assert "Fine-tuned from a local model, `my-llama`" in card
+    assert "ollama create my-model -f Modelfile" in card and "llama-cli -m model.gguf" in card
+    assert "from_pretrained" not in card and "gguf]" in card
