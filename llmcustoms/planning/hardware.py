@@ -273,7 +273,46 @@ def other_load(load: float | None, own_cpu_s: float, own_age_s: float) -> float 
     return round(max(0.0, load - own), 2)
 
 
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, the machine's busy CPU seconds, this process's CPU seconds), or None."""
+    try:
+        machine, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    idle = sum(getattr(machine, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
+    return time.monotonic(), sum(machine) - idle, own.user + own.system
+
+
+# Read when planning is first imported: the window `_busy_now` measures over is the
+# time since, which the command's own imports and data reading fill; no wait added.
+_SINCE = _cpu_seconds()
+MIN_WINDOW_S = 0.3
+
+
+def _busy_now() -> float | None:
+    """Other processes' CPU use since this process started planning, in cores:
+    the machine's busy CPU time less this process's, over the wall time; None
+    where it cannot be read. Tests replace it."""
+    if _SINCE is None:
+        return None
+    waited = time.monotonic() - _SINCE[0]
+    if waited < MIN_WINDOW_S:
+        time.sleep(MIN_WINDOW_S - waited)
+    now = _cpu_seconds()
+    if now is None:
+        return None
+    wall = now[0] - _SINCE[0]
+    return round(max(0.0, ((now[1] - _SINCE[1]) - (now[2] - _SINCE[2])) / wall), 2)
+
+
 def _cpu_load() -> float | None:
+    """Other work on the CPU: measured over the seconds this command has run, else
+    the 1-minute load average less this process's share. The load average lags: a
+    minute after a test suite or another run ends it still says "busy" (a plan on
+    an idle machine chose 1 thread of 2)."""
+    now = _busy_now()
+    if now is not None:
+        return now
     load = _load_average()
     try:
         me = psutil.Process()

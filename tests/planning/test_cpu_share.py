@@ -78,6 +78,7 @@ def test_the_slow_down_follows_the_share_of_the_cpu_the_run_gets():
 
 
 def test_detection_reads_the_load_less_this_process_and_omp_num_threads(monkeypatch):
+    monkeypatch.setattr(hardware_module, "_busy_now", lambda: None)  # where it cannot be measured: the load average
     monkeypatch.setattr(hardware_module, "_load_average", lambda: 3.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     found = hardware_module.detect()
@@ -100,3 +101,10 @@ def test_several_processes_share_the_free_cores_and_say_so():
     assert busy.cpu_threads == 1
     assert ("threads 1 per process: the machine is busy (load 2.0 on 4 cores), so 1 thread per process, not 2 "
             "(OMP_NUM_THREADS sets it)") in busy.reasons
+
+
+def test_the_cpu_use_measured_now_wins_over_the_lagging_load_average(monkeypatch):
+    monkeypatch.setattr(hardware_module, "_load_average", lambda: 1.9)  # a test suite that ended a minute ago
+    monkeypatch.setattr(hardware_module, "_busy_now", lambda: 0.05)
+    assert hardware_module.detect().cpu_load == 0.05
+
