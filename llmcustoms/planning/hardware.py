@@ -273,7 +273,7 @@ def other_load(load: float | None, own_cpu_s: float, own_age_s: float) -> float 
     return round(max(0.0, load - own), 2)
 
 
-def _cpu_seconds() -> tuple[float, float, float] | None:
+def cpu_seconds() -> tuple[float, float, float] | None:
     """(wall clock, the machine's busy CPU seconds, this process's CPU seconds), or None."""
     try:
         machine, own = psutil.cpu_times(), psutil.Process().cpu_times()
@@ -285,7 +285,7 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
 
 # Read when planning is first imported: the window `_busy_now` measures over is the
 # time since, which the command's own imports and data reading fill; no wait added.
-_SINCE = _cpu_seconds()
+_SINCE = cpu_seconds()
 MIN_WINDOW_S = 0.3
 
 
@@ -298,7 +298,7 @@ def _busy_now() -> float | None:
     waited = time.monotonic() - _SINCE[0]
     if waited < MIN_WINDOW_S:
         time.sleep(MIN_WINDOW_S - waited)
-    now = _cpu_seconds()
+    now = cpu_seconds()
     if now is None:
         return None
     wall = now[0] - _SINCE[0]

@@ -49,12 +49,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
+from llmcustoms.planning.hardware import cpu_seconds
 from llmcustoms.planning.memory import CUDA_CONTEXT_BYTES
 
 # How often the GPU thread samples: often enough to see a step's busy and idle
@@ -163,28 +163,17 @@ def nvml_reader(device: int) -> Callable[[], tuple[float, int]] | None:
     return read
 
 
-def _cpu_seconds() -> tuple[float, float, float] | None:
-    """(wall clock, the machine's busy CPU seconds, this process's CPU seconds), or None."""
-    try:
-        machine, own = psutil.cpu_times(), psutil.Process().cpu_times()
-    except (psutil.Error, OSError):
-        return None
-    # As psutil counts busy time: guest time is inside user time already, iowait is idle.
-    idle = sum(getattr(machine, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
-    return time.monotonic(), sum(machine) - idle, own.user + own.system
-
-
 class OtherWork:
     """Other processes' work between readings, in threads wanting a core."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = cpus or psutil.cpu_count() or 1  # what /proc/stat's busy time is summed over
-        self.last = _cpu_seconds()
+        self.last = cpu_seconds()
 
     def take(self, threads: int) -> float | None:
         """Since the last reading, beside this process's `threads`; None when unreadable, or
         too soon to say (the kernel counts CPU time in ticks: the next call measures from the last reading)."""
-        now, last = _cpu_seconds(), self.last
+        now, last = cpu_seconds(), self.last
         if now is not None and last is not None and now[0] - last[0] < MIN_INTERVAL_S:
             return None
         self.last = now

@@ -140,7 +140,7 @@ def test_other_work_is_counted_in_threads_wanting_a_core(monkeypatch):
     """(wall s, the machine's busy CPU s, this process's CPU s) readings 10 s apart on 2 CPUs."""
     readings = iter([(0.0, 0.0, 0.0), (10.0, 11.0, 10.0), (20.0, 31.0, 25.0), (30.0, 51.0, 30.0), (30.01, 51.0, 30.0),
                      (40.0, 61.0, 35.0)])
-    monkeypatch.setattr(resource_use, "_cpu_seconds", lambda: next(readings))
+    monkeypatch.setattr(resource_use, "cpu_seconds", lambda: next(readings))
     others = OtherWork(cpus=2)
     assert others.take(threads=1) == 0.1  # a CPU to spare: the others used what they wanted
     # Every CPU busy: 2 threads got 1.5 cores (0.75 each), so the others' 0.5 of a core was 0.67 threads wanting one.
