@@ -99,8 +99,8 @@ def check_stop_tokens(model: Any, tokenizer: Any, plan: Any, run_dir: RunDirecto
     """Warn about untrained stop tokens, and record the end-of-turn token and the
     warnings in status.json; once per run (a resumed run found them already),
     from the process that writes the run directory."""
-    if not run_dir.writable:
-        return
+    if not run_dir.writable or getattr(tokenizer, "eos_token_id", None) is None:
+        return  # a tokenizer with no EOS (a benchmark's stand-in) ends replies with nothing to check
     status = run_dir.read_status()
     if "stop_tokens" in status:
         return
