@@ -144,7 +144,7 @@ def trained(args: argparse.Namespace, env: dict[str, str], out: Path, name: str)
 
 def summary(plan: dict) -> dict:
     reasons = plan.get("reasons", [])
-    return {"threads": plan.get("cpu_threads"), "estimate_s": round(plan["estimated_seconds"], 1),
+    return {"threads": plan.get("cpu_threads"), "estimate_s": round(plan["estimated_seconds"], 3),
             "threads_reason": next((r for r in reasons if r.startswith("threads")), ""),
             "duration_reason": next((r for r in reasons if r.startswith("estimated duration")), "")}
 
@@ -163,7 +163,7 @@ def one_run(args: argparse.Namespace, kind: str, env: dict[str, str], out: Path,
 
 def table(results: list[dict], dry_run: bool) -> str:
     def seconds(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+        return "-" if value is None else f"{value:.0f} s" if value >= 10 else f"{value:.2g} s"
 
     if dry_run:
         lines = ["| run | load | threads | estimate |", "|---|---|---|---|"]

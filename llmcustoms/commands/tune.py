@@ -142,7 +142,11 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         outcome.rows = trial_rows(outcome.study)
         write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
         if best_trial(outcome.study) is not None:
-            trials.conclude(preset, say)
+            # Two `tune` of one study check at full length in turn: the second reads
+            # what the first trained (kept in the study) instead of training it again.
+            with taking_turns(settings.storage, settings.study_dir, lambda: say(
+                    "Another `tune` of this study is checking at full length; waiting for it to finish...")):
+                trials.conclude(preset, say)
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as error:

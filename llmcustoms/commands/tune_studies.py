@@ -154,12 +154,13 @@ def _one_creator(target: str) -> Iterator[None]:
 
 
 @contextmanager
-def taking_turns(url: str | None, path: Path) -> Iterator[None]:
+def taking_turns(url: str | None, path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
     """The `tune` processes of one study on this machine, one at a time: what
     reads the study and then writes on what it read (whether the preset's trial
     is queued) is one step. The same flock as `_one_creator`, beside the SQLite
     or journal file; a server database goes on as is (two processes starting a
-    study at the same moment may then both queue the preset's point)."""
+    study at the same moment may then both queue the preset's point).
+    `waiting()` is called when another process has the turn."""
     if url is None:
         file = str((path / "study.db").resolve())
     elif url.startswith("sqlite:///") and url != "sqlite:///:memory:":
@@ -169,19 +170,23 @@ def taking_turns(url: str | None, path: Path) -> Iterator[None]:
     else:
         yield
         return
-    with _turns(file):
+    with _turns(file, waiting):
         yield
 
 
 @contextmanager
-def _turns(file: str) -> Iterator[None]:
+def _turns(file: str, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
     try:
         fd = os.open(f"{file}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the lock

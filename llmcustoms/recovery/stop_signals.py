@@ -64,6 +64,7 @@ class StopSignals:
         self.quitting = quitting
         self.received: int | None = None
         self.count = 0
+        self.hung_up = False  # a SIGHUP arrived: the terminal is gone
         self._depth = 0  # entered this many times: the handlers are installed by the outermost
         self._previous: dict[int, Any] = {}
         self._previous_fd = -1
@@ -88,7 +89,9 @@ class StopSignals:
         if self._depth:
             return
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # After a hang-up the terminal is gone: the kernel's or the shell's late
+            # SIGHUP must not kill the process while it writes its ending.
+            signal.signal(signum, signal.SIG_IGN if signum == signal.SIGHUP and self.hung_up else handler)
         self._previous = {}
         if self._sockets is not None:
             signal.set_wakeup_fd(self._previous_fd)
@@ -112,6 +115,7 @@ class StopSignals:
 
     def _arrived(self, signum: int) -> None:
         if signum == signal.SIGHUP:
+            self.hung_up = True
             _leave_terminal()
             if self.count:
                 return

@@ -360,3 +360,28 @@ def test_a_stop_during_the_reference_pass_ends_the_run_there(tmp_path, tiny_mode
     assert (state["status"], state["reason"]) == ("interrupted", "stopped by SIGTERM while computing DPO's reference")
     assert not (run_dir.path / "reference").exists()
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
+
+
+def test_after_a_hang_up_a_late_sighup_is_ignored_once_the_loop_has_ended():
+    """The shell and the kernel each send SIGHUP when a terminal closes; the
+    second may come after the loop stopped and its handlers were put back,
+    and must not kill the process while it writes its ending."""
+    from llmcustoms.recovery.stop_signals import StopSignals
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        stops = StopSignals(warn=lambda text: None)
+        with stops:
+            os.kill(os.getpid(), signal.SIGHUP)
+            deadline = time.time() + 5
+            while not stops.hung_up and time.time() < deadline:
+                time.sleep(0.01)
+        assert stops.received == signal.SIGHUP and stops.hung_up
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)  # the late one: this test process lives on
+        time.sleep(0.05)
+        with StopSignals(warn=lambda text: None):
+            pass
+        assert signal.getsignal(signal.SIGINT) == signal.default_int_handler  # the others are put back
+    finally:
+        signal.signal(signal.SIGHUP, previous)
