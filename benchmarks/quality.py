@@ -16,10 +16,21 @@ would run it, through the CLI:
                  best preset for the same number of steps as `quality` (the
                  same token budget)
 
+With --peers, the recipes people copy instead, each on the same training rows
+(`benchmarks/peer_recipes.py` says what each is):
+
+  default        llmcustoms train TRAIN, with nothing else (it holds out its own rows)
+  unsloth        the Unsloth notebook recipe, with transformers + peft + TRL
+  trl            `trl sft --use_peft` with the installed TRL's defaults
+  equal-time     llmcustoms train TRAIN --eval-data VAL --max-steps N, N chosen so
+                 it takes the wall time of the fastest peer recipe
+
 Reported per configuration: test eval loss (mean per reply token) and
-perplexity, the share by which perplexity fell from the base model's, wall
-time, and a behaviour score. identity: the share of held-out identity
-questions whose greedy reply names the identity the data teaches. code: a
+perplexity, the share by which perplexity fell from the base model's, time
+(status.json's, and the command's whole wall time), the machine's load, how
+many of the forgetting check's general questions the model answers
+(`training/general_questions.json`), and a behaviour score. identity: the
+share of held-out identity questions whose greedy reply names the identity the data teaches. code: a
 sample reply. Results accumulate in --results (JSON) so configurations can be
 run one at a time; the Markdown table is printed from everything measured.
 """
@@ -45,6 +56,7 @@ DATASETS = {
     "code": ("code_alpaca_2k.json", 160, 60, 30),
 }
 CONFIGS = ("base", "highspeed", "quality", "bestaccuracy", "tune")
+PEERS = ("default", "unsloth", "trl", "equal-time")
 IDENTITY = "vicuna"  # the name sharegpt_identity.json teaches (72 of its 500 rows ask for it)
 IDENTITY_TEST_ROWS = 12  # of the test rows, how many ask for the identity (its 12 questions come 6 times each)
 MAX_NEW_TOKENS = 32  # the identity comes early in a reply; a code sample is a glimpse
@@ -90,12 +102,43 @@ def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return done, time.perf_counter() - started
 
 
-def train(model: str, paths: dict[str, Path], out: Path, name: str, *extra: str) -> tuple[Path, float]:
-    cli("train", str(paths["train"]), "--eval-data", str(paths["val"]), "--model", model, "--output-dir", str(out),
-        "--run-name", name, "--yes", "--quiet", "--overwrite", *extra)
+def train(model: str, paths: dict[str, Path], out: Path, name: str, *extra: str,
+          held_out: bool = True) -> tuple[Path, float]:
+    """One llmcustoms run (with the validation rows as its evaluation unless not
+    `held_out`); its directory and status.json's time. The command's wall time
+    goes in WALL[name]."""
+    validation = ["--eval-data", str(paths["val"])] if held_out else []
+    _, WALL[name] = cli("train", str(paths["train"]), *validation, "--model", model, "--output-dir", str(out),
+                        "--run-name", name, "--yes", "--quiet", "--overwrite", *extra)
     status = json.loads((out / name / "status.json").read_text())
     seconds = _seconds(status)
     return out / name, seconds
+
+
+WALL: dict[str, float] = {}  # each configuration's whole wall time, command start to exit
+
+
+def peer(recipe: str, model: str, paths: dict[str, Path], out: Path) -> tuple[Path, float]:
+    """A peer recipe (`peer_recipes.py`) in its own process: its directory and its training time."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer_recipes.py"), recipe, "--model", model,
+                           "--train", str(paths["train"]), "--out", str(out / recipe)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"peer recipe {recipe} failed:\n{done.stderr[-3000:]}")
+    WALL[recipe] = time.perf_counter() - started
+    return out / recipe, json.loads((out / recipe / "peer.json").read_text())["training_seconds"]
+
+
+def equal_time_steps(results: dict) -> int:
+    """Steps for llmcustoms to take the wall time of the fastest peer recipe:
+    what is left of that time after `quality`'s fixed costs (loading, the
+    base model's replies, the checks; its wall time less its training time),
+    at `quality`'s seconds per step."""
+    quality = results["quality"]
+    fastest = min(results[r]["wall_seconds"] for r in ("unsloth", "trl") if r in results)
+    per_step = quality["step_seconds"] / max(quality["steps"], 1)
+    fixed = quality["wall_seconds"] - quality["step_seconds"]
+    return max(1, int((fastest - fixed) / per_step))
 
 
 def _seconds(status: dict) -> float:
@@ -105,17 +148,30 @@ def _seconds(status: dict) -> float:
     return (parse(status["updated_at"]) - parse(status["started_at"])).total_seconds()
 
 
-def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, trial_steps: int,
-                    budget_steps: int) -> tuple[Path, float, dict]:
+def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, budget_steps: int
+                    ) -> tuple[Path, float, dict]:
+    """`tune` with trials as long as a whole `quality` run (successive halving cuts
+    most short; the full-length check then needs no extra run), then `train`
+    with the preset it wrote, for `quality`'s steps. `found` says what it chose
+    and how many optimizer steps the study ran in all (trials and checks)."""
     started = time.perf_counter()
     done, _ = cli("tune", str(paths["train"]), "--eval-data", str(paths["val"]), "--model", model, "--output-dir",
-                  str(out), "--trials", str(trials), "--max-steps", str(trial_steps), "--study-name", "bench")
-    preset = out / "tune-bench" / "best_preset.yaml"
+                  str(out), "--trials", str(trials), "--max-steps", str(budget_steps), "--study-name", "bench")
+    study = out / "tune-bench"
+    preset = study / "best_preset.yaml"
+    tune_seconds = time.perf_counter() - started
     run, _ = train(model, paths, out, "tune", "--preset", str(preset), "--max-steps", str(budget_steps))
+    import csv
+
     import yaml
 
     found = yaml.safe_load(preset.read_text())
     chosen = {k: found.get(k) for k in ("lr", "lora_r", "lora_alpha", "lora_dropout", "warmup_ratio")}
+    with open(study / "trials.csv", newline="", encoding="utf-8") as f:
+        trial_steps = sum(int(row["steps"] or 0) for row in csv.DictReader(f))
+    check_steps = sum(sum(1 for row in _metrics(full) if "loss" in row) for full in study.glob("full-*"))
+    chosen.update(trial_steps=trial_steps, check_steps=check_steps, tune_seconds=round(tune_seconds, 1),
+                  study_steps_per_quality_run=round((trial_steps + check_steps) / budget_steps, 2))
     return run, time.perf_counter() - started, chosen
 
 
@@ -130,11 +186,15 @@ def load(model: str, run: Path | None):
     from llmcustoms.runs.run_directory import RunDirectory
     from llmcustoms.runs.run_weights import choose_weights
 
-    if run is not None:
+    if run is not None and not (run / "peer.json").exists():
         trained = load_trained(choose_weights(RunDirectory(run), None))
         return trained.model, trained.tokenizer, trained.plan
     tokenizer = AutoTokenizer.from_pretrained(model)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if run is not None:  # a peer recipe's adapter on the base model
+        from peft import PeftModel
+
+        base = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
     return base, tokenizer, argparse.Namespace(data_format="sharegpt", raw_prompts=False, data_report={"base": True},
                                                model=model)
 
@@ -196,32 +256,84 @@ def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict
                       sample=answered[0] if answered else None)
     else:
         result["sample"] = replies(model, tokenizer, plan, test, identity=False)[0]
-    if run is not None:
+    result["general"], result["general_asked"] = general_knowledge(model, tokenizer, plan)
+    if run is not None and (run / "peer.json").exists():
+        record = json.loads((run / "peer.json").read_text())
+        result.update(steps=record["steps"], planned_steps=record["steps"], kept_step=record["steps"],
+                      lr=record["settings"]["learning_rate"], lora_r=record["settings"]["lora_r"],
+                      training_seconds=record["training_seconds"], settings=record["settings"])
+    elif run is not None:
         plan_json = json.loads((run / "plan.json").read_text())
         status = json.loads((run / "status.json").read_text())
         result.update(steps=status["step"], planned_steps=plan_json["total_steps"], kept_step=status.get("kept_step"),
-                      lr=plan_json["lr"], lora_r=(plan_json.get("lora") or {}).get("r"), epochs=plan_json["epochs"])
+                      lr=plan_json["lr"], lora_r=(plan_json.get("lora") or {}).get("r"), epochs=plan_json["epochs"],
+                      step_seconds=round(sum(row.get("seconds", 0.0) for row in _metrics(run)), 1))
     return result
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def general_knowledge(model, tokenizer, plan) -> tuple[int, int]:
+    """How many of the forgetting check's general questions the model answers
+    (greedy, as every run scores them), and how many were asked."""
+    from llmcustoms.training.general_knowledge import answer_questions, is_right, load_questions
+
+    questions = load_questions()
+    replies = answer_questions(model, tokenizer, plan, [q.question for q in questions])
+    return sum(is_right(reply, q.answers) for reply, q in zip(replies, questions)), len(questions)
 
 
 # ------------------------------------------------------------------ table
 
 def table(results: dict) -> str:
-    lines = ["| data | configuration | steps (kept) | time | test loss | test perplexity | vs base | identity |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Every configuration measured. time: the command's wall time where it was
+    measured (start to exit: loading, checks and all), else status.json's."""
+    lines = ["| data | configuration | steps (kept) | time | load | test loss | test perplexity | vs base | identity "
+             "| general |", "|---|---|---|---|---|---|---|---|---|---|"]
     for dataset in DATASETS:
         base = results.get(dataset, {}).get("base")
-        for config in CONFIGS:
+        for config in CONFIGS + PEERS:
             r = results.get(dataset, {}).get(config)
             if r is None:
                 continue
             change = "" if base is None or config == "base" else f"{1 - r['test_ppl'] / base['test_ppl']:.1%} lower"
             steps = "" if config == "base" else f"{r['steps']} ({r['kept_step']})"
-            when = "" if config == "base" else f"{r['seconds'] / 60:.1f} min"
+            when = "" if config == "base" else f"{r.get('wall_seconds', r['seconds']) / 60:.1f} min"
             identity = f"{r['identity_accuracy']:.0%}" if "identity_accuracy" in r else ""
-            lines.append(f"| {dataset} | {config} | {steps} | {when} | {r['test_loss']:.4f} | {r['test_ppl']:.2f} "
-                         f"| {change} | {identity} |")
+            general = f"{r['general']}/{r['general_asked']}" if "general" in r else ""
+            lines.append(f"| {dataset} | {config} | {steps} | {when} | {r.get('load', '')} | {r['test_loss']:.4f} "
+                         f"| {r['test_ppl']:.2f} | {change} | {identity} | {general} |")
     return "\n".join(lines)
+
+
+def configuration(args, done: dict, dataset: str, config: str, paths: dict[str, Path], out: Path) -> dict:
+    """Train (or not: `base`) one configuration and measure it; `done`: what the dataset has measured so far."""
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    chosen = None
+    if config == "base":
+        run = None
+    elif config in ("tune", "equal-time") and "quality" not in done:
+        raise SystemExit(f"run {dataset}:quality first: {config} is sized from it")
+    elif config == "tune":
+        run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, done["quality"]["planned_steps"])
+    elif config == "equal-time":
+        run, seconds = train(args.model, paths, out, config, "--max-steps", str(equal_time_steps(done)))
+    elif config in ("unsloth", "trl"):
+        run, seconds = peer(config, args.model, paths, out)
+    elif config == "default":
+        run, seconds = train(args.model, paths, out, config, held_out=False)
+    else:
+        run, seconds = train(args.model, paths, out, config, "--preset", config)
+    result = measure(args.model, run, dataset, paths["test"])
+    result["seconds"] = time.perf_counter() - started if run is None else seconds
+    if run is not None:
+        result["wall_seconds"] = round(WALL[config] + (chosen["tune_seconds"] if chosen else 0.0), 1)
+    result["load"] = round((load_before + os.getloadavg()[0]) / 2, 2)  # 1-minute averages at start and end
+    if chosen is not None:
+        result.update(found=chosen, trials=args.trials)
+    return result
 
 
 def main() -> None:
@@ -229,8 +341,8 @@ def main() -> None:
     parser.add_argument("--model", default=str(Path.home() / ".cache/llmcustoms-dev/smollm2-135m-instruct"))
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--only", default="", help="dataset:config pairs, comma-separated (default: all)")
-    parser.add_argument("--trials", type=int, default=4)
-    parser.add_argument("--trial-steps", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--peers", action="store_true", help="also the peer recipes (see benchmarks/peer_recipes.py)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     parser.add_argument("--work", default=None, help="where runs go (default: a temporary directory)")
     parser.add_argument("--table", action="store_true", help="only print the table of what --results holds")
@@ -245,26 +357,14 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="llmcustoms-quality-"))
     work.mkdir(parents=True, exist_ok=True)
-    wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or [(d, c) for d in DATASETS for c in CONFIGS]
+    everything = [(d, c) for d in DATASETS for c in CONFIGS + (PEERS if args.peers else ())]
+    wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or everything
     for dataset, config in wanted:
         sizes = tuple(int(n) for n in args.rows.split(",")) if args.rows else None
         paths = split_files(Path(args.data_dir), dataset, work, sizes)
         print(f"{dataset} / {config} ...", file=sys.stderr, flush=True)
-        out = work / dataset
-        if config == "base":
-            started, run = time.perf_counter(), None
-        elif config == "tune":
-            budget = results.get(dataset, {}).get("quality", {}).get("planned_steps")
-            if budget is None:
-                raise SystemExit(f"run {dataset}:quality first: tune gets the same number of steps")
-            run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, args.trial_steps, budget)
-        else:
-            run, seconds = train(args.model, paths, out, config, "--preset", config)
-        result = measure(args.model, run, dataset, paths["test"])
-        result["seconds"] = time.perf_counter() - started if run is None else seconds
-        if config == "tune":
-            result.update(found=chosen, trials=args.trials, trial_steps=args.trial_steps)
-        results.setdefault(dataset, {})[config] = result
+        result = configuration(args, results.setdefault(dataset, {}), dataset, config, paths, work / dataset)
+        results[dataset][config] = result
         results_path.parent.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(results, indent=2))
         print(f"  {json.dumps({k: v for k, v in result.items() if k != 'sample'})}", file=sys.stderr, flush=True)

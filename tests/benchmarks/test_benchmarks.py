@@ -23,6 +23,12 @@ def run(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_text(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def test_memory_accuracy_measures_a_configuration():
     summary = run("memory_accuracy.py", "--only", "llama-lora-s256")
     [result] = summary["results"]
@@ -65,16 +71,30 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
     rows = [json.loads(line) for line in (Path(__file__).parent.parent / "fixtures" / "alpaca.jsonl").read_text().splitlines()]
     (data / "code_alpaca_2k.json").write_text(json.dumps(rows))
     results = tmp_path / "quality.json"
-    summary = run("quality.py", "--model", str(tiny_models["llama"]), "--data-dir", str(data), "--rows", "12,6,4",
-                  "--only", "code:base,code:quality,code:tune,identity:base,identity:highspeed", "--trials", "2",
-                  "--trial-steps", "2", "--results", str(results), "--work", str(tmp_path / "work"))
-    assert set(summary["code"]) == {"base", "quality", "tune"} and set(summary["identity"]) == {"base", "highspeed"}
-    quality, base = summary["code"]["quality"], summary["code"]["base"]
+    summary = run("quality.py", "--model", str(tiny_models["qwen2"]), "--data-dir", str(data), "--rows", "12,6,4",
+                  "--only", "code:base,code:quality,code:tune,code:unsloth,code:trl,code:default,code:equal-time,"
+                  "identity:base,identity:highspeed", "--trials", "2", "--results", str(results),
+                  "--work", str(tmp_path / "work"))
+    assert set(summary["code"]) == {"base", "quality", "tune", "unsloth", "trl", "default", "equal-time"}
+    assert set(summary["identity"]) == {"base", "highspeed"}
+    code = summary["code"]
+    quality, base = code["quality"], code["base"]
     assert quality["test_ppl"] == pytest.approx(math.exp(quality["test_loss"]))
     assert quality["steps"] >= 1 and quality["kept_step"] <= quality["steps"]
-    assert summary["code"]["tune"]["planned_steps"] == quality["planned_steps"]  # the same budget
+    assert code["tune"]["planned_steps"] == quality["planned_steps"]  # the same budget
+    assert code["tune"]["found"]["trial_steps"] >= 1
+    # The peers ran their recipes: Unsloth's 60 steps at lr 2e-4; TRL's 3 epochs of batch 8 at its default lr.
+    assert code["unsloth"]["steps"] == 60 and code["unsloth"]["lr"] == 2e-4
+    assert code["trl"]["steps"] == 3 * math.ceil(12 / 8) and code["trl"]["lr"] == code["trl"]["settings"]["learning_rate"]
+    for config in ("unsloth", "trl", "default", "equal-time", "quality"):
+        result = code[config]
+        assert result["test_loss"] != pytest.approx(base["test_loss"], abs=1e-6), config  # it trained
+        assert result["wall_seconds"] > 0 and 0 <= result["general"] <= result["general_asked"] and result["load"] >= 0
+    assert 1 <= code["equal-time"]["steps"]
     assert 0.0 <= summary["identity"]["base"]["identity_accuracy"] <= 1.0 and base["test_loss"] > 0
     assert json.loads(results.read_text()) == summary
+    shown = run_text("quality.py", "--table", "--results", str(results))
+    assert all(f"| code | {config} |" in shown for config in ("unsloth", "trl", "equal-time"))
 
 
 def test_large_data_measures_memory_and_time_to_first_step(tmp_path, tiny_models):
