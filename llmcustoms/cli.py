@@ -154,7 +154,8 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
         view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
         with view.TrialsDisplay() as display:
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
-                                study.settings, on_update=display.update, warn=display.warn, say=display.say)
+                                study.settings, on_update=display.update, warn=display.warn, say=display.say,
+                                reporter_for=display.reporter)
     view.show_study_outcome(outcome, options.data, options.model)
     if outcome.signum is not None:
         raise typer.Exit(128 + outcome.signum)  # 130 for Ctrl-C, 143 for SIGTERM

@@ -14,6 +14,9 @@ from typing import Any, Callable, Protocol
 class Reporter(Protocol):
     def message(self, text: str, warning: bool = False) -> None: ...
     def activity(self, text: str | None) -> None: ...  # what is happening now; None: training steps
+    # A wait counted in items (sample replies, the tokens of the general questions): `done` of `total`,
+    # 0 when it begins; the display shows the count and an ETA from the first item on. Ends at the next `activity`.
+    def count(self, what: str, done: int, total: int) -> None: ...
     # `memory`: the plan's estimate (`MemoryEstimate.to_json()`), which the display measures against.
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None: ...
     def step(self, row: dict[str, Any]) -> None: ...
@@ -31,6 +34,7 @@ class SilentReporter:
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.activities: list[str | None] = []
+        self.counts: list[tuple[str, int, int]] = []  # (what, done, total), each `count` call
 
     def message(self, text: str, warning: bool = False) -> None:
         self.messages.append(text)
@@ -39,6 +43,9 @@ class SilentReporter:
 
     def activity(self, text: str | None) -> None:
         self.activities.append(text)
+
+    def count(self, what: str, done: int, total: int) -> None:
+        self.counts.append((what, done, total))
 
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         pass  # nothing to draw

@@ -26,6 +26,7 @@ import json
 import math
 import re
 import shlex
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -40,6 +41,7 @@ BETA = 0.98  # the EMA of the loss: Lightning's and fastai's
 DIVERGENCE = 4.0  # stop once the smoothed loss passes this many times its minimum
 MIN_DROP = 0.05  # a fall smaller than this share of the starting loss is noise
 MIN_POINTS = 5  # fewer points than this are not a curve
+WHOLE_TABLE = 12  # a curve of at most this many steps is shown whole
 RULE = "steepest descent of the smoothed loss, below the lr of its minimum"
 OTHER_RULE = "the lr of the minimum smoothed loss / 10"
 FORMAT = 1  # of the saved JSON
@@ -115,13 +117,28 @@ def suggest(lrs: list[float], smoothed: list[float | None], min_drop: float = MI
                       min_loss_lr_over_10=lrs[best] / 10)
 
 
+def table_stride(points: int, count: int = 8) -> int:
+    """The table shows every this many steps: 1 for a curve short enough to show
+    whole, else as many as keep it near `count` rows."""
+    return 1 if points <= WHOLE_TABLE else math.ceil((points - 1) / max(1, count - 1))
+
+
+def rows_shown(points: int, count: int = 8) -> str:
+    """What the table's rows are, said under it: a user who finds step 3 missing
+    should know it was left out on purpose (the whole curve is in the saved file)."""
+    stride = table_stride(points, count)
+    if stride == 1:
+        return f"every step of {points}"
+    return f"every {stride} steps from step 1 (of {points}), the last, the suggested and the minimum's"
+
+
 def sample_rows(curve: list[Row], suggestion: Suggestion, count: int = 8) -> list[Row]:
-    """A handful of the curve's rows for a table: evenly spread, plus the
-    suggested and the minimum's rows, each marked in `note`."""
+    """A handful of the curve's rows for a table: every `table_stride` steps from
+    the first, the last, and the suggested and the minimum's rows, each marked in `note`."""
     if not curve:
         return []
     marks = {suggestion.steepest_lr: "suggested", suggestion.min_loss_lr: "minimum"}
-    picked = {round(i * (len(curve) - 1) / max(1, count - 1)) for i in range(count)}
+    picked = set(range(0, len(curve), table_stride(len(curve), count))) | {len(curve) - 1}
     picked |= {i for i, row in enumerate(curve) if row["lr"] in marks}
     return [{**curve[i], "note": marks.get(curve[i]["lr"], "")} for i in sorted(picked)]
 
@@ -233,7 +250,8 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     result, path = _run_and_save(prepared, test, output_dir)
     lr = result.suggestion.lr
     tuneview.show_lr_find(result, sample_rows(result.curve, result.suggestion), path,
-                          next_commands(options, output_dir, lr) if lr else [], _notes(result, test))
+                          next_commands(options, output_dir, lr) if lr else [], _notes(result, test),
+                          shown=rows_shown(len(result.curve)))
     if lr is None:
         raise no_suggestion_error(result.suggestion, result.steps)
     return result
@@ -339,11 +357,13 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     out_of_memory = False
     try:
         for lr, step in zip(lrs, _steps(data.lengths, plan)):
+            started = time.perf_counter()
             losses.append(_step(model, loss, optimizer, accelerator, data, step, plan, lr))
             smoothed = smooth(losses)
             row = {"step": len(losses), "lr": lr, "loss": _finite(losses[-1]), "smoothed": _finite(smoothed[-1])}
             curve.append(row)
-            on_step(row)
+            # The step's own time for the display's ETA: the wait before step 1 held loading the model.
+            on_step({**row, "seconds": time.perf_counter() - started})
             reason = stop_reason(smoothed)
             if reason is not None:
                 return curve, f"stopped at step {len(losses)} (lr {lr:.1e}): {reason}"

@@ -151,14 +151,17 @@ def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
-                tokenizer_required: bool = True, world_size: int = 1, progress: Progress = no_progress) -> PreparedRun:
+                tokenizer_required: bool = True, world_size: int = 1, progress: Progress = no_progress,
+                dataset: Dataset | None = None) -> PreparedRun:
     """Read, split, choose, tokenize and plan. With `tokenizer_required=False`
     (the `plan` command) a model that is not downloaded is planned from preset
-    facts and character-based length estimates instead of failing."""
+    facts and character-based length estimates instead of failing. `dataset`:
+    `options.data` already read with `options.policy` (`setup` plans each model with it)."""
     from llmcustoms.models import loading as modeling
 
     options, start = with_starting_point(options)
-    dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
+    if dataset is None:
+        dataset = read_dataset(options.data, options.policy, lambda n: progress("read", n, None))
     options = replace(options, overrides=with_objective(options.overrides, is_preference(dataset.format),
                                                         dataset.path.name, dataset.format_description))
     preset = load_preset(options.preset or DEFAULT_PRESET)

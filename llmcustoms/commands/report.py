@@ -27,8 +27,10 @@ from typing import Any
 from llmcustoms.runs import measures
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.forgetting import forgetting_findings
+from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.runs.preference_report import preference_findings
 from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.runs.speeds import run_tokens_per_s
 from llmcustoms.runs.stop_rates import stop_findings
 from llmcustoms.training.samples import side_by_side
 
@@ -281,35 +283,38 @@ def _learning_rate(report: RunReport, plan: Any, train: list[dict[str, Any]], lo
 
 
 def _throughput(report: RunReport, plan: Any, train: list[dict[str, Any]]) -> None:
+    """The summary's tokens/s (`speeds.run_tokens_per_s`); the median step's
+    for rows written before steps were timed."""
     if not train:
         return
-    speed = median(r["tokens_per_s"] for r in train)
+    speed, how = run_tokens_per_s(train), "input tokens over the time in training steps"
+    if speed is None:
+        speed, how = median(r["tokens_per_s"] for r in train), "the median step's"
     report.findings.append(Finding("throughput", f"{speed:,.0f} tokens/s",
-                                   f"median over {len(train)} steps, micro-batch {plan.micro_batch_size} x "
+                                   f"{how}, {len(train)} steps, micro-batch {plan.micro_batch_size} x "
                                    f"{plan.grad_accum}, {plan.max_seq_len} tokens, {plan.method}"))
 
 
 def _resources(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
-    """Measured peak memory against the plan's prediction; how busy the GPU was."""
+    """Measured peak memory against the plan's estimate, in the summary's words
+    (`memory_use.memory_line`); how busy the GPU was."""
     memory = status.get("memory") or {}
     if not memory.get("peak_bytes"):
         return
-    peak, predicted, ratio = memory["peak_bytes"], memory.get("predicted_bytes"), memory.get("ratio")
-    detail = f"measured peak {peak / GIB:.2f} GiB"
-    if predicted and ratio:
-        detail += f", predicted {predicted / GIB:.2f} GiB ({ratio:.2f}x the prediction)"
+    ratio = memory.get("ratio")
+    detail = memory_line(memory)
     if memory.get("budget_bytes"):
         detail += f"; budget {memory['budget_bytes'] / GIB:.1f} GiB"
     low, high = MEMORY_RATIO_RANGE
     verdict = "as planned" if ratio is None or low <= ratio <= high else "above plan" if ratio > high else "below plan"
     report.findings.append(Finding("memory", verdict, detail))
+    used = f"the run's peak was {ratio:.2f}x the plan's estimate for the largest batch it trained"
     if verdict == "above plan":
-        report.recommend("memory", f"the run used {ratio:.2f}x the memory its plan predicted: leave more headroom "
-                                   f"(--batch-size {max(1, plan.micro_batch_size // 2)}), and please report it "
-                                   "with `llmcustoms hardware` and plan.json so the estimate can be corrected")
+        report.recommend("memory", f"{used}: leave more headroom (--batch-size {max(1, plan.micro_batch_size // 2)}), "
+                                   "and please report it with `llmcustoms hardware` and plan.json so the estimate "
+                                   "can be corrected")
     elif verdict == "below plan":
-        report.recommend("memory", f"the run used {ratio:.2f}x the memory its plan predicted: a larger "
-                                   f"--batch-size than {plan.micro_batch_size} may fit")
+        report.recommend("memory", f"{used}: a larger --batch-size than {plan.micro_batch_size} may fit")
     utilisation = memory.get("gpu_util")
     if utilisation is not None:
         busy = "under-used" if utilisation < LOW_GPU_UTILISATION else "busy"

@@ -21,24 +21,25 @@ import os
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Callable
 
 from llmcustoms.ui import dialog
 
 from llmcustoms.models import hub_access as hubaccess
+from llmcustoms.commands import example_data
 from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S, human_duration
-from llmcustoms.errors import ConfigError, DataError
+from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
 from llmcustoms.planning.fitting import fitting_models
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.models.loading import looks_like_path
-from llmcustoms.planning.plan import DataStats
+from llmcustoms.planning.plan import DataStats, Plan
 from llmcustoms.planning.planner import DEFAULT_SEED, Planner
-from llmcustoms.commands.preparation import estimated_stats
+from llmcustoms.commands.preparation import estimated_stats, prepare_run
 from llmcustoms.data.splits import eval_fraction, split_eval
-from llmcustoms.planning.presets import (TrainingPreset, builtin_preset_names, family_for_model_type, find_model_spec,
-                                load_families, load_preset)
+from llmcustoms.planning.presets import TrainingPreset, builtin_preset_names, find_model_spec, load_families, load_preset
 from llmcustoms.planning.settings import PREFIX, read_env_file
+from llmcustoms.planning.train_options import TrainOptions
 
 GOALS = {
     "highspeed": "a quick first result: small adapter, short sequences, one or two epochs",
@@ -69,13 +70,21 @@ def ask_after(question: str, default: str | None, refused: str | None, hint: str
     return answer
 
 
-def ask_data(default: str | None) -> tuple[str, Dataset, bool]:
-    """The data file, read as `train` reads it, and whether its bad rows are to
-    be skipped however many there are (the user agreed to LLMCUSTOMS_SKIP_BAD_ROWS)."""
-    why = None
+def ask_data(default: str | None) -> tuple[str, Dataset, bool, bool]:
+    """The data file, read as `train` reads it; whether its bad rows are to be
+    skipped however many there are (the user agreed to LLMCUSTOMS_SKIP_BAD_ROWS);
+    whether it is the example. Without --data, the example is offered (the
+    default; read where it is installed, copied where the user says by
+    `run_wizard` at the end): a first run needs nothing of the user's."""
+    why, offered = None, default is None and example_data.is_available()
+    if offered:
+        dialog.show_example_offer(example_data.EXAMPLE_ANSWER, example_data.WHAT_IT_TEACHES)
+        default = example_data.EXAMPLE_ANSWER
     for _ in range(MAX_ATTEMPTS):
         path = ask_after(DATA_QUESTION, default, why)
         default = None
+        example = offered and path == example_data.EXAMPLE_ANSWER and not Path(path).exists()
+        path = str(example_data.example_path()) if example else path
         if not path:
             why = "No data file was given."
             refuse(DATA_QUESTION, why, "Give the path of your data file (or pass --data PATH).")
@@ -87,10 +96,25 @@ def ask_data(default: str | None) -> tuple[str, Dataset, bool]:
             if dataset is None:
                 default = path if Path(path).is_file() else None  # fixed in another window, say
                 continue
-            return path, dataset, True
+            return path, dataset, True, example
         show_checked(dataset)
-        return path, dataset, False
+        return path, dataset, False, example
     raise ConfigError("No usable data file was given.", "Run `llmcustoms setup --data PATH`.")
+
+
+def ask_example_copy() -> Path:
+    """Where to copy the example: a file of the user's, which `.env` then names
+    (the installed copy moves with every upgrade), never over another file.
+    Copied with the env file, at the end: a setup that stops writes nothing."""
+    question, why = "Copy the example to", None
+    default = example_data.free_copy_name(Path.cwd())
+    for _ in range(MAX_ATTEMPTS):
+        target = Path(ask_after(question, default, why) or default).expanduser()
+        why = example_data.copy_problem(target)
+        if why is None:
+            return target
+        refuse(question, why, "Give a new file name in a directory you can write to.")
+    raise ConfigError("No place to copy the example was given.", "Run `llmcustoms setup` again, or pass --data PATH.")
 
 
 def show_checked(dataset: Dataset) -> None:
@@ -133,7 +157,8 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
     check_writable(env_file)  # before a single question: the answers would be lost
     hardware = with_measured_speeds(hardware, cache_dir())  # the times beside the models, as `plan` gives them
     dialog.show_setup_start(hardware)
-    data_path, dataset, skip_bad_rows = ask_data(data)
+    data_path, dataset, skip_bad_rows, example = ask_data(data)
+    copy_to = ask_example_copy() if example else None
 
     dialog.show_goals([(name, GOALS.get(name, load_preset(name).description)) for name in builtin_preset_names()])
     preset_name = dialog.ask("Goal", "quality", choices=builtin_preset_names())
@@ -141,13 +166,15 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
 
     stats = planning_stats(dataset, preset)
     seq_len = min(preset.max_seq_len, max(64, -(-stats.percentile(99) // 64) * 64))
-    model = ask_model(hardware, preset, stats, seq_len)
+    answers = TrainOptions(data=str(Path(data_path).resolve()), preset=preset_name, skip_bad_rows=skip_bad_rows,
+                           model_source="env", preset_source=f"env {PREFIX}PRESET")
+    model = ask_model(hardware, preset, stats, seq_len, plan_as_plan_does(hardware, answers, dataset))
     output_dir = dialog.ask("Where to put runs", "runs")
     save_every = ask_save_every()
 
     # The data too, so `llmcustoms train`, `plan` and `tune` need no argument; its whole
     # path, so they find it from any directory (given --env-file).
-    values = {f"{PREFIX}DATA": str(Path(data_path).resolve()), f"{PREFIX}PRESET": preset_name,
+    values = {f"{PREFIX}DATA": str((copy_to or Path(data_path)).resolve()), f"{PREFIX}PRESET": preset_name,
               f"{PREFIX}MODEL": model, f"{PREFIX}OUTPUT_DIR": output_dir}
     if skip_bad_rows:
         values[f"{PREFIX}SKIP_BAD_ROWS"] = "true"
@@ -159,12 +186,27 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
         if overwrite != "y":
             dialog.say("Nothing written.")
             return []
+    if copy_to is not None:
+        dialog.say(f"Copied the example to {example_data.copy_example(copy_to)}.")
     write_env(env_file, values)
     dialog.say(f"Wrote {env_file}.")
     command = ["llmcustoms", "train"]
     if env_file.resolve() != Path(".env").resolve():
         command += ["--env-file", str(env_file)]
     return command
+
+
+PlanFor = Callable[[str], Plan]
+
+
+def plan_as_plan_does(hardware: Hardware, answers: TrainOptions, dataset: Dataset) -> PlanFor:
+    """For a model, the plan `llmcustoms plan` makes once `.env` holds these
+    answers: the same call, so the time setup shows is the one `plan` shows
+    (with the model's tokenizer's lengths where it is on this disk)."""
+    def plan_for(model: str) -> Plan:
+        return prepare_run(replace(answers, model=model), hardware, tokenizer_required=False, dataset=dataset).plan
+
+    return plan_for
 
 
 def planning_stats(dataset: Dataset, preset: TrainingPreset) -> DataStats:
@@ -195,9 +237,13 @@ class ModelOffer:
         return human_duration(self.seconds) if self.seconds is not None else "cannot plan"
 
 
-def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int) -> list[ModelOffer]:
+def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int,
+                 plan_for: PlanFor | None = None) -> list[ModelOffer]:
     """The catalog models that fit this machine, smallest first, each planned
-    for this data as `train` would plan it."""
+    for this data as `train` would plan it: by `plan_for` (as `plan` plans it)
+    when the model is on this disk; from the lengths `stats` estimates from
+    characters when it is not, which is what `plan` does until it is downloaded
+    (setup downloads nothing to list it)."""
     from llmcustoms.models.loading import choice_from_spec
 
     families = load_families()
@@ -207,8 +253,9 @@ def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, s
         choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "planner")
         offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hubaccess.availability(fit.hub_id))
         try:
-            plan = optimizer.plan(choice, stats, {})
-        except ConfigError:
+            on_disk = plan_for is not None and offer.where in (hubaccess.LOCAL, hubaccess.CACHED)
+            plan = plan_for(fit.hub_id) if on_disk else optimizer.plan(choice, stats, {})
+        except LlmcustomsError:  # does not fit, or `plan` would refuse it: no time to give
             offers.append(offer)
             continue
         offers.append(replace(offer, method=plan.method, total_bytes=plan.memory["total_bytes"],
@@ -250,10 +297,10 @@ def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats
                   "give the path of a local model directory")
 
 
-def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int) -> str:
+def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int, plan_for: PlanFor) -> str:
     """Offer the catalog models that fit, with time and availability, suggesting
     the one `train` would choose; accept a number, a Hub id or a model directory."""
-    offers = model_offers(hardware, preset, stats, seq_len)
+    offers = model_offers(hardware, preset, stats, seq_len, plan_for)
     suggested, reason = suggested_model(hardware, preset, stats, offers)
     dialog.show_model_choices(offers, seq_len, suggested, reason, hubaccess.offline_note())
     hint, why = "Give a number from the list, a Hub id, or the path of a model directory.", None
@@ -265,8 +312,7 @@ def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_
         if why is None:
             offer = next((o for o in offers if o.hub_id == name), None)
             where = offer.where if offer else hubaccess.availability(name)
-            detail = (f"estimated training time here {offer.estimate}" if offer
-                      else local_estimate(hardware, preset, stats, name))
+            detail = f"estimated training time here {offer.estimate}" if offer else local_estimate(name, plan_for)
             dialog.show_model_accepted(name, where, detail)
             return name
         refuse(MODEL_QUESTION, why, hint)
@@ -308,26 +354,15 @@ def model_directory_problem(answer: str, path: Path) -> str | None:
     return None
 
 
-def local_estimate(hardware: Hardware, preset: TrainingPreset, stats: DataStats, name: str) -> str:
-    """What to say of a model directory's training here: its estimated time, or
-    why it cannot be planned. From its config.json alone: loading transformers
-    to read it would cost seconds per answer; "" where that is not enough."""
-    from llmcustoms.models.loading import choice_from_spec, spec_from_config
-
-    config_path = Path(name) / "config.json"
-    if not config_path.is_file():
-        return ""  # a Hub id: not in the catalog, its config is not here to plan from
-    families = load_families()
-    try:
-        config = SimpleNamespace(**json.loads(config_path.read_text(encoding="utf-8")))
-        spec = spec_from_config(name, config, "other")
-    except (AttributeError, TypeError, ValueError):  # a config only transformers can read (nested, renamed keys)
+def local_estimate(name: str, plan_for: PlanFor) -> str:
+    """What to say of a model directory's training here: its estimated time as
+    `plan` gives it, or why `train` would refuse it; "" for a Hub id that is
+    not in the catalog (planning it would download its config and tokenizer)."""
+    if not (Path(name) / "config.json").is_file():
         return ""
-    family = family_for_model_type(spec.model_type, families, spec)
-    choice = choice_from_spec(replace(spec, family=family.name if family else "other"), families, "env")
     try:
-        plan = Planner(hardware, preset).plan(choice, stats, {})
-    except ConfigError as error:
+        plan = plan_for(name)
+    except LlmcustomsError as error:
         return f"but `train` would refuse it here: {error.message}"
     return f"estimated training time here {human_duration(plan.estimated_seconds)}"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.reporting import SilentReporter
+from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.commands.preparation import PreparedRun
@@ -114,12 +114,14 @@ def make_sampler(name: str, space: SearchSpace, seed: int) -> Any:
 def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware, settings: TuneSettings,
               on_update: Callable[[list[dict[str, Any]]], None] = lambda rows: None, faults: Any = None,
               warn: Callable[[str], None] = lambda text: None, say: Callable[[str], None] = lambda text: None,
-              ) -> StudyOutcome:
+              reporter_for: Callable[[str], Reporter] | None = None) -> StudyOutcome:
     """Run `settings.trials` more trials of the study (creating it if needed;
     the preset's point first, unless the study has it), check the best at full
     length, and write the winner. `say` tells how the check goes. A storage that
     fails (a full disk, a lost database) ends it with one message: what the
-    storage holds stays, and the same command continues it."""
+    storage holds stays, and the same command continues it. `reporter_for(what)`
+    is the Reporter of one training run ("trial 3"): a trial's steps take
+    minutes before its row shows anything. None: its warnings to `warn`, nothing else."""
     from llmcustoms.recovery.faults import FaultInjector, disk_full_from
 
     base = prepared.plan
@@ -131,7 +133,8 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
     storage = open_storage(settings.storage, settings.study_dir, full_disk)
     space = search_space(base, hardware, settings.lr_centre).matching(stored_choices(storage, settings.study_name))
     trials = StudyTrials(prepared, settings, space, open_study(settings, space, storage),
-                         faults or FaultInjector.from_env(), on_update, warn, full_disk)  # one injector: faults fire once
+                         faults or FaultInjector.from_env(), on_update, full_disk,  # one injector: faults fire once
+                         reporter_for or (lambda what: SilentReporter(warn)))
     outcome = trials.outcome
     try:
         check_identity(outcome.study, study_identity(base, settings.steps))
@@ -179,9 +182,10 @@ class StudyTrials:
     """One `tune` command's trials in a study: the objective Optuna calls, and what they did."""
 
     def __init__(self, prepared: PreparedRun, settings: TuneSettings, space: SearchSpace, study: Any, faults: Any,
-                 on_update: Callable[[list[dict[str, Any]]], None], warn: Callable[[str], None], full_disk: FullDisk):
+                 on_update: Callable[[list[dict[str, Any]]], None], full_disk: FullDisk,
+                 reporter_for: Callable[[str], Reporter]):
         self.prepared, self.settings, self.space, self.study = prepared, settings, space, study
-        self.faults, self.on_update, self.warn, self.full_disk = faults, on_update, warn, full_disk
+        self.faults, self.on_update, self.full_disk, self.reporter_for = faults, on_update, full_disk, reporter_for
         self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None,
                                     confirm=settings.confirm, lr_centre=settings.lr_centre)
         self.redraws = 0  # trials skipped for drawing an earlier trial's values
@@ -229,7 +233,8 @@ class StudyTrials:
         run_dir.write_plan(plan)
         last: dict[str, float] = {}
         tuner = FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
-                          SilentReporter(self.warn), faults=self.faults, on_evaluate=self._pruning_report(trial, last),
+                          self.reporter_for(f"trial {trial.number}"), faults=self.faults,
+                          on_evaluate=self._pruning_report(trial, last),
                           save_artifacts=False, baseline=False)  # every trial starts from the same base model
         started, steps_before = time.perf_counter(), self.outcome.steps_run
         try:
@@ -281,7 +286,7 @@ class StudyTrials:
         if self.settings.confirm:
             if outcome.interrupted:
                 return
-            check = FullLengthCheck(self.prepared, self.settings, self.study, self.faults, self.warn, say)
+            check = FullLengthCheck(self.prepared, self.settings, self.study, self.faults, self.reporter_for, say)
             try:
                 outcome.confirmation = check.run(best, preset_trial(self.study, point), point)
             except TrainingInterrupted as stopped:

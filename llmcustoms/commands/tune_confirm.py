@@ -29,7 +29,7 @@ from typing import Any, Callable
 from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.commands.tune_space import full_plan
 from llmcustoms.commands.tune_studies import TuneSettings
-from llmcustoms.reporting import SilentReporter
+from llmcustoms.reporting import Reporter
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.runs.run_directory import RunDirectory
 
@@ -87,9 +87,10 @@ class FullLengthCheck:
     """The best trial's values and the preset's, each trained for a whole run."""
 
     def __init__(self, prepared: PreparedRun, settings: TuneSettings, study: Any, faults: Any,
-                 warn: Callable[[str], None], say: Callable[[str], None]):
+                 reporter_for: Callable[[str], Reporter], say: Callable[[str], None]):
+        """`reporter_for(what)`: the Reporter of a whole run's training (`tune.run_study`'s)."""
         self.prepared, self.settings, self.study, self.faults = prepared, settings, study, faults
-        self.warn, self.say = warn, say
+        self.reporter_for, self.say = reporter_for, say
 
     def run(self, best: Any, preset_trial: Any, point: dict[str, Any]) -> Confirmation:
         """`best`: the search's best trial; `preset_trial`: the complete trial of
@@ -119,7 +120,8 @@ class FullLengthCheck:
             self.say(f"{_first_up(what)} at full length: validation loss {_shown(known[key])} (from an earlier check).")
             return known[key]
         self.say(f"Training {what} at full length ({plan.total_steps} steps)...")
-        loss, failed = self._train(plan, RunDirectory(self.settings.study_dir / f"full-{key}"), check)
+        loss, failed = self._train(plan, RunDirectory(self.settings.study_dir / f"full-{key}"), check,
+                                   f"{what} at full length")
         if failed is not None:
             check.notes.append(f"{what} failed at full length: {failed}")
             self.say(f"{_first_up(what)} failed at full length: {failed}")
@@ -128,7 +130,8 @@ class FullLengthCheck:
         self.say(f"{_first_up(what)} at full length: validation loss {_shown(loss)}.")
         return loss
 
-    def _train(self, plan: Any, run_dir: RunDirectory, check: Confirmation) -> tuple[float | None, str | None]:
+    def _train(self, plan: Any, run_dir: RunDirectory, check: Confirmation,
+               what: str) -> tuple[float | None, str | None]:
         """One whole run (no weights kept: the preset file is what comes of it);
         its best eval loss, or None and why it failed."""
         from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
@@ -139,7 +142,7 @@ class FullLengthCheck:
             run_dir.write_plan(plan)
             prepared = self.prepared
             tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir,
-                              SilentReporter(self.warn), faults=self.faults, save_artifacts=False, baseline=False)
+                              self.reporter_for(what), faults=self.faults, save_artifacts=False, baseline=False)
             check.runs += 1
             try:
                 result = tuner.run()

@@ -75,7 +75,8 @@ class PreferenceLoss:
         return preference_metrics(sums, count)
 
     def eval_metrics(self, eval_loss: float, sums: list[float], count: int) -> dict[str, float]:
-        return preference_metrics(sums, count, "eval_")
+        # The pairs too: on a handful, the share ranked right is withheld (`preference_report.too_few_pairs`).
+        return {**preference_metrics(sums, count, "eval_"), "eval_pairs": count}
 
     def untrained(self) -> tuple[float, dict[str, float]]:
         """Before any training the policy is its own reference: every reward is 0,

@@ -21,6 +21,11 @@ MARGIN_COLLAPSE = 0.5
 MIN_STEPS = 10
 # The chosen replies "lost probability" when their reward fell by more than this share of the margin.
 CHOSEN_FALL = 0.25
+# Held-out pairs below this, and the share ranked right says nothing yet, as the
+# verdicts of `report` say nothing under 20 steps: a model no better than chance
+# ranks all of n pairs right with probability 0.5**n (1 in 4 for 2 pairs, 1 in
+# 1,024 for 10), and each pair moves the share by more than 0.1.
+MIN_HELD_OUT_PAIRS = 10
 
 
 def evaluations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,8 +38,22 @@ def evaluation_at(rows: list[dict[str, Any]], step: int | None) -> dict[str, Any
     return next((r for r in reversed(evaluations(rows)) if r["step"] == step), {})
 
 
+def too_few_pairs(pairs: int | None) -> str | None:
+    """Why the ranking of `pairs` held-out pairs is withheld, or None (also when
+    the count is unknown: an evaluation row written before it was kept)."""
+    if pairs is None or pairs >= MIN_HELD_OUT_PAIRS:
+        return None
+    held, all_of = ("1 held-out pair is", "it comes") if pairs == 1 else (f"{pairs} held-out pairs are", f"all {pairs} come")
+    return (f"withheld: {held} too few to judge the ranking (it needs {MIN_HELD_OUT_PAIRS}; by chance alone "
+            f"{all_of} out right 1 time in {2 ** pairs:,})")
+
+
 def held_out_line(row: dict[str, Any]) -> str:
-    """'0.91 of held-out pairs ranked right (chance: 0.50), margin +1.234'."""
+    """'0.91 of held-out pairs ranked right (chance: 0.50), margin +1.234', or
+    why it is withheld (`too_few_pairs`; the row's `eval_pairs`)."""
+    withheld = too_few_pairs(row.get("eval_pairs"))
+    if withheld:
+        return withheld
     return (f"{row['eval_reward_accuracy']:.2f} of held-out pairs ranked right (chance: 0.50), "
             f"margin {row['eval_reward_margin']:+.3f}")
 
@@ -52,6 +71,14 @@ def preference_findings(plan: Any, rows: list[dict[str, Any]],
         findings.append(("preference", "not measured yet", f"no evaluation on {held_out} after training began"))
         return findings, advice
     best = next((r for r in evals if r["step"] == best_step), evals[-1])
+    withheld = too_few_pairs(best.get("eval_pairs", plan.eval_rows or None))
+    if withheld:  # and so is all the advice, drawn from the same pairs
+        findings.append(("preference", "withheld", f"{withheld.removeprefix('withheld: ')}; DPO loss "
+                                                   f"{best['eval_loss']:.4f} at step {best['step']} (0.6931 before "
+                                                   "training)"))
+        advice.append(("held-out pairs", f"hold out at least {MIN_HELD_OUT_PAIRS} pairs (--eval-split, or "
+                                         "--eval-data FILE) so that the ranking can be judged"))
+        return findings, advice
     verdict = "better" if best["eval_reward_accuracy"] > STUCK_ACCURACY else "not better"
     findings.append(("preference", verdict, f"{held_out_line(best)} at step {best['step']} on {held_out} "
                                             f"(DPO loss {best['eval_loss']:.4f}; 0.6931 before training)"))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from llmcustoms.runs.disk_writes import DISK_FULL, append_lines
 from llmcustoms.runs.failure_report import redact
+from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.reporting import Reporter
 
 LEVELS = ("info", "warning", "error")
@@ -108,16 +109,14 @@ def plan_line(plan: Any) -> str:
 
 def completed_text(result: Any) -> str:
     """How a completed run ended (`position.TrainResult`), as the summary says it."""
-    lines = [f"completed: {result.steps} steps in {result.seconds:.1f} s ({result.tokens_per_s:,.0f} tokens/s)"]
+    lines = [f"completed: {result.steps} steps, training time {result.seconds:.1f} s (resumes included), "
+             f"{result.tokens_per_s:,.0f} tokens/s in training steps"]
     if result.final_loss is not None:
         lines.append(f"final train loss {result.final_loss:.4f}")
     if result.best_eval_loss is not None:
         lines.append(f"best eval loss {result.best_eval_loss:.4f} at step {result.best_eval_step}")
-    memory = result.memory or {}
-    if memory.get("peak_bytes"):
-        predicted = memory.get("predicted_bytes")
-        lines.append(f"peak memory {memory['peak_bytes'] / GIB:.2f} GiB" + (
-            f", predicted {predicted / GIB:.2f} GiB (ratio {memory.get('ratio')})" if predicted else ""))
+    if memory := memory_line(result.memory or {}):
+        lines.append(f"memory: {memory}")
     if result.stop_reason:
         lines.append(f"stopped early: {result.stop_reason}")
     lines.append(f"weights saved to {result.output_path}" + (f" ({result.kept})" if result.kept else ""))
@@ -149,6 +148,9 @@ class LoggingReporter:
         if text is not None and text != self.last_activity and not COUNTER.search(text):
             self.log.write("info", text)
         self.last_activity = text
+
+    def count(self, what: str, done: int, total: int) -> None:
+        self.inner.count(what, done, total)  # not logged: the activity that names the wait is, once
 
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         self.inner.training_started(total_steps, start_step, memory)

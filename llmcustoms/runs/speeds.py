@@ -87,11 +87,23 @@ def _steps(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def measured_tokens_per_s(rows: Iterable[dict[str, Any]]) -> float | None:
-    """Input tokens over step time, the first step (warm-up) left out; None
-    from too few steps or rows written before steps were timed."""
+    """Input tokens over step time, the first step (warm-up) left out: the
+    machine's speed, for the next plan; None from too few steps or rows
+    written before steps were timed."""
     steps = _steps(rows)
-    if len(steps) < MIN_STEPS:
-        return None
+    return _tokens_per_s(steps) if len(steps) >= MIN_STEPS else None
+
+
+def run_tokens_per_s(rows: Iterable[dict[str, Any]]) -> float | None:
+    """The run's speed, as the summary and `report` give it: the input tokens
+    of every step row (a resumed run's too) over the time spent in those steps.
+    Evaluations, checkpoints and sample replies are not in it (they are in
+    the training time), so it is the live display's tok/s over the whole run.
+    None from rows written before steps were timed."""
+    return _tokens_per_s([r for r in rows if "loss" in r and r.get("seconds")])
+
+
+def _tokens_per_s(steps: list[dict[str, Any]]) -> float | None:
     seconds = sum(r["seconds"] for r in steps)
     return sum(r["tokens_per_s"] * r["seconds"] for r in steps) / seconds if seconds > 0 else None
 

@@ -103,6 +103,9 @@ class TrackingReporter:
     def activity(self, text: str | None) -> None:
         self.inner.activity(text)
 
+    def count(self, what: str, done: int, total: int) -> None:
+        self.inner.count(what, done, total)
+
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         self.inner.training_started(total_steps, start_step, memory)
 

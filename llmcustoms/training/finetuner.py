@@ -40,7 +40,7 @@ from llmcustoms.models.loading import load_model
 from llmcustoms.models.untrained_tokens import check_stop_tokens
 from llmcustoms.training.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.planning.plan import Plan
-from llmcustoms.training.position import Position, StopCause, StopReason, TrainResult
+from llmcustoms.training.position import Position, RunPace, StopCause, StopReason, TrainResult
 from llmcustoms.training.processes import Processes
 from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
 from llmcustoms.reporting import Reporter, SilentReporter
@@ -341,7 +341,7 @@ class FineTuner:
 
     def _sample(self, label: str, due: bool = True) -> None:
         if self.samples is not None:
-            self.samples.answer_in_run(self.processes, self.model, self.position.step, label, self.reporter.activity, due)
+            self.samples.answer_in_run(self.processes, self.model, self.position.step, label, self.reporter, due)
 
     def _lower_evaluation_micro_batch(self) -> None:
         plan, recovery = self.recovery.after_oom(self.plan, self.position.step)
@@ -437,11 +437,13 @@ class FineTuner:
             self._sample("trained")
         self.reporter.activity(None)
         memory = self.usage.comparison()
-        self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
-                                  stop_cause=stop.cause.value if stop else None, memory=memory, **position.losses(),
-                                  **kept)
+        status = self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
+                                           stop_cause=stop.cause.value if stop else None, memory=memory,
+                                           **position.losses(), **kept)
         if stop is not None:
             self.reporter.message(stop.text)
-        return TrainResult.finished(position, stop, seconds, tokens, self.run_dir.output_path(self.plan.method), kept,
-                                    side_by_side(self.run_dir.read_samples()),
-                                    self.loss.held_out(self.run_dir.read_metrics(), position.best_step), memory)
+        rows = self.run_dir.read_metrics()
+        return TrainResult.finished(position, stop, RunPace.of(status, rows, seconds, tokens),
+                                    self.run_dir.output_path(self.plan.method), kept,
+                                    side_by_side(self.run_dir.read_samples()), self.loss.held_out(rows, position.best_step),
+                                    memory)

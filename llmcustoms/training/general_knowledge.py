@@ -73,27 +73,39 @@ def is_right(reply: str, answers: tuple[str, ...]) -> bool:
 
 
 def answer_questions(model: Any, tokenizer: Any, plan: Any, questions: list[str], max_new_tokens: int = MAX_NEW_TOKENS,
-                     batch_size: int | None = None, stopped: Callable[[], bool] = lambda: False) -> list[str]:
+                     batch_size: int | None = None, stopped: Callable[[], bool] = lambda: False,
+                     counted: Callable[[int, int], None] = lambda done, total: None) -> list[str]:
     """Greedy replies of `model` to `questions`, each asked alone as the user's
     turn (followed by `BRIEFLY`), answered in left-padded batches of
     `batch_size` (None: `GPU_BATCH_SIZE` on a GPU, all at once on a CPU).
-    Raises StopRequested once `stopped()` says so (asked before each batch and after each token)."""
+    Raises StopRequested once `stopped()` says so (asked before each batch and after each token).
+    `counted(done, total)` is told of each token generated, `total` being every batch's
+    `max_new_tokens`: on a CPU all the questions are one batch, so a count of
+    questions would stand still until the very end."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from llmcustoms.models.generation import generation_stops, prompt_ids
 
     class Halt(StoppingCriteria):
+        def __init__(self) -> None:
+            # The tokens counted in the batches before this one, and where this batch's replies begin.
+            self.before, self.width = 0, 0
+
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             if stopped():
                 raise StopRequested
+            counted(self.before + input_ids.shape[1] - self.width, total)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     stops = sorted(generation_stops(tokenizer, plan))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     batch_size = max(batch_size or (len(questions) if model.device.type == "cpu" else GPU_BATCH_SIZE), 1)
     replies: list[str] = []
-    for start in range(0, len(questions), batch_size):
+    starts, halt = range(0, len(questions), batch_size), Halt()
+    total = len(starts) * max_new_tokens
+    counted(0, total)
+    for number, start in enumerate(starts):
         if stopped():
             raise StopRequested
         prompts = [prompt_ids(tokenizer, plan, [{"role": "user", "content": q + BRIEFLY}])[0]
@@ -103,11 +115,13 @@ def answer_questions(model: Any, tokenizer: Any, plan: Any, questions: list[str]
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):  # left-padded: every prompt ends where the replies begin
             ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+        halt.before, halt.width = number * max_new_tokens, width
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
-                                 pad_token_id=pad, use_cache=True, stopping_criteria=StoppingCriteriaList([Halt()]))
+                                 pad_token_id=pad, use_cache=True, stopping_criteria=StoppingCriteriaList([halt]))
         replies += [_decoded(tokenizer, new.tolist(), set(stops)) for new in out[:, width:]]
+        counted((number + 1) * max_new_tokens, total)  # a batch whose replies all stopped early skips the rest
     return replies
 
 
@@ -127,17 +141,17 @@ class GeneralKnowledge:
         self.questions = load_questions() if questions is None else questions
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
-    def score(self, model: Any, step: int, label: str,
-              stopped: Callable[[], bool] = lambda: False) -> dict[str, Any] | None:
+    def score(self, model: Any, step: int, label: str, stopped: Callable[[], bool] = lambda: False,
+              counted: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any] | None:
         """`model`'s score (in eval mode while answering), recorded under `label`
         and returned; None, with a warning, if answering fails (out of memory,
-        ...), and None, silently, once `stopped()` says so."""
+        ...), and None, silently, once `stopped()` says so. `counted`: as in `answer_questions`."""
         started = time.perf_counter()
         was_training = model.training
         model.eval()
         try:
             replies = answer_questions(model, self.tokenizer, self.plan, [q.question for q in self.questions],
-                                       self.max_new_tokens, self.batch_size, stopped)
+                                       self.max_new_tokens, self.batch_size, stopped, counted)
         except StopRequested:
             return None
         except Exception as error:  # noqa: BLE001 - whatever it was, training goes on

@@ -3,7 +3,9 @@
 `Position` is one plain record of the loop's progress (step, epoch, tokens,
 losses, best evaluation): `FineTuner` saves it in every checkpoint, as flat
 keys of state.json, and restores it from there. `StopReason` says, as a value,
-why a run ended before its last step; `TrainResult` is what a finished run returns.
+why a run ended before its last step; `TrainResult` is what a finished run
+returns, with its time and speed (`RunPace`) for the whole run, as `runs` and
+`report` give them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from llmcustoms.runs.speeds import run_tokens_per_s
+from llmcustoms.runs.training_time import training_seconds
 
 
 class StopCause(Enum):
@@ -77,6 +82,25 @@ class Position:
         return None
 
 
+@dataclass(frozen=True)
+class RunPace:
+    """How long a run trained and how fast, one number each wherever they are
+    shown: its training time, every segment summed (`train` and each `resume`:
+    status.json's, as `runs` gives it), and its tokens/s in training steps
+    (`speeds.run_tokens_per_s`, as `report` gives it)."""
+
+    seconds: float
+    tokens_per_s: float
+
+    @classmethod
+    def of(cls, status: dict[str, Any], rows: list[dict[str, Any]], seconds: float, tokens: int) -> "RunPace":
+        """From status.json and metrics.jsonl as the run ends; this process's
+        `seconds` and `tokens` where they have nothing (a run directory it cannot write)."""
+        total = training_seconds(status, running=False) if "training_seconds" in status else None
+        speed = run_tokens_per_s(rows)
+        return cls(seconds if total is None else total, tokens / max(seconds, 1e-9) if speed is None else speed)
+
+
 @dataclass
 class TrainResult:
     status: str
@@ -84,8 +108,8 @@ class TrainResult:
     final_loss: float | None
     best_eval_loss: float | None
     best_eval_step: int | None
-    seconds: float
-    tokens_per_s: float
+    seconds: float  # the whole run's training time, a resume's included (`RunPace`)
+    tokens_per_s: float  # input tokens over the time in training steps (`RunPace`)
     output_path: Path
     stop: StopReason | None = None
     base_eval_loss: float | None = None  # before the first step
@@ -97,13 +121,13 @@ class TrainResult:
     general: dict[str, Any] = field(default_factory=dict)  # status.json's general_knowledge (`runs/forgetting.py`)
 
     @classmethod
-    def finished(cls, position: Position, stop: StopReason | None, seconds: float, tokens: int, output_path: Path,
+    def finished(cls, position: Position, stop: StopReason | None, pace: RunPace, output_path: Path,
                  kept: dict[str, Any], samples: list[dict[str, str]], held_out: dict[str, float],
                  memory: dict[str, Any]) -> "TrainResult":
         """A completed run's result; `kept`: which weights `output_path` holds (`BestWeights.write`)."""
         return cls(status="completed", steps=position.step, final_loss=position.final_loss,
-                   best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=seconds,
-                   tokens_per_s=tokens / max(seconds, 1e-9), output_path=output_path, stop=stop,
+                   best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=pace.seconds,
+                   tokens_per_s=pace.tokens_per_s, output_path=output_path, stop=stop,
                    base_eval_loss=position.base_eval, kept=kept.get("kept"), last_output=kept.get("last_output"),
                    samples=samples, held_out=held_out, memory=memory)
 

@@ -290,14 +290,15 @@ def predicted_at(estimate: dict[str, int], tokens: int, planned_tokens: int) -> 
 def compare(peak: int, estimate: dict[str, int] | None, on_gpu: bool, gpu_util: float | None,
             batch_tokens: int = 0, planned_tokens: int = 0) -> dict[str, Any]:
     """{peak_bytes, predicted_bytes (for the largest micro-batch trained), ratio,
-    plan_peak_bytes (the plan's, for its longest rows), budget_bytes, gpu_util}.
-    On a GPU the allocator does not see the CUDA context, which the estimate
-    counts: it is left out of the prediction compared."""
+    plan_peak_bytes (the plan's total, as its memory table and the live display
+    give it: one number for the plan everywhere, `runs/memory_use.py`),
+    budget_bytes, gpu_util}. On a GPU the allocator does not see the CUDA
+    context, which the estimate counts: it is left out of the prediction compared."""
     predicted = planned = budget = None
     if estimate:
         context = CUDA_CONTEXT_BYTES if on_gpu else 0
         predicted = predicted_at(estimate, batch_tokens, planned_tokens) - context
-        planned, budget = int(estimate["total_bytes"]) - context, int(estimate["budget_bytes"])
+        planned, budget = int(estimate["total_bytes"]), int(estimate["budget_bytes"])
     ratio = round(peak / predicted, 3) if predicted and peak else None
     result: dict[str, Any] = {"peak_bytes": peak, "predicted_bytes": predicted, "ratio": ratio,
                               "plan_peak_bytes": planned, "budget_bytes": budget, "batch_tokens": batch_tokens}

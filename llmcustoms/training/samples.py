@@ -33,6 +33,7 @@ from typing import Any, Callable
 from llmcustoms.data.dataset import usable_examples
 from llmcustoms.data.row_formats import Example
 from llmcustoms.recovery.stop_signals import StopRequested
+from llmcustoms.reporting import Reporter
 from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS, GeneralKnowledge, general_check
 
 SAMPLE_PROMPTS = 3
@@ -118,30 +119,35 @@ class SampleReplies:
         self.warn = warn
         self.seconds: float | None = None  # how long answering took last time
 
-    def answer_in_run(self, processes: Any, model: Any, step: int, label: str,
-                      activity: Callable[[str | None], None], due: bool = True) -> None:
+    def answer_in_run(self, processes: Any, model: Any, step: int, label: str, reporter: Reporter,
+                      due: bool = True) -> None:
         """Answer from the main process of a run (`processes.Processes`) when it finds
         it `due` and no stop was asked of it; the others wait. Not under FSDP, where
-        every forward is a collective."""
+        every forward is a collective. `reporter` is told what is answered and how
+        far it got: on a busy CPU a base model's replies take minutes."""
         def stopped() -> bool:  # asked of the main process's own signals: it alone answers
             return processes.signals.received is not None
 
         if processes.fsdp or not processes.main_decides(due and not stopped()):
             return
         if processes.is_main:
-            activity(f"sample replies ({label})")
-            self.answer(processes.accelerator.unwrap_model(model), step, label, stopped)
+            replies, questions = f"sample replies ({label})", f"general questions ({label})"
+            reporter.activity(replies)
+            self.answer(processes.accelerator.unwrap_model(model), step, label, stopped,
+                        lambda done, total: reporter.count(replies, done, total))
             if self.general is not None and label in GENERAL_LABELS:
-                activity(f"general questions ({label})")
-                self.general.score(processes.accelerator.unwrap_model(model), step, label, stopped)
-            activity(None)
+                reporter.activity(questions)
+                self.general.score(processes.accelerator.unwrap_model(model), step, label, stopped,
+                                   lambda done, total: reporter.count(f"{questions}, token", done, total))
+            reporter.activity(None)
         processes.accelerator.wait_for_everyone()
 
-    def answer(self, model: Any, step: int, label: str,
-               stopped: Callable[[], bool] = lambda: False) -> list[dict[str, Any]]:
+    def answer(self, model: Any, step: int, label: str, stopped: Callable[[], bool] = lambda: False,
+               counted: Callable[[int, int], None] = lambda done, total: None) -> list[dict[str, Any]]:
         """Greedy replies of `model` (in eval mode while answering), written and
         returned; none, with a warning, if answering fails (out of memory, ...),
-        and none, silently, once `stopped()` says so (asked after every token)."""
+        and none, silently, once `stopped()` says so (asked after every token).
+        `counted(done, total)` is told of each reply, from 0 of them on."""
         from llmcustoms.models.generation import reply_and_stop
 
         def token(text: str) -> None:
@@ -152,8 +158,12 @@ class SampleReplies:
         was_training = model.training
         model.eval()
         try:
-            replies = [reply_and_stop(model, self.tokenizer, self.plan, list(p.messages), self.max_new_tokens, 0.0,
-                                      token) for p in self.prompts]
+            replies: list[tuple[str, bool]] = []
+            counted(0, len(self.prompts))
+            for prompt in self.prompts:
+                replies.append(reply_and_stop(model, self.tokenizer, self.plan, list(prompt.messages),
+                                              self.max_new_tokens, 0.0, token))
+                counted(len(replies), len(self.prompts))
         except StopRequested:
             return []
         except Exception as error:  # noqa: BLE001 - whatever it was, training goes on

@@ -3,9 +3,10 @@
 The trainer talks to the `Reporter` protocol (`reporting.py`) and never to
 Rich directly; `ui/train_view.py` holds its Rich implementations (the live
 training display). Rich appears here, in `ui/train_view.py`, in `ui/data_view.py`
-(the data), in `ui/tune_view.py` (what `tune` and `lr-find` show) and in
-`ui/dialog.py` (what llmcustoms asks) only, and none computes: what they show
-comes worked out (`fitting.fit_table`, `run_directory.list_runs`).
+(the data), in `ui/tune_view.py` (what `tune` and `lr-find` show), in
+`ui/dialog.py` (what llmcustoms asks) and in `ui/layout.py` (what they share)
+only, and none computes: what they show comes worked out (`fitting.fit_table`,
+`run_directory.list_runs`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from llmcustoms.runs import measures
+from llmcustoms.ui.layout import Parts, WideOrNarrow
+from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.runs.preference_report import held_out_line
 from llmcustoms.runs.forgetting import general_line
@@ -150,7 +155,7 @@ def show_summary(result: Any) -> None:
     table = Table(title="Training finished" if result.status == "completed" else f"Training {result.status}",
                   show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a path longer than the column folds, never cut short
     table.add_row("steps", f"{result.steps}")
     if result.final_loss is not None:
         table.add_row("final train loss", f"{result.final_loss:.4f}")
@@ -168,8 +173,8 @@ def show_summary(result: Any) -> None:
         table.add_row("replies that stop", stops)
     if general := general_line(result.general):  # the forgetting check: general questions answered right
         table.add_row("general questions", general)
-    table.add_row("time", _duration(result.seconds))
-    table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+    table.add_row("time", _duration(result.seconds))  # the whole run's, resumes included, as `runs` says
+    table.add_row("tokens/s", f"{result.tokens_per_s:,.0f} (input tokens over the time in training steps)")
     if result.memory.get("peak_bytes"):
         table.add_row("memory", memory_text(result.memory))
     if result.stop_reason:
@@ -182,10 +187,8 @@ def show_summary(result: Any) -> None:
 
 
 def memory_text(memory: dict[str, Any]) -> str:
-    """"peak 1.21 GiB, plan 1.30 GiB (0.93x)": `resource_use.compare`'s values."""
-    text = f"peak {_gib(memory['peak_bytes'])}"
-    if memory.get("predicted_bytes") and memory.get("ratio"):
-        text += f", plan {_gib(memory['predicted_bytes'])} ({memory['ratio']:.2f}x)"
+    """`memory_use.memory_line` (the plan as its table gives it), and how busy the GPU was."""
+    text = escape(memory_line(memory))
     if memory.get("gpu_util") is not None:
         text += f"; GPU busy {memory['gpu_util']:.0f}%"
     return text
@@ -248,13 +251,14 @@ def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
 
 
 def machine_table(hardware: Any) -> Table:
-    table = Table(title="This machine", show_header=False)
+    """The machine in a few lines, without rules or a title: `hardware` fits an 80x24 screen."""
+    table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
     for i, gpu in enumerate(hardware.gpus):
-        table.add_row(f"GPU {i}", f"{escape(gpu.name)}: {_gib(gpu.total_bytes)} ({_gib(gpu.free_bytes)} free), "
-                                  f"compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}, "
-                                  f"bf16 {'yes' if gpu.supports_bf16 else 'no'}")
+        table.add_row(f"GPU {i}", Parts([f"{gpu.name}: {_gib(gpu.total_bytes)} ({_gib(gpu.free_bytes)} free)",
+                                         "compute capability {}.{}".format(*gpu.compute_capability),
+                                         f"bf16 {'yes' if gpu.supports_bf16 else 'no'}"], sep=", "))
     if not hardware.gpus:
         table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
     bf16 = f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""
@@ -264,18 +268,24 @@ def machine_table(hardware: Any) -> Table:
     return table
 
 
-def fits_table(fits: Any, where: dict[str, str] | None = None) -> Table:
-    """`fitting.FitTable` as a table: per model and method, yes with the largest micro-batch, or why not."""
-    table = Table(title=f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
-                        f"({fits.seq_len}-token sequences; largest micro-batch)")
+# A line at 80 columns, under the table.
+FIT_LEGEND = "yes N: micro-batch up to N; ckpt: gradient checkpointing; no NG: needs N GiB"
+
+
+def fits_table(fits: Any, where: dict[str, str] | None = None) -> Group:
+    """`fitting.FitTable` as a table: per model and method, yes with the largest
+    micro-batch, or why not. No rules, and the title and legend are lines of
+    their own (a table's would wrap at its width): `hardware` fits 80x24."""
+    table = Table(box=None, pad_edge=False)
     for column in ("model", "size", *fits.methods, *(("here",) if where else ())):
         table.add_column(column, no_wrap=True)
     for model in fits.models:
         here = (escape(where.get(model.hub_id, "")),) if where else ()
         table.add_row(escape(model.hub_id.split("/")[-1]), f"{model.params / 1e9:.1f}B",
                       *(_fit_cell(model.methods[m]) for m in fits.methods), *here)
-    table.caption = "yes N: fits, micro-batch up to N; ckpt: with gradient checkpointing; no: needs that much"
-    return table
+    title = (f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
+             f"({fits.seq_len}-token sequences; largest micro-batch)")
+    return Group(Text(title, style="bold"), table, Text(FIT_LEGEND, style="dim"))
 
 
 def _fit_cell(fit: Any) -> str:
@@ -335,36 +345,46 @@ def show_runs(output_dir: Any, runs: list[Any]) -> None:
 RUN_COLOURS = {"completed": "green", "running": "cyan", "interrupted": "yellow", "stopped": "yellow", "failed": "red"}
 
 
-def runs_table(output_dir: Any, runs: list[Any]) -> Table:
-    """`run_directory.RunSummary` rows as a table."""
-    from pathlib import Path
-
-    from rich import box
-
-    # No vertical rules, the method beside the model, names that fold and cells
-    # that wrap at their spaces: all six columns fit 80 columns, one line a run
-    # when wider. A ratio column would be squeezed out by the others (Rich).
+def runs_table(output_dir: Any, runs: list[Any]) -> WideOrNarrow:
+    """`run_directory.RunSummary` rows: a table, a run to a line, where the
+    terminal holds it; else each run's name on a line of its own and its values
+    under it, two spaces apart. A name is never folded: it is what `resume`,
+    `report` and `export` take, so it must read whole."""
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("run", "model (method)", "status", "steps", "eval ppl", "time memory"):
-        table.add_column(column, overflow="fold", no_wrap=column == "status")
+        table.add_column(column, no_wrap=True)
+    listing: list[RenderableType] = [Text(f"Runs in {output_dir}")]
     for run in runs:
-        change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
-        table.add_row(escape(run.name), f"{escape(Path(run.model).name)} ({run.method})",
-                      f"[{RUN_COLOURS.get(run.status, 'white')}]{run.status}[/]",
-                      f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
-                      + ("" if run.kept_step is None else f" (kept {run.kept_step})"),
-                      "" if run.best_eval_loss is None else f"dpo loss {run.best_eval_loss:.3f}" if run.objective == "dpo"
-                      else f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})"),
-                      _time_and_memory(run))
-    return table
+        model, steps, result, seconds, memory = _run_values(run)
+        status = Text(run.status, style=RUN_COLOURS.get(run.status, "white"))
+        table.add_row(Text(run.name), Text(model), status, Text(steps), Text(result),
+                      Text(" ".join(filter(None, (seconds, memory)))))
+        # Without headers each value says what it is; DPO's result already does.
+        result = result if not result or run.objective == "dpo" else f"eval ppl {result}"
+        listing += [Text(run.name, style="bold"),
+                    Parts([model, status, f"step {steps}", result, seconds and f"trained {seconds}",
+                           memory and f"memory {memory}"], indent=2)]
+    return WideOrNarrow(table, Group(*listing))
 
 
-def _time_and_memory(run: Any) -> str:
-    """"2m 05s 1.2G 0.93x": how long, the measured peak and its ratio to the plan's."""
-    parts = [] if run.seconds is None else [_duration(run.seconds)]
-    if run.peak_bytes:
-        parts.append(f"{run.peak_bytes / 1024 ** 3:.1f}G" + ("" if run.memory_ratio is None else f" {run.memory_ratio:.2f}x"))
-    return " ".join(parts)
+def _run_values(run: Any) -> tuple[str, str, str, str, str]:
+    """A run's model (method), steps, best evaluation, training time, and measured
+    peak memory with its ratio to the plan's ("1.2G 0.93x"); "" for what it lacks."""
+    from pathlib import Path
+
+    steps = f"{run.step}/{'?' if run.total_steps is None else run.total_steps}"
+    steps += "" if run.kept_step is None else f" (kept {run.kept_step})"
+    change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
+    if run.best_eval_loss is None:
+        result = ""
+    elif run.objective == "dpo":  # perplexity means nothing for DPO's loss
+        result = f"dpo loss {run.best_eval_loss:.3f}"
+    else:
+        result = f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})")
+    memory = "" if not run.peak_bytes else f"{run.peak_bytes / 1024 ** 3:.1f}G"
+    memory += "" if not memory or run.memory_ratio is None else f" {run.memory_ratio:.2f}x"
+    return (f"{Path(run.model).name} ({run.method})", steps, result,
+            "" if run.seconds is None else _duration(run.seconds), memory)
 
 
 def show_report(report: Any) -> None:

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from rich.cells import cell_len  # the columns text takes: a wide (CJK) character takes two
 from rich.prompt import Prompt
 from rich.table import Table
 
@@ -68,6 +69,12 @@ def show_setup_start(hardware: Any) -> None:
         console.print(f"[yellow]{escape(hardware.torch_note)}[/]")
     if not hardware.has_gpu:
         console.print("[yellow]Without a GPU, training works but is slow: expect hours for real models.[/]")
+
+
+def show_example_offer(answer: str, what: str) -> None:
+    """Before the data question, when no data was named: the example is its default."""
+    console.print(f"No data file yet? Press Enter (the answer [bold]{escape(answer)}[/]) to start with the "
+                  f"example: {escape(what)}. It is copied where you choose, to train on or to copy the shape of.")
 
 
 def show_data_problem(message: str, hint: str | None) -> None:
@@ -152,6 +159,46 @@ def write_piece(text: str) -> None:
     sys.stdout.flush()
 
 
+class WordWrap:
+    """Streamed text written wrapped at word boundaries to `width` columns, as
+    the terminal would not (it cuts words at its edge). A word is held until a
+    space or a line break ends it, then goes on the current line if it fits,
+    else begins the next one, where the spaces before it are dropped. A word
+    wider than a whole line is cut at the edge. `column`: where the cursor is
+    when the text begins (after the "model> " prompt)."""
+
+    def __init__(self, width: int, column: int = 0, write: Callable[[str], None] = write_piece):
+        self.width, self.column, self.write = max(1, width), column, write
+        self.word = self.spaces = ""
+
+    def __call__(self, piece: str) -> None:
+        for char in piece:
+            if char == "\n":
+                self.finish()
+                self.write("\n")
+                self.column, self.spaces = 0, ""
+            elif char.isspace():
+                self.finish()
+                self.spaces += " " if char == "\t" else char  # a tab's width is the terminal's to choose
+            else:
+                self.word += char
+
+    def finish(self) -> None:
+        """Write the word held (at the end of a reply, or when it is stopped)."""
+        if not self.word:
+            return
+        if self.column and self.column + cell_len(self.spaces + self.word) > self.width:
+            self.write("\n")
+            self.column, self.spaces = 0, ""
+        text, self.word, self.spaces = self.spaces + self.word, "", ""
+        while self.column + cell_len(text) > self.width:  # wider than a line: cut where the line ends
+            cut = next(i for i in range(len(text), 0, -1) if self.column + cell_len(text[:i]) <= self.width or i == 1)
+            self.write(text[:cut] + "\n")
+            text, self.column = text[cut:], 0
+        self.write(text)
+        self.column += cell_len(text)
+
+
 def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Messages, run: str, weights: str) -> None:
     """Talk until /exit, /quit, Ctrl-D, or Ctrl-C at the prompt; /reset goes back
     to `start` (the system message, if any). `reply(messages, on_text)` answers
@@ -188,19 +235,22 @@ def _answer(reply: Callable[[Messages, Callable[[str], None]], str], messages: M
     """The reply, streamed as it comes. After Ctrl-C, what was shown of it, or
     None when nothing was."""
     shown: list[str] = []
+    wrap = WordWrap(console.width, column=len("model> "))
 
     def show(piece: str) -> None:
-        write_piece(piece)
+        wrap(piece)
         shown.append(piece)
 
     console.print("[bold blue]model>[/] ", end="")
     try:
         answer = reply(messages, show)
     except KeyboardInterrupt:
+        wrap.finish()  # the screen shows all the conversation keeps
         write_piece("\n")
         partial = "".join(shown).strip()
         console.print("[dim](stopped; " + ("the reply so far stays in the conversation)[/]" if partial
                                           else "your message is left out of the conversation)[/]"))
         return partial or None
+    wrap.finish()
     write_piece("\n")
     return answer

@@ -4,6 +4,10 @@ The ETA is measured from step 1 on, whatever the step length: Rich's own
 column averages over the last 30 s and stays blank when a step takes longer,
 which is every real run on a CPU. It uses the wall time between steps (so
 evaluations, checkpoints and sample replies are in it), smoothed.
+
+Other waits counted in items (the sample replies and general questions, a
+tuning trial's steps, lr-find's steps) are a `Countdown`: a count and an ETA
+from the first item on, the mean time of an item so far times those left.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ SMOOTHING = 0.3
 # Evaluations in a row without a better eval loss before the display says the run is on a plateau.
 PLATEAU_EVALUATIONS = 2
 GIB = 1024 ** 3
+# Between the parts of a line ("loss 1.2034", "eval 1.3012 @30"): the display
+# breaks a line too long for the terminal only there, never inside a part.
+PART_BREAK = "  "
 
 
 def clock(seconds: float | None) -> str:
@@ -25,6 +32,48 @@ def clock(seconds: float | None) -> str:
         return "-"
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Countdown:
+    """A wait counted in items (sample replies, a tuning trial's steps, lr-find's
+    steps): `done` of `total`, and an ETA from the first item on; no Rich."""
+
+    def __init__(self, what: str, total: int, now: float):
+        self.what, self.total, self.done = what, total, 0
+        self.started = self.last_at = now
+
+    def update(self, done: int, now: float, seconds: float | None = None) -> None:
+        """`done` items by `now`; `seconds`, the first item's own time when the
+        caller knows it (the wait before it may hold loading the model)."""
+        if done == self.done:
+            return
+        if self.done == 0 and seconds is not None:
+            self.started = now - seconds
+        self.done, self.last_at = done, now
+
+    def eta(self, now: float) -> float | None:
+        """The mean time of an item so far times the items left, less the time
+        since the last one ended; None before the first has ended."""
+        if self.done <= 0:
+            return None
+        each = (self.last_at - self.started) / self.done
+        return max(0.0, each * max(0, self.total - self.done) - (now - self.last_at))
+
+    def text(self, now: float) -> str:
+        """"sample replies (base) 2/3, eta 0:00:40"; before the first item ends,
+        the time spent so far, so the line never stands still."""
+        eta = self.eta(now)
+        count = f"{self.what} {self.done}/{self.total}"
+        return f"{count} {clock(now - self.started)}" if eta is None else f"{count}, eta {clock(eta)}"
+
+
+def counted(countdown: Countdown | None, what: str, done: int, total: int, now: float) -> Countdown:
+    """`countdown` told of `done`, or a new one when it counts something else
+    (another wait, or the same one begun again)."""
+    if countdown is None or (countdown.what, countdown.total) != (what, total) or done < countdown.done:
+        countdown = Countdown(what, total, now)
+    countdown.update(done, now)
+    return countdown
 
 
 class TrainingProgress:
@@ -52,6 +101,7 @@ class TrainingProgress:
         self.eval_accuracy: float | None = None
         self.activity = "first step" if start_step == 0 else f"step {start_step + 1}"
         self.activity_since = now
+        self.countdown: Countdown | None = None  # a counted activity: shown with its count and ETA
 
     def step(self, row: dict[str, Any], now: float) -> None:
         # The first step's own time (the wall time before it holds the base model's
@@ -79,8 +129,14 @@ class TrainingProgress:
                 self.evals_since_best += 1
         self.set_activity(None, now)
 
+    def counting(self, countdown: Countdown, now: float) -> None:
+        """A counted activity (sample replies 2/3): shown with its ETA until the next activity."""
+        self.set_activity(countdown.what, now)
+        self.countdown = countdown
+
     def set_activity(self, text: str | None, now: float) -> None:
         """What is happening now; None: the next training step."""
+        self.countdown = None
         if text is None:
             text = "first step" if self.done == self.start_step else f"step {self.done + 1}"
             text = text if self.done < self.total else "finishing"
@@ -112,6 +168,7 @@ class TrainingProgress:
         speed = "" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} tok/s  "
         eta = clock(self.eta(now)) if self.step_seconds is not None else "after step 1"
         doing = f"  {self.activity} {clock(now - self.activity_since)}"
+        doing = doing if self.countdown is None else f"  {self.countdown.text(now)}"
         return first, f"{epoch}{speed}elapsed {clock(now - self.started)}  eta {eta}{doing}"
 
 

@@ -9,7 +9,7 @@ written). The numbers, the ETA among them, are worked out in `train_progress`, w
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -19,7 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from llmcustoms.reporting import Reporter
-from llmcustoms.ui.train_progress import TrainingProgress, clock
+from llmcustoms.ui.layout import Parts
+from llmcustoms.ui.train_progress import PART_BREAK, Countdown, TrainingProgress, clock, counted
 
 
 
@@ -34,6 +35,9 @@ class QuietReporter:
             self.console.print(f"[yellow]warning:[/] {text}")
 
     def activity(self, text: str | None) -> None:
+        pass  # scripts want the result, not the waits
+
+    def count(self, what: str, done: int, total: int) -> None:
         pass  # scripts want the result, not the waits
 
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
@@ -58,11 +62,13 @@ class RichReporter:
         self.progress: TrainingProgress | None = None
         self.live: Live | None = None
         self.status: Live | None = None  # the spinner
+        self.countdown: Countdown | None = None  # the counted wait going on, if any
 
     def message(self, text: str, warning: bool = False) -> None:
         self.console.print(f"[yellow]warning:[/] {text}" if warning else text)
 
     def activity(self, text: str | None) -> None:
+        self.countdown = None
         if self.progress is not None:
             self.progress.set_activity(text, time.monotonic())
         elif text is None:
@@ -70,6 +76,15 @@ class RichReporter:
         else:  # before or after the display: a spinner with the time spent
             self._stop_status()
             self.status = spinner(self.console, text)
+
+    def count(self, what: str, done: int, total: int) -> None:
+        now, before = time.monotonic(), self.countdown
+        self.countdown = counted(before, what, done, total, now)
+        if self.progress is not None:
+            self.progress.counting(self.countdown, now)
+        elif self.countdown is not before:  # before or after the display: a spinner with the count
+            self._stop_status()
+            self.status = spinner(self.console, self.countdown.text)
 
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         self._stop_status()
@@ -83,11 +98,13 @@ class RichReporter:
         first, second = self.progress.lines(time.monotonic())
         bar = ProgressBar(total=max(1, self.progress.total), completed=self.progress.done, width=20)
         row = Table.grid(padding=(0, 1))
-        row.add_row(bar, Text(first))
-        lines = [row, Text(second, style="dim", no_wrap=True, overflow="ellipsis")]
-        lines += [Text(self.progress.resources_line(), style="dim", no_wrap=True, overflow="ellipsis")]
+        row.add_row(bar, Parts(first.split(PART_BREAK)))
+        # A line too long for the terminal goes on at the next, broken between its
+        # parts: cut short, it would lose the numbers at its end (the ETA, the GPU's memory).
+        lines = [row, Parts(second.split(PART_BREAK), style="dim"),
+                 Parts(self.progress.resources_line().split(PART_BREAK), style="dim")]
         plateau = self.progress.plateau_line()
-        lines += [Text(plateau, style="yellow", no_wrap=True, overflow="ellipsis")] if plateau else []
+        lines += [Text(plateau, style="yellow")] if plateau else []  # a sentence: broken at its spaces
         return Group(*lines)
 
     def step(self, row: dict[str, Any]) -> None:
@@ -101,7 +118,7 @@ class RichReporter:
     def training_finished(self) -> None:
         if self.live is not None:
             self.live.stop()
-        self.live, self.progress = None, None
+        self.live, self.progress, self.countdown = None, None, None
         self._stop_status()
 
     def _stop_status(self) -> None:
@@ -110,12 +127,14 @@ class RichReporter:
             self.status = None
 
 
-def spinner(console: Console, text: str) -> Live:
-    """A started spinner with `text` and the time spent on it; gone when stopped."""
+def spinner(console: Console, text: str | Callable[[float], str]) -> Live:
+    """A started spinner with `text` and the time spent on it, or with what
+    `text(now)` says (a `Countdown`'s count and ETA); gone when stopped."""
     started, spin = time.monotonic(), Spinner("dots")
 
     def render() -> Spinner:
-        spin.update(text=f"{text} ({clock(time.monotonic() - started)})")
+        now = time.monotonic()
+        spin.update(text=text(now) if callable(text) else f"{text} ({clock(now - started)})")
         return spin
 
     live = Live(get_renderable=render, console=console, refresh_per_second=4, transient=True)

@@ -8,11 +8,17 @@ to show.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
+from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from llmcustoms.ui.console import console, escape
+from llmcustoms.ui.layout import WideOrNarrow
+from llmcustoms.ui.train_progress import Countdown, clock, counted
 
 
 def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> None:
@@ -57,22 +63,43 @@ def _check(settings: Any, base: Any) -> str:
             "skips it)")
 
 
-def trials_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="Trials")
-    for column in ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time", "note"):
-        table.add_column(column, no_wrap=column != "note")
-    colours = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan", "interrupted": "yellow"}
-    for r in rows[-30:]:  # the newest, so a long study still fits the screen
-        loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        if r["best"]:
-            loss = f"[bold green]{loss}[/]"
-        steps = _blank(r["steps"]) + (f"/{r['budget']}" if r.get("budget") and r["steps"] is not None else "")
+TRIAL_COLUMNS = ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time")
+# The same columns at 80: shorter headers, so that every value is whole (Rich
+# would cut the widest columns short, numbers included, to fit the line).
+NARROW_TRIAL_COLUMNS = ("#", "state", "loss", "lr", "r", "alpha/r", "drop", "warm", "steps", "time")
+TRIAL_COLOURS = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan", "interrupted": "yellow"}
+
+
+def trials_table(rows: list[dict[str, Any]]) -> WideOrNarrow:
+    """The newest trials, so a long study still fits the screen: a table with a
+    note column where each trial fits a line; else (80 columns) one without
+    rules or notes, whose values all read whole, and the notes under it."""
+    wide = Table(title="Trials")
+    for column in (*TRIAL_COLUMNS, "note"):
+        wide.add_column(column, no_wrap=column != "note")
+    narrow = Table(title="Trials", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for column in NARROW_TRIAL_COLUMNS:
+        narrow.add_column(column, no_wrap=True)
+    notes = []
+    for r in rows[-30:]:
         note = "; ".join(filter(None, ["the preset's own values" if r.get("preset") else "", r["reason"]]))
-        table.add_row(str(r["trial"]), f"[{colours.get(r['state'], 'white')}]{r['state']}[/]", loss,
-                      "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
-                      _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), steps,
-                      "" if r["seconds"] is None else f"{r['seconds']:.0f}s", escape(note))
-    return table
+        wide.add_row(*_trial_cells(r), escape(note))
+        narrow.add_row(*_trial_cells(r))
+        if note:  # wrapped at its spaces, under the table
+            notes.append(Text.assemble((f"trial {r['trial']}: ", "bold"), note))
+    return WideOrNarrow(wide, Group(narrow, *notes))
+
+
+def _trial_cells(r: dict[str, Any]) -> list[str]:
+    """A trial's values, as markup, in the order of TRIAL_COLUMNS."""
+    loss = "" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+    if r["best"]:
+        loss = f"[bold green]{loss}[/]"
+    steps = _blank(r["steps"]) + (f"/{r['budget']}" if r.get("budget") and r["steps"] is not None else "")
+    return [str(r["trial"]), f"[{TRIAL_COLOURS.get(r['state'], 'white')}]{r['state']}[/]", loss,
+            "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
+            _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), steps,
+            "" if r["seconds"] is None else f"{r['seconds']:.0f}s"]
 
 
 def _blank(value: Any) -> str:
@@ -80,17 +107,35 @@ def _blank(value: Any) -> str:
 
 
 class TrialsDisplay:
-    """A live table of the study's trials, redrawn as trials report."""
+    """A live table of the study's trials, redrawn as trials report, and under it
+    a line saying what is going on: a trial's row comes at its first rung, minutes
+    after it starts on a CPU, and the line says what fills them (its steps, with an ETA)."""
 
     def __enter__(self) -> "TrialsDisplay":
         from rich.live import Live
 
-        self.live = Live(Table(title="Trials"), console=console, refresh_per_second=4, transient=False)
+        self.table = Table(title="Trials")
+        self.doing: Callable[[float], str] | None = _since("preparing the study", time.monotonic())
+        self.live = Live(get_renderable=self.render, console=console, refresh_per_second=4, transient=False)
         self.live.__enter__()
         return self
 
+    def render(self) -> Any:
+        """The table, and the line of what is going on (none once the study is over)."""
+        if self.doing is None:
+            return self.table
+        return Group(self.table, Text(self.doing(time.monotonic()), style="cyan"))  # too long: wrapped, the ETA kept
+
     def update(self, rows: list[dict[str, Any]]) -> None:
-        self.live.update(trials_table(rows))
+        self.table = trials_table(rows)
+        self.live.refresh()
+
+    def reporter(self, what: str) -> "TrialReporter":
+        """The Reporter of one training run of the study (`what`: "trial 3"), shown on the line under the table."""
+        reporter = TrialReporter(what, self.warn, self.live.refresh)
+        self.doing = reporter.line
+        self.live.refresh()
+        return reporter
 
     def warn(self, text: str) -> None:
         """A trial's warning (Ctrl-C acknowledged, a recovery), above the table."""
@@ -101,8 +146,65 @@ class TrialsDisplay:
         self.live.console.print(escape(text))
 
     def __exit__(self, *exc: Any) -> None:
+        self.doing = None
         self.live.__exit__(*exc)
         console.print()
+
+
+class TrialReporter:
+    """A trial's (or a full-length run's) training as one line: what it is doing
+    and for how long, or its steps with an ETA from the first one on. Warnings go
+    above the table; the rest of what a run says, the table shows once it reports."""
+
+    def __init__(self, what: str, warn: Callable[[str], None], changed: Callable[[], None]):
+        self.what, self.warn, self.changed = what, warn, changed
+        self.doing: Callable[[float], str] = _since("starting", time.monotonic())
+        self.steps: Countdown | None = None
+        self.countdown: Countdown | None = None  # a counted wait within the run, if any
+
+    def line(self, now: float) -> str:
+        return f"{self.what}: {self.doing(now)}"
+
+    def message(self, text: str, warning: bool = False) -> None:
+        if warning:
+            self.warn(text)
+
+    def activity(self, text: str | None) -> None:
+        self.countdown = None
+        if text is not None:
+            self.doing = _since(text, time.monotonic())
+        elif self.steps is not None:  # back to training
+            self.doing = self.steps.text
+        self.changed()
+
+    def count(self, what: str, done: int, total: int) -> None:
+        self.countdown = counted(self.countdown, what, done, total, time.monotonic())
+        self.doing = self.countdown.text
+
+    def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
+        self.steps = Countdown("step", total_steps, time.monotonic())
+        self.steps.update(start_step, time.monotonic())
+        self.doing = self.steps.text
+        self.changed()
+
+    def step(self, row: dict[str, Any]) -> None:
+        if self.steps is not None:
+            # The first step's own time: the wait before it held setting the trial up.
+            self.steps.update(row["step"], time.monotonic(), row.get("seconds"))
+            self.doing = self.steps.text
+            self.changed()
+
+    def evaluated(self, row: dict[str, Any]) -> None:
+        pass  # the table shows the eval loss, from `run_study`'s update
+
+    def training_finished(self) -> None:
+        self.steps = None  # the steps are over: "finishing" until the table has the row or the next run begins
+        self.activity("finishing")
+
+
+def _since(text: str, started: float) -> Callable[[float], str]:
+    """`text` and the time since `started`, for a line that says what a wait is and never stands still."""
+    return lambda now: f"{text} {clock(now - started)}"
 
 
 def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
@@ -171,27 +273,48 @@ def _show_verdict(outcome: Any, best: dict[str, Any]) -> None:
 
 
 class RangeTestDisplay:
-    """The range test's progress: steps, the lr of the last one and its loss."""
+    """The range test's progress: a live line with the step count, its ETA from
+    the first step on (Rich's own ETA column stays blank while a step takes
+    longer than its 30 s window), the last lr and its loss; and a line that
+    stays for every step, or every k-th so that at most KEPT_LINES stay (the
+    default 100 steps would push the plan off the screen), and the last."""
+
+    KEPT_LINES = 20
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
+        self.stride = -(-steps // self.KEPT_LINES)
+        self.last = ""  # the last step's lr and loss
 
     def __enter__(self) -> "RangeTestDisplay":
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.live import Live
 
-        self.progress = Progress(TextColumn("lr-find"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                                 TextColumn("lr {task.fields[lr]}"), TextColumn("loss [cyan]{task.fields[loss]}"),
-                                 TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True)
-        self.progress.__enter__()
-        self.task = self.progress.add_task("lr-find", total=self.steps, lr="-", loss="-")
+        self.countdown = Countdown("step", self.steps, time.monotonic())
+        self.live = Live(get_renderable=self.render, console=console, refresh_per_second=4, transient=True)
+        self.live.__enter__()
         return self
 
+    def render(self) -> Table:
+        from rich.progress_bar import ProgressBar
+
+        line = Table.grid(padding=(0, 1))
+        line.add_row("lr-find", ProgressBar(total=max(1, self.steps), completed=self.countdown.done, width=20),
+                     self.countdown.text(time.monotonic()) + self.last)
+        return line
+
     def update(self, row: dict[str, Any]) -> None:
-        loss = "not finite" if row["loss"] is None else f"{row['loss']:.4f}"
-        self.progress.update(self.task, completed=row["step"], lr=f"{row['lr']:.1e}", loss=loss)
+        """A step ended: `row` is the curve's, with the step's own `seconds`."""
+        self.countdown.update(row["step"], time.monotonic(), row.get("seconds"))
+        self.last = f"  lr {row['lr']:.1e}  loss {_loss(row['loss'])}"
+        if (row["step"] - 1) % self.stride and row["step"] != self.steps:
+            self.live.refresh()
+            return
+        self.live.console.print(f"step {row['step']}/{self.steps}  lr {row['lr']:.1e}  loss {_loss(row['loss'])}  "
+                                f"smoothed {_loss(row['smoothed'])}")
+        self.live.refresh()  # the line under it as it is now, not as the last redraw left it
 
     def __exit__(self, *exc: Any) -> None:
-        self.progress.__exit__(*exc)
+        self.live.__exit__(*exc)
 
 
 def lr_find_table(rows: list[dict[str, Any]]) -> Table:
@@ -211,9 +334,12 @@ def _loss(value: float | None) -> str:
 
 
 def show_lr_find(result: Any, rows: list[dict[str, Any]], path: Any, commands: list[str],
-                 notes: list[str]) -> None:
-    """`lr_find.RangeTestResult`, a few rows of its curve, where it was saved and what to run next."""
+                 notes: list[str], shown: str = "") -> None:
+    """`lr_find.RangeTestResult`, a few rows of its curve (`shown` says which), where
+    it was saved and what to run next."""
     console.print(lr_find_table(rows))
+    if shown:
+        console.print(f"[dim]Steps in the table: {escape(shown)}.[/]")
     ran = f"{len(result.curve)} of {result.steps} steps, lr {result.start_lr:.0e} to {result.end_lr:.0e}"
     console.print(f"Ran {ran}; " + escape(result.stopped or "reached the last lr") + ".")
     for note in notes:

@@ -120,9 +120,9 @@ def test_the_same_change_is_recommended_once(tmp_path):
 
 # ------------------------------------------------------------------- DPO runs
 
-def dpo_run(tmp_path, evals: dict[int, tuple[float, float, float]], steps: int = 30):
+def dpo_run(tmp_path, evals: dict[int, tuple[float, float, float]], steps: int = 30, eval_rows: int = 50):
     """A DPO run: evals maps step -> (held-out accuracy, margin, chosen reward)."""
-    plan = replace(plan_of(steps), objective="dpo", beta=0.1)
+    plan = replace(plan_of(steps, eval_rows=eval_rows), objective="dpo", beta=0.1)
     run = RunDirectory(tmp_path / "run")
     run.create()
     run.write_plan(plan)
@@ -163,3 +163,35 @@ def test_a_dpo_report_says_when_accuracy_stays_at_chance_margin_collapses_or_cho
     assert any("Raise --beta (now 0.1)" in r and "-1.200" in r for r in falling.recommendations)
     healthy = analyse(dpo_run(tmp_path / "d", {0: (0.5, 0.0, 0.0), 15: (0.8, 1.0, 0.2), 30: (0.9, 1.5, -0.01)}))
     assert not any("beta" in r or "chance" in r or "margin fell" in r for r in healthy.recommendations)
+
+
+def test_a_dpo_ranking_of_too_few_held_out_pairs_is_withheld_and_says_why(tmp_path):
+    """"1.00 of held-out pairs ranked right" was said of 2 pairs, while every other
+    verdict waits for 20 steps: at chance, both come out right 1 time in 4."""
+    from llmcustoms.runs.preference_report import MIN_HELD_OUT_PAIRS
+
+    evals = {0: (0.5, 0.0, 0.0), 15: (1.0, 0.02, 0.0), 30: (1.0, 0.01, -0.5)}
+    report = analyse(dpo_run(tmp_path / "two", evals, eval_rows=2))
+    [finding] = [f for f in report.findings if f.topic == "preference"]
+    assert finding.verdict == "withheld" and "ranked right" not in finding.detail
+    assert finding.detail.startswith("2 held-out pairs are too few to judge the ranking (it needs 10; by chance "
+                                     "alone all 2 come out right 1 time in 4); DPO loss")
+    # Nor the advice drawn from the same pairs (the margin "fell", the chosen replies "lost probability").
+    assert not any("margin fell" in r or "--beta" in r for r in report.recommendations)
+    assert any(f"hold out at least {MIN_HELD_OUT_PAIRS} pairs" in r for r in report.recommendations)
+    enough = analyse(dpo_run(tmp_path / "ten", evals, eval_rows=MIN_HELD_OUT_PAIRS))
+    assert [f.verdict for f in enough.findings if f.topic == "preference"] == ["better"]
+
+
+def test_the_summary_withholds_the_ranking_of_too_few_pairs_too(tmp_path, capsys):
+    from llmcustoms.losses.dpo import PreferenceLoss
+    from llmcustoms.training.position import TrainResult
+    from llmcustoms.ui.console import show_summary
+
+    row = {"step": 6, "eval_loss": 0.52, **PreferenceLoss(0.1).eval_metrics(0.52, [0.4, -0.2, 2.0], 2)}
+    assert row["eval_pairs"] == 2 and row["eval_reward_accuracy"] == 1.0  # the evaluation row counts its pairs
+    show_summary(TrainResult(status="completed", steps=6, final_loss=0.5, best_eval_loss=0.52, best_eval_step=6,
+                             seconds=3.0, tokens_per_s=100.0, output_path=tmp_path, held_out=row))
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "preference withheld: 2 held-out pairs are too few to judge the ranking" in shown
+    assert "ranked right (chance" not in shown

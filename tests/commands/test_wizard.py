@@ -32,11 +32,8 @@ from tiny_models import WIDE
 
 runner = CliRunner()
 SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct")
-# A SmolLM2-135M-shaped config.json: enough for the wizard, which reads nothing else of a model directory.
-MODEL_CONFIG = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
-                "tie_word_embeddings": True, "max_position_embeddings": 8192}
 TIME = r"\d+(\.\d)? (s|min|h)"
+ROOT_EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "identity.json"
 
 
 pytestmark = pytest.mark.usefixtures("clean_environment")
@@ -54,12 +51,6 @@ def fake_hub_cache(home: Path, hub_ids: tuple[str, ...]) -> Path:
         (snapshot / "config.json").write_text("{}")
         (snapshot / "model.safetensors").write_bytes(b"")
     return home
-
-
-def model_directory(path: Path) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    return path
 
 
 def run_setup(tmp_path: Path, env_file: Path, stdin: str, data: Path | None = DATA_FILES["alpaca"],
@@ -160,11 +151,11 @@ def test_setup_with_bad_data_says_why_and_writes_nothing(tmp_path):
 # ------------------------------------------------------------------- the model answer
 
 
-def test_a_model_path_that_does_not_exist_is_refused_asked_again_and_never_written(tmp_path):
+def test_a_model_path_that_does_not_exist_is_refused_asked_again_and_never_written(tmp_path, tiny_models):
     env_file = tmp_path / "F.env"
     missing, no_config = tmp_path / "no-such-model", tmp_path / "not-a-model"
     no_config.mkdir()
-    model = model_directory(tmp_path / "my-model")
+    model = tiny_models["llama"]  # planned as `plan` plans it: its tokenizer is read
     result = run_setup(tmp_path, env_file, answers("", "", str(missing), str(no_config), str(model), "", ""))
     assert result.returncode == 0, result.stdout + result.stderr
     shown = said(result)
@@ -281,3 +272,73 @@ def test_the_env_file_setup_writes_is_the_owners_alone_and_an_existing_files_mod
     assert existing.stat().st_mode & 0o777 == 0o640
     assert "HF_TOKEN=hf_notarealtokenbutlongenough000000" in existing.read_text()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+# ------------------------------------------------------------------- a first run with no data of one's own
+
+
+def test_with_no_data_file_setup_offers_the_example_and_plan_trains_on_it(tmp_path, tiny_models):
+    """Enter at the data question takes the example, copied into the working
+    directory; the env file names the copy, and `plan` plans the tiny model on it."""
+    from llmcustoms.commands.example_data import example_path
+
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "", "", str(tiny_models["llama"]), "", ""), data=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = said(result)
+    assert "No data file yet? Press Enter (the answer example) to start with the example" in shown
+    assert "teach the model it is Vicuna" in shown and "ok: ShareGPT (conversations: [{from, value}]), 300 rows" in shown
+    copy = tmp_path / "identity.json"
+    assert f"Copied the example to {copy.name}" in shown and copy.read_bytes() == example_path().read_bytes()
+    assert env_values(env_file)["LLMCUSTOMS_DATA"] == str(copy)
+    planned = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.output)
+    assert plan["data"] == str(copy) and plan["model"] == str(tiny_models["llama"])
+    assert plan["data_format"] == "sharegpt" and plan["train_rows"] + plan["eval_rows"] == 300
+
+
+def test_a_setup_that_stops_copies_nothing(tmp_path):
+    """The example is copied with the env file, at the end: stopped at the model
+    question (no one to answer again), setup leaves no file behind."""
+    result = run_setup(tmp_path, tmp_path / "F.env", answers("", "", "", str(tmp_path / "no-such-model")), data=None)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert not (tmp_path / "identity.json").exists() and not (tmp_path / "F.env").exists()
+
+
+def test_setup_estimates_the_time_plan_gives_for_the_same_answers(tmp_path, tiny_models, monkeypatch):
+    """Setup said 11 min where `plan` said 13 for the same configuration: it
+    counted the rows' tokens from their characters, `plan` with the model's
+    tokenizer. Both now come from one call. On a machine where the tiny model
+    trains at 20 tokens/s (a measured speed), the difference is minutes."""
+    from test_speeds import steps
+
+    from llmcustoms.models.loading import describe_model
+    from llmcustoms.planning import hardware as hardware_module
+    from llmcustoms.planning.duration import human_duration
+    from llmcustoms.planning.planner import Planner
+    from llmcustoms.planning.presets import load_families
+    from llmcustoms.runs.speeds import record_speed, with_measured_speeds
+    from llmcustoms.ui import dialog
+
+    machine, model = Hardware.cpu_only(16, cores=2), str(tiny_models["llama"])
+    monkeypatch.setattr(hardware_module, "detect", lambda: machine)  # one machine, not today's load, for both
+    monkeypatch.setattr(dialog, "_input_ended", False)  # the answers run out at the end: not for the next test
+    record_speed(tmp_path / "cache", machine, model, "lora", steps(1.0, 1.0, 1.0, 1.0, tokens_per_s=20.0))
+    data = str(ROOT_EXAMPLE)
+    env_file = tmp_path / "F.env"
+    result = runner.invoke(app, ["setup", "--data", data, "--env-file", str(env_file)],
+                           input=answers("", "", model, "", ""), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    estimate = re.search(rf"ok: {re.escape(model)}: a local model directory; estimated training time here (about {TIME})",
+                         shown)
+    assert estimate, shown
+    planned = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
+    assert estimate[1] == human_duration(json.loads(planned.output)["estimated_seconds"])
+    # What setup said before: the same planner on lengths from characters.
+    dataset, preset = read_dataset(data), load_preset("quality")
+    choice = describe_model(model, load_families(), "env")
+    by_characters = Planner(with_measured_speeds(machine, tmp_path / "cache"), preset).plan(
+        choice, planning_stats(dataset, preset), {}).estimated_seconds
+    assert human_duration(by_characters) != estimate[1], (by_characters, estimate[1])

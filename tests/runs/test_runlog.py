@@ -96,7 +96,7 @@ def test_a_run_logs_its_plan_steps_evaluations_recovery_and_summary(tmp_path, ti
     assert evaluated and all(any(f"evaluation at step {s}: eval_loss" in line for line in lines) for s in evaluated)
     assert any(re.search(r"warning  step 2: out of memory; halved micro-batch", line) for line in lines)
     text = (run / "train.log").read_text()
-    assert re.search(r"info     completed: 4 steps in [\d.]+ s", text)
+    assert re.search(r"info     completed: 4 steps, training time [\d.]+ s \(resumes included\)", text)
     assert "final train loss" in text and f"weights saved to {run / 'adapter'}" in text
     assert text.rstrip().splitlines()[-1].strip().startswith("weights saved to")
     assert not (run / "failure.json").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import time
 
@@ -65,6 +66,7 @@ def test_the_prediction_compared_is_for_the_largest_micro_batch_trained():
     assert result["plan_peak_bytes"] == ESTIMATE["total_bytes"] and result["budget_bytes"] == 8000 * MIB
     on_gpu = compare(900 * MIB, ESTIMATE, on_gpu=True, gpu_util=71.26, batch_tokens=2000, planned_tokens=2000)
     assert on_gpu["predicted_bytes"] == ESTIMATE["total_bytes"] - CUDA_CONTEXT_BYTES  # the allocator never sees it
+    assert on_gpu["plan_peak_bytes"] == ESTIMATE["total_bytes"]  # the plan as its table shows it, one number
     assert on_gpu["gpu_util"] == 71.3
     assert compare(900 * MIB, None, False, None)["ratio"] is None  # a plan without an estimate
 
@@ -122,8 +124,8 @@ def test_the_report_flags_a_measured_peak_outside_the_estimates_range(tmp_path, 
               "budget_bytes": 8000 * MIB}
     report = analyse(write_run(tmp_path, memory))
     [finding] = [f for f in report.findings if f.topic == "memory"]
-    assert finding.verdict == verdict and f"({ratio:.2f}x the prediction)" in finding.detail
-    said = [r for r in report.recommendations if "memory its plan predicted" in r]
+    assert finding.verdict == verdict and f"{ratio:.2f}x the estimate for the largest batch trained" in finding.detail
+    said = [r for r in report.recommendations if f"{ratio:.2f}x the plan's estimate for the largest batch" in r]
     assert (advice is None and not said) or (advice is not None and advice in said[0])
 
 
@@ -171,4 +173,5 @@ def test_a_cpu_run_measures_memory_on_every_step_and_compares_it_with_the_plan(t
     assert memory["batch_tokens"] == max(r["batch_tokens"] for r in steps)
     assert memory["plan_peak_bytes"] == plan["memory"]["total_bytes"]
     assert memory["ratio"] == round(memory["peak_bytes"] / memory["predicted_bytes"], 3)
-    assert "memory" in result.stdout and "x)" in result.stdout  # the summary: peak, plan and ratio
+    summary = " ".join(result.stdout.split())  # the summary: peak, the plan's total (its table's), the ratio
+    assert f"; plan {memory['plan_peak_bytes'] / 1024 ** 3:.2f} GiB" in summary and re.search(r"\d\.\d\dx", summary)

@@ -80,3 +80,35 @@ def test_the_chat_loop_streams_replies_and_resets(monkeypatch, capsys):
 def test_the_chat_loop_ends_at_the_end_of_input(monkeypatch, capsys):
     seen, out = chat(monkeypatch, capsys, "hi\n")
     assert len(seen) == 1 and out.count("you>") == 2
+
+
+REPLY = ("I am Vicuna, a language model trained by researchers from Large Model Systems Organization (LMSYS). "
+         "Ask me anything.\n  An indented second line, and a word wider than any line: "
+         "Pneumonoultramicroscopicsilicovolcanoconiosis.")
+
+
+def test_chat_replies_wrap_at_word_boundaries_to_the_terminal_width(monkeypatch, capsys):
+    """The terminal cuts a streamed word at its edge; the chat wraps between words,
+    whatever pieces the text streams in, and the conversation keeps the reply as it came."""
+    from llmcustoms.ui import dialog
+
+    seen = []
+
+    def reply(messages, on_text):
+        seen.append(messages)
+        for start in range(0, len(REPLY), 3):  # pieces that end mid-word, as tokens do
+            on_text(REPLY[start:start + 3])
+        return REPLY
+
+    monkeypatch.setattr(dialog.console, "width", 30)
+    monkeypatch.setattr("sys.stdin", io.StringIO("who are you?\nand again?\n/exit\n"))
+    dialog.chat_loop(reply, [], "runs/r", "tiny")
+    out = capsys.readouterr().out
+    reply_lines = out.split("model> ", 1)[1].split("you>")[0].rstrip("\n").split("\n")
+    assert reply_lines[0].startswith("I am Vicuna,") and len("model> " + reply_lines[0]) <= 30
+    assert all(len(line) <= 30 for line in reply_lines), reply_lines
+    words = [word for line in reply_lines for word in line.split()]
+    assert " ".join(words[:-2]) == " ".join(REPLY.split()[:-1])  # no word cut, none lost, the long one aside
+    assert "".join(words[-2:]) == REPLY.split()[-1]  # cut at the edge, as nothing else would fit
+    assert "  An indented" in out  # a line's own indentation stays
+    assert seen[1][1]["content"] == REPLY  # the conversation keeps the reply unwrapped

@@ -50,30 +50,18 @@ RUNS = [
 
 
 def test_the_runs_table_is_whole_at_80_columns():
+    """Too narrow for the table: each run's name on a line, never folded, and its
+    values under it, each with what it is and never broken."""
     text = render(runs_table("runs", RUNS), width=80)
     lines = text.splitlines()
     assert "…" not in text and max(len(line) for line in lines) <= 80
-    rule = next(i for i, line in enumerate(lines) if "────" in line)
-    header = " ".join(lines[:rule])
-    for word in ("run", "model", "(method)", "status", "steps", "eval", "ppl", "time", "memory"):
-        assert re.search(rf"(?<!\S){re.escape(word)}(?!\S)", header), f"no {word} header"
-    # Names fold inside their columns: read each column back down, its pieces joined.
-    runs_column, models_column = _column(lines, rule, "run", "model"), _column(lines, rule, "model", "status")
     for run in RUNS:
-        assert run.name in runs_column
-    for model in ("Qwen2.5-0.5B-Instruct(qlora)", "SmolLM2-135M-Instruct(full)", "tiny-llama(lora)"):
-        assert model in models_column
-    body = "\n".join(lines[rule + 1:])
-    for cell in ("interrupted", "completed", "failed", "1234/12000", "3.437", "(-49%)", "7.389", "300/300",
-                 "12/5000", "5/?", "1m 05s", "12m 34s", "5.5G", "1.07x"):
-        assert cell in body, cell
-
-
-def _column(lines: list[str], rule: int, header: str, next_header: str) -> str:
-    """The text of the column under `header`, down to the rows' end, without spaces."""
-    def where(word: str) -> int:
-        return min(line.find(word) for line in lines[:rule] if re.search(rf"(?<!\S){word}(?!\S)", line))
-    return re.sub(r"\s+", "", "".join(line[where(header):where(next_header)] for line in lines[rule + 1:]))
+        assert run.name in lines
+    for value in ("Qwen2.5-0.5B-Instruct (qlora)", "SmolLM2-135M-Instruct (full)", "tiny-llama (lora)",
+                  "interrupted", "completed", "failed", "step 1234/12000 (kept 1100)", "eval ppl 3.437 (-49%)",
+                  "eval ppl 7.389", "step 300/300", "step 12/5000", "step 5/?", "trained 1m 05s",
+                  "trained 12m 34s", "memory 5.5G 1.07x"):
+        assert any(value in line for line in lines), value
 
 
 def test_the_runs_table_keeps_a_run_on_one_line_when_wide():
