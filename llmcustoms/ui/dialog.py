@@ -9,8 +9,10 @@ questions to ask and what to write, and `models/generation.py` how to answer.
 from __future__ import annotations
 
 import os
+import select
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from rich.cells import cell_len  # the columns text takes: a wide (CJK) character takes two
 from rich.prompt import Prompt
@@ -231,9 +233,48 @@ def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Me
             messages = [*asked, {"role": "assistant", "content": answer}]
 
 
+@contextmanager
+def typing_held(fd: int | None = None) -> Iterator[list[bool]]:
+    """While a reply streams, keys typed at the terminal `fd` (standard input)
+    are not echoed: they used to land in the middle of the reply on the screen.
+    What was typed is dropped after it rather than sent, unseen, as the next
+    message; the list yielded holds True then, so the caller can say so.
+    Ctrl-C still works (only echo is off). Not a terminal: nothing changes."""
+    dropped: list[bool] = []
+    try:
+        import termios
+    except ImportError:  # Windows
+        yield dropped
+        return
+    try:
+        fd = sys.stdin.fileno() if fd is None else fd
+        saved = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError, AttributeError):  # not a terminal, or a replaced stdin
+        yield dropped
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield dropped
+    finally:
+        if select.select([fd], [], [], 0)[0]:
+            dropped.append(True)
+        termios.tcflush(fd, termios.TCIFLUSH)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 def _answer(reply: Callable[[Messages, Callable[[str], None]], str], messages: Messages) -> str | None:
-    """The reply, streamed as it comes. After Ctrl-C, what was shown of it, or
-    None when nothing was."""
+    """The reply, streamed as it comes (keys typed meanwhile held back:
+    `typing_held`). After Ctrl-C, what was shown of it, or None when nothing was."""
+    with typing_held() as dropped:
+        answer = _streamed(reply, messages)
+    if dropped:
+        console.print("[dim](what you typed during the reply was not sent; type it again)[/]")
+    return answer
+
+
+def _streamed(reply: Callable[[Messages, Callable[[str], None]], str], messages: Messages) -> str | None:
     shown: list[str] = []
     wrap = WordWrap(console.width, column=len("model> "))
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -228,3 +229,34 @@ def test_reset_says_so_and_ctrl_c_at_the_prompt_ends_the_chat(monkeypatch, capsy
     chat(model)
     assert "(conversation cleared)" in capsys.readouterr().out
     assert model.seen[1] == [{"role": "user", "content": "Hello?"}]
+
+
+def test_keys_typed_during_a_reply_are_not_echoed_into_it_and_are_dropped_after():
+    import pty
+    import termios
+
+    from llmcustoms.ui.dialog import typing_held
+
+    keyboard, terminal = pty.openpty()
+    try:
+        assert termios.tcgetattr(terminal)[3] & termios.ECHO
+        with typing_held(terminal) as dropped:
+            assert not termios.tcgetattr(terminal)[3] & termios.ECHO  # typed keys do not land in the reply
+            os.write(keyboard, b"next question\n")
+            time.sleep(0.1)
+        assert dropped == [True]
+        assert termios.tcgetattr(terminal)[3] & termios.ECHO  # echo is back for the prompt
+        with typing_held(terminal) as dropped:  # the dropped line is not read as the next message
+            pass
+        assert dropped == []
+    finally:
+        os.close(keyboard)
+        os.close(terminal)
+
+
+def test_holding_keys_changes_nothing_when_input_is_not_a_terminal(tmp_path):
+    from llmcustoms.ui.dialog import typing_held
+
+    with open(tmp_path / "typed", "w+") as file, typing_held(file.fileno()) as dropped:
+        pass
+    assert dropped == []
