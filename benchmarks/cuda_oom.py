@@ -142,6 +142,7 @@ def main() -> None:
         raise SystemExit(2)
     tolerance = args.tolerance or (1e-4 if args.mixed_precision == "no" else 2e-2)
     work = args.work or Path(tempfile.mkdtemp(prefix="llmcustoms-oom-"))
+    work.mkdir(parents=True, exist_ok=True)  # --work may name a folder not made yet
     model = args.model or shapes.build(args.shape, work / "model", args.tokenizer)
     data = work / "rows.jsonl"
     rows = write_rows(args.data, data, args.rows)

@@ -13,6 +13,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 
 # (module, distribution): imported by llmcustoms or the benchmarks.
 PACKAGES = (("torch", "torch"), ("transformers", "transformers"), ("peft", "peft"), ("accelerate", "accelerate"),
@@ -26,11 +27,15 @@ OPTIONAL = {"flash_attn", "liger_kernel", "triton"}
 
 
 def imported(module: str, distribution: str) -> str:
-    """The version that imported, or why it did not."""
+    """The version that imported, or why it did not. Prints how long the import took: on a
+    machine just started the first imports read gigabytes from disk, and the log says which."""
+    started = time.perf_counter()
     try:
         loaded = importlib.import_module(module)
     except Exception as error:  # any failure to import is what this check is for
         return f"not importable: {type(error).__name__}: {str(error)[:200]}"
+    finally:
+        print(f"import {module}: {time.perf_counter() - started:.1f} s", flush=True)
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -73,8 +78,10 @@ def planner_view() -> dict:
 def main() -> None:
     dry_run = "--dry-run" in sys.argv
     versions = {module: imported(module, dist) for module, dist in PACKAGES}
-    result = {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
-              **gpu_facts()}
+    started = time.perf_counter()
+    facts = gpu_facts()
+    print(f"CUDA's first use: {time.perf_counter() - started:.1f} s", flush=True)
+    result = {"python": platform.python_version(), "platform": platform.platform(), "packages": versions, **facts}
     try:
         result["planner_sees"] = planner_view()
     except Exception as error:  # the report goes on: the planner's failure is itself a finding

@@ -1,11 +1,12 @@
 """The GPU kit: every GPU claim of docs/benchmarks.md measured in one call, inside a time budget.
 
-    bash benchmarks/gpu/run.sh OUT_DIR [--budget SECONDS] [--only STEP ...]   (on a GPU machine)
-    bash benchmarks/gpu/run.sh --dry-run OUT_DIR                              (here, tiny shapes)
+    bash benchmarks/gpu/run.sh OUT_DIR [--part 1|2] [--budget SECONDS] [--only STEP ...]   (on a GPU machine)
+    bash benchmarks/gpu/run.sh --dry-run OUT_DIR                                        (here, tiny shapes)
 
-run.sh installs the carried wheels and calls this. It prints its plan first: each step, its
-time cap and the budget they add up to (420 s by default: a lent GPU has 15 minutes in all,
-start-up included, and the kit must leave time to run once more). Each step runs in processes
+run.sh installs the carried wheels and calls this. The steps come in two parts, one device call
+each (--part 1, the default, then --part 2). It prints its plan first: each step, its time cap
+and the budget they add up to (380 s a part by default: a lent GPU has 15 minutes in all,
+start-up included, and two calls with their start-ups must fit). Each step runs in processes
 of its own, is killed at its cap, and writes OUT_DIR/steps/STEP.json and OUT_DIR/logs/STEP.log;
 OUT_DIR/kit.json (every step) and OUT_DIR/summary.md (the tables) are rewritten after each
 step, so a kit stopped from outside still leaves what it measured. A step that fails is
@@ -37,8 +38,8 @@ sys.path.insert(0, str(HERE))
 import measurements  # noqa: E402  (benchmarks/gpu/, beside this file)
 import tables  # noqa: E402
 
-# The caps in measurements.STEPS add up to this; --budget scales them all.
-DEFAULT_BUDGET_S = 420
+# Each part's caps in measurements.STEPS add up to this; --budget scales them.
+DEFAULT_BUDGET_S = 380
 # A CPU runs the dry run's tiny steps slower than a GPU runs the real ones.
 DRY_RUN_BUDGET_S = 1200
 # Below this a step is not started: it could not load a model, let alone measure.
@@ -75,7 +76,10 @@ class Kit:
 
     def env(self, **extra: str) -> dict[str, str]:
         base = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                "COLUMNS": "80", "LLMCUSTOMS_CACHE_DIR": str(self.work / "cache")}
+                "COLUMNS": "80", "LLMCUSTOMS_CACHE_DIR": str(self.work / "cache"),
+                # hooks/sitecustomize.py: a process killed at its cap first writes its stacks here
+                "KIT_STACKS": str(self.out / "logs" / "stacks"),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "hooks"), os.environ.get("PYTHONPATH")]))}
         if self.dry_run:
             base["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU path, also on a machine with a GPU
         return {**base, **extra}
@@ -100,8 +104,9 @@ class Kit:
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the process group, then SIGKILL: a training run checkpoints on SIGTERM, and the kit waits 5 s at most."""
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    """SIGUSR1 (each Python process writes its stacks: hooks/sitecustomize.py), then SIGTERM to
+    the process group, then SIGKILL: a training run checkpoints on SIGTERM, and the kit waits 5 s at most."""
+    for sig, grace in ((signal.SIGUSR1, 1.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -113,11 +118,15 @@ def stop_group(process: subprocess.Popen) -> None:
             continue
 
 
-def caps(budget_s: float) -> dict[str, float]:
-    """Each step's cap at this budget: the table's, scaled so that they add up to the budget."""
-    total = sum(step.cap_s for step in measurements.STEPS)
-    assert total <= DEFAULT_BUDGET_S, f"the steps' caps add up to {total} s, over the {DEFAULT_BUDGET_S} s budget"
-    return {step.name: step.cap_s * budget_s / DEFAULT_BUDGET_S for step in measurements.STEPS}
+def caps(budget_s: float, chosen: list[measurements.Step] | None = None) -> dict[str, float]:
+    """Each chosen step's cap at this budget: the table's, scaled so that the chosen steps' caps
+    add up to the budget (with --only, the steps left out give their time to those that run)."""
+    for part in measurements.PARTS:
+        total = sum(step.cap_s for step in measurements.STEPS if part in step.parts)
+        assert total <= DEFAULT_BUDGET_S, f"part {part}'s caps add up to {total} s, over the {DEFAULT_BUDGET_S} s budget"
+    steps = chosen or measurements.STEPS
+    share = sum(step.cap_s for step in steps)
+    return {step.name: step.cap_s * budget_s / share for step in steps}
 
 
 def print_plan(kit: Kit, chosen: list[measurements.Step], step_caps: dict[str, float]) -> None:
@@ -181,6 +190,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, help=f"seconds for the whole kit (default {DEFAULT_BUDGET_S}; "
                         f"{DRY_RUN_BUDGET_S} in a dry run)")
     parser.add_argument("--dry-run", action="store_true", help="on this CPU with tiny shapes, skipping CUDA-only steps")
+    parser.add_argument("--part", type=int, choices=measurements.PARTS,
+                        help="which device call this is (default 1; the dry run runs both)")
     parser.add_argument("--only", action="append", choices=[s.name for s in measurements.STEPS],
                         help="run these steps (repeatable); the models step runs whenever a chosen step needs it")
     parser.add_argument("--data", type=Path, help="chat or instruction rows (default: .gpukit/data/code_alpaca_2k.json)")
@@ -196,8 +207,9 @@ def main() -> None:
     if not kit.data.exists():
         parser.error(f"no data at {kit.data}: run benchmarks/gpu/prepare.sh first, or give --data")
     work.mkdir(parents=True, exist_ok=True)
-    chosen = measurements.chosen(args.only)
-    step_caps = caps(kit.budget_s)
+    part = args.part or (None if args.dry_run else 1)
+    chosen = measurements.chosen(args.only, part)
+    step_caps = caps(kit.budget_s, chosen)
     print_plan(kit, chosen, step_caps)
     results: list[dict] = []
     for step in chosen:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU kit, part 2 (on the GPU machine): every GPU claim measured in one call, inside a budget.
 #
-#   bash benchmarks/gpu/run.sh OUT_DIR [--budget SECONDS] [--only STEP ...]   on a GPU, after prepare.sh here
-#   bash benchmarks/gpu/run.sh --dry-run OUT_DIR                              here, on a CPU, tiny shapes
+#   bash benchmarks/gpu/run.sh OUT_DIR [--part 1|2] [--budget SECONDS] [--only STEP ...]   on a GPU, after prepare.sh
+#   bash benchmarks/gpu/run.sh --dry-run OUT_DIR                                        here, on a CPU, tiny shapes
 #
 # Installs the wheels prepare.sh put in .gpukit/wheels into a temporary site (the machine has no
 # registry; --no-deps: wheels.txt names every package), then runs benchmarks/gpu/kit.py, which
-# prints its plan (each step's time cap, the budget: 420 s by default), writes OUT_DIR/steps/STEP.json,
+# prints its plan (each step's time cap, the budget: 380 s a part by default; part 1, then
+# part 2 in a second call), writes OUT_DIR/steps/STEP.json,
 # OUT_DIR/logs/STEP.log, OUT_DIR/kit.json and OUT_DIR/summary.md after every step, and ends
 # inside the budget. A step that fails is recorded and the next one runs. The dry run installs
 # nothing: it uses this machine's environment (the project's own venv).

@@ -26,7 +26,7 @@ OTHER_ESCAPE = re.compile(r"\x1b[\]()][^\x07\x1b]*(\x07|\x1b\\)?")
 def run_in_terminal(argv: list[str], env: dict[str, str], cwd: Path, deadline: float, transcript: Path,
                     columns: int = 80, rows: int = 30) -> tuple[int | None, bool]:
     """Runs `argv` on a pseudo-terminal of `columns` x `rows` until it ends or `deadline`
-    (then its process group gets SIGTERM, and SIGKILL 5 s later); the raw output goes to
+    (then its process group gets SIGUSR1 for its stacks, SIGTERM, and SIGKILL 5 s later); the raw output goes to
     `transcript`. Returns (exit code or None, timed out)."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
@@ -40,6 +40,8 @@ def run_in_terminal(argv: list[str], env: dict[str, str], cwd: Path, deadline: f
             now = time.time()
             if now >= deadline and sent is None:
                 timed_out, sent = True, now
+                os.killpg(process.pid, signal.SIGUSR1)  # the kit's hooks/sitecustomize.py: stacks first
+                time.sleep(1.0)
                 os.killpg(process.pid, signal.SIGTERM)
             elif sent is not None and now - sent > 5:
                 os.killpg(process.pid, signal.SIGKILL)

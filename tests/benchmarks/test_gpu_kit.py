@@ -25,11 +25,27 @@ import screen  # noqa: E402
 import slim_wheel  # noqa: E402
 
 
-def test_the_caps_fit_the_budget_and_scale_with_it():
-    caps = kit.caps(kit.DEFAULT_BUDGET_S)
-    assert set(caps) == {s.name for s in measurements.STEPS}
-    assert sum(caps.values()) <= kit.DEFAULT_BUDGET_S <= 8 * 60  # the kit's promise: 8 minutes on one H100
-    assert kit.caps(210)["throughput_lora"] == pytest.approx(caps["throughput_lora"] / 2)
+def test_each_part_fits_the_budget_and_its_caps_scale_with_it():
+    # Two calls of the budget, each with a start of about 45 s, must fit 15 minutes of device time.
+    assert 2 * (kit.DEFAULT_BUDGET_S + 45) <= 15 * 60
+    every = set()
+    for part in measurements.PARTS:
+        steps = measurements.chosen(None, part)
+        caps = kit.caps(kit.DEFAULT_BUDGET_S, steps)
+        assert sum(caps.values()) == pytest.approx(kit.DEFAULT_BUDGET_S)
+        assert {"env", "models"} <= set(caps)  # the card named in each part's summary
+        every |= set(caps)
+        halved = kit.caps(kit.DEFAULT_BUDGET_S / 2, steps)
+        assert all(halved[name] == pytest.approx(cap / 2) for name, cap in caps.items())
+    assert every == {s.name for s in measurements.STEPS}  # no step left out of both parts
+
+
+def test_steps_chosen_by_name_get_the_time_of_those_left_out():
+    steps = measurements.chosen(["cuda_oom"])
+    assert [s.name for s in steps] == ["env", "models", "cuda_oom"]
+    caps = kit.caps(100, steps)
+    assert sum(caps.values()) == pytest.approx(100)
+    assert caps["cuda_oom"] > kit.caps(kit.DEFAULT_BUDGET_S)["cuda_oom"] * 100 / kit.DEFAULT_BUDGET_S
 
 
 def test_a_step_past_its_cap_is_killed_with_its_children_and_the_kit_goes_on(tmp_path):
