@@ -215,6 +215,11 @@ def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_earl
                                        f"train loss fell {change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
         if stopped_early:  # eval loss rose while train loss fell: more of the same would overfit
             return
+        if "forgetting" in report.recommended:  # the two verdicts pull apart: say how to have both
+            report.recommend("longer", "the loss was still falling at the end, but more epochs would also wear away "
+                                       "more of what the base model knew (see the general questions): to learn more "
+                                       "of your data, add rows of it rather than epochs")
+            return
         report.recommend("longer", f"the loss was still falling at the end: try --epochs {plan.epochs * 2:g} "
                                    f"(or --max-steps {plan.total_steps * 2})")
     elif change < -STILL_FALLING:

@@ -70,6 +70,23 @@ def test_report_flags_a_trained_model_that_answers_clearly_fewer_and_says_what_t
     assert any("LoRA instead of full fine-tuning (--method lora)" in r for r in analyse(full).recommendations)
 
 
+def test_report_never_asks_for_more_epochs_and_fewer_epochs_at_once(tmp_path, plan):
+    """A loss still falling at the end and a model that forgot: "try --epochs 8" beside "fewer
+    epochs" was the identity benchmark's report; more epochs would forget more."""
+    run = written_run(tmp_path, plan, samples([True] * 3, [True] * 3), {"general_knowledge": scores(49, 31)})
+    for step in range(9, 41):  # a loss that keeps falling, past the steps a convergence verdict needs
+        run.append_metrics({"step": step, "loss": 3.0 - step * 0.05, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 900})
+    report = analyse(run)
+    assert {f.topic: f.verdict for f in report.findings}["convergence"] == "still falling"
+    said = " ".join(report.recommendations)
+    assert f"--epochs {plan.epochs / 2:g}" in said and f"--epochs {plan.epochs * 2:g}" not in said
+    assert "add rows of it rather than epochs" in said
+    alone = written_run(tmp_path / "kept", plan, samples([True] * 3, [True] * 3), {"general_knowledge": scores(49, 48)})
+    for step in range(9, 41):
+        alone.append_metrics({"step": step, "loss": 3.0 - step * 0.05, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 900})
+    assert f"--epochs {plan.epochs * 2:g}" in " ".join(analyse(alone).recommendations)  # nothing forgotten: longer
+
+
 @pytest.mark.parametrize("base, trained, verdict", [(44, 42, "about as many as the base model"), (44, 44, "kept"),
                                                     (40, 47, "kept"), (44, None, "44/67 right")])
 def test_report_says_the_scores_without_advice_when_they_are_close(tmp_path, plan, base, trained, verdict):
