@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from llmcustoms.planning.duration import GPU_MFU, QLORA_SLOWDOWN, human_duration  # noqa: E402
+from llmcustoms.planning.duration import GPU_MFU, GPU_SECONDS_PER_LAYER_PASS, QLORA_SLOWDOWN, human_duration  # noqa: E402
 from llmcustoms.errors import ConfigError  # noqa: E402
 from llmcustoms.planning.hardware import GIB, Gpu, Hardware  # noqa: E402
 from llmcustoms.models.loading import choice_from_spec  # noqa: E402
@@ -184,7 +184,9 @@ def intro() -> str:
         "ckpt: gradient checkpointing.",
         "- 1 epoch: the planner's rough estimate of one pass with its evaluations, before any speed is measured "
         f"here: the model's FLOPs per token at {GPU_MFU:.0%} of the card's nominal bf16 tensor-core peak "
-        f"({QLORA_SLOWDOWN:g}x for QLoRA); loading the model and the data is not counted.",
+        f"({QLORA_SLOWDOWN:g}x for QLoRA), or {GPU_SECONDS_PER_LAYER_PASS * 1000:g} ms per layer per micro-batch "
+        "when that is longer (a small model's step is bound by kernel launches: measured on an H200); loading "
+        "the model and the data is not counted.",
     ])
 
 

@@ -23,6 +23,12 @@ from llmcustoms.planning.presets import ModelSpec
 
 # Share of the GPU's tensor-core peak a fine-tuning step reaches (model FLOPs utilisation).
 GPU_MFU = 0.35
+# Below that, a small model's step on a GPU is bound by kernel launches and Python, not by
+# FLOPs: 10-18 ms per layer per micro-batch (forward and backward) measured on an H200 for
+# LoRA on TinyLlama-1.1B's and Qwen2.5-0.5B's shapes, where the FLOPs alone said 25 ms a
+# step and it took 250-450 ms (benchmarks/results/gpu-h200-2026-11-27). The launches run
+# while the card computes, so the slower of the two is the time.
+GPU_SECONDS_PER_LAYER_PASS = 0.012
 # Effective FLOP/s per CPU core in fp32 training steps: 42-44 GFLOP/s measured
 # on the reference machine (2 AVX-512 cores; LoRA and full fine-tuning of a
 # 45M-parameter Llama at 512 tokens). Rounded down for smaller machines.
@@ -54,9 +60,10 @@ def _computed_params(arch: ModelSpec) -> int:
 
 
 def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, tokens: float, hardware: Hardware,
-                     eval_tokens: float = 0.0, threads: int = 0) -> float:
+                     eval_tokens: float = 0.0, threads: int = 0, passes: float = 0.0) -> float:
     """Training `tokens` plus `eval_tokens` (a forward only: 2N of a training token's FLOPs),
-    with `threads` CPU threads in all (0: an idle machine's thread per core)."""
+    with `threads` CPU threads in all (0: an idle machine's thread per core). `passes`: the
+    micro-batches trained (an evaluation batch counts a third), which floor a GPU's time."""
     per_token = flops_per_token(arch, method, gradient_checkpointing)
     work = tokens + eval_tokens * 2 * _computed_params(arch) / per_token  # in training tokens
     measured = hardware.measured_speed(arch.hub_id, method)  # an idle machine's (`runs/speeds.py`)
@@ -66,24 +73,28 @@ def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool,
         rate = hardware.peak_tflops * 1e12 * GPU_MFU
     else:
         rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores * (CPU_BF16_SPEEDUP[method] if hardware.cpu_bf16 else 1.0)
-    seconds = work * per_token / rate * slowdown(hardware, threads)
-    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+    seconds = work * per_token / rate * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+    if hardware.has_gpu:
+        seconds = max(seconds, passes * arch.num_layers * GPU_SECONDS_PER_LAYER_PASS)
+    return seconds * slowdown(hardware, threads)
 
 
 def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
                      gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
-                     evaluations: int, threads: int = 0) -> float:
+                     evaluations: int, threads: int = 0, micro_batch: int = 1) -> float:
     """Notes the rows truncation cuts or drops; returns the estimated seconds of
     training and evaluating (`evaluations` passes over the evaluation rows) with
-    `threads` CPU threads in all (`cpu_share.choose_threads`; 0 on a GPU)."""
+    `threads` CPU threads in all (`cpu_share.choose_threads`; 0 on a GPU), in
+    micro-batches of `micro_batch` rows."""
     truncated = stats.rows_truncated(max_seq_len)
     if truncated:
         reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
                        + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
                           if train_rows < stats.train_rows else ""))
     length = stats.mean_length(max_seq_len)
+    passes = (rows_trained + evaluations * stats.eval_rows / 3) / max(1, micro_batch)
     seconds = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
-                               evaluations * stats.eval_rows * length, threads)
+                               evaluations * stats.eval_rows * length, threads, passes)
     reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
                                    busy_text(hardware, threads)))
     return seconds

@@ -420,7 +420,7 @@ class Planner:
         seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
                                    batch.gradient_checkpointing, max_seq_len, train_rows,
                                    round(schedule.total_steps * effective * work), evaluations * evaluation_work,
-                                   threads * world_size)
+                                   threads * world_size, micro)
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source

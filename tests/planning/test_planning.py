@@ -130,6 +130,23 @@ def test_full_fine_tuning_of_a_small_model_on_a_big_card():
     assert memory["weights_bytes"] + memory["gradients_bytes"] + memory["optimizer_bytes"] == 16 * params
 
 
+def test_a_small_model_on_a_big_gpu_is_timed_by_its_launches_not_its_flops():
+    """On an H200 a LoRA step of Qwen2.5-0.5B's shape took 250-450 ms where its FLOPs said a few
+    ms, and the plan said 0.4 s for 20 steps that took 10 (the GPU kit, 2026-11-27)."""
+    from llmcustoms.planning.duration import GPU_SECONDS_PER_LAYER_PASS
+
+    h200 = Hardware.with_gpu(140, name="NVIDIA H200", compute_capability=(9, 0))
+    plan = plan_for(h200, "Qwen/Qwen2.5-0.5B-Instruct", {"max_steps": 20})
+    layers = find_model_spec("Qwen/Qwen2.5-0.5B-Instruct", FAMILIES).num_layers
+    launches = 20 * plan.grad_accum * layers * GPU_SECONDS_PER_LAYER_PASS
+    assert launches <= plan.estimated_seconds < 3 * launches  # evaluations add a third of a pass a batch
+    # A 7B on a small card runs long micro-batches: there the FLOPs are the slower, and they decide.
+    big = plan_for(MACHINES["24GB"], "mistralai/Mistral-7B-Instruct-v0.3", {"max_steps": 20})
+    big_launches = 20 * big.grad_accum * find_model_spec("mistralai/Mistral-7B-Instruct-v0.3",
+                                                          FAMILIES).num_layers * GPU_SECONDS_PER_LAYER_PASS
+    assert big.estimated_seconds > 2 * big_launches
+
+
 def test_gradient_checkpointing_only_when_needed():
     roomy = plan_for(MACHINES["80GB"], "Qwen/Qwen2.5-0.5B-Instruct")
     assert not roomy.gradient_checkpointing
