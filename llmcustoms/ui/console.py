@@ -255,10 +255,15 @@ def machine_table(hardware: Any) -> Table:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
-    for i, gpu in enumerate(hardware.gpus):
-        table.add_row(f"GPU {i}", Parts([f"{gpu.name}: {_gib(gpu.total_bytes)} ({_gib(gpu.free_bytes)} free)",
-                                         "compute capability {}.{}".format(*gpu.compute_capability),
-                                         f"bf16 {'yes' if gpu.supports_bf16 else 'no'}"], sep=", "))
+    for first, same in _alike_gpus(hardware.gpus):
+        gpu = same[0]
+        least, most = min(g.free_bytes for g in same), max(g.free_bytes for g in same)
+        free = _gib(least) if least == most else f"{_gib(least)} to {_gib(most)}"
+        size = (f"{gpu.name}: {_gib(gpu.total_bytes)} ({free} free)" if len(same) == 1 else
+                f"{len(same)} x {gpu.name}: {_gib(gpu.total_bytes)} each ({free} free)")
+        label = f"GPU {first}" if len(same) == 1 else f"GPUs {first}-{first + len(same) - 1}"
+        table.add_row(label, Parts([size, "compute capability {}.{}".format(*gpu.compute_capability),
+                                    f"bf16 {'yes' if gpu.supports_bf16 else 'no'}"], sep=", "))
     if not hardware.gpus:
         table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
     bf16 = f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""
@@ -266,6 +271,19 @@ def machine_table(hardware: Any) -> Table:
     table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
     table.add_row("precision", PRECISION_LABELS.get(hardware.mixed_precision, hardware.mixed_precision))
     return table
+
+
+def _alike_gpus(gpus: Any) -> list[tuple[int, list[Any]]]:
+    """Runs of the same card (name, size, compute capability), with the index of the first:
+    a machine of eight alike GPUs is one row, and `hardware` stays within a screen."""
+    runs: list[tuple[int, list[Any]]] = []
+    for i, gpu in enumerate(gpus):
+        key = (gpu.name, gpu.total_bytes, gpu.compute_capability)
+        if runs and (runs[-1][1][0].name, runs[-1][1][0].total_bytes, runs[-1][1][0].compute_capability) == key:
+            runs[-1][1].append(gpu)
+        else:
+            runs.append((i, [gpu]))
+    return runs
 
 
 # A line at 80 columns, under the table.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from llmcustoms.planning.fitting import fit_table
-from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.hardware import Gpu, Hardware
 from llmcustoms.planning.presets import load_families
 from llmcustoms.ui.train_view import RichReporter
 from llmcustoms.ui.tune_view import trials_table
@@ -222,6 +223,20 @@ def test_hardware_at_80_columns_fits_a_screen(hardware, where):
     gpu = ["NVIDIA H100 80GB HBM3", "79.19 GiB", "compute capability 9.0", "bf16 yes"] if hardware.has_gpu else []
     for value in gpu + ["CPU cores", "RAM", "precision", "Mistral-7B-Instruct-v0.3", "7.2B", where]:
         assert any(value in line for line in lines), f"{value!r} not whole:\n{text}"
+
+
+def test_eight_alike_gpus_are_one_row_and_a_different_one_its_own():
+    h100 = H100.gpus[0]
+    busy = replace(h100, free_bytes=h100.free_bytes - 10 * 1024 ** 3)
+    l4 = Gpu("NVIDIA L4", int(22.5 * 1024 ** 3), int(22.5 * 1024 ** 3), (8, 9))
+    eight = replace(H100, gpus=(h100,) * 3 + (busy,) + (h100,) * 4)
+    text = show_hardware(80, eight, "download")
+    lines = assert_fits(text, 80)
+    assert len(lines) <= 23, f"{len(lines)} lines:\n{text}"
+    assert any("GPUs 0-7" in line and "8 x NVIDIA H100 80GB HBM3" in line for line in lines), text
+    assert any("69.19 GiB to 79.19 GiB free" in line for line in lines), text
+    mixed = show_hardware(80, replace(H100, gpus=(h100, h100, l4)), "download")
+    assert "GPUs 0-1" in mixed and "GPU 2" in mixed and "NVIDIA L4: 22.50 GiB (22.50 GiB free)" in mixed, mixed
 
 
 def test_hardware_at_200_columns_shows_everything():
