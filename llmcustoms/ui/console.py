@@ -245,9 +245,9 @@ def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
                       "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
     elif len(hardware.gpus) > 1:
         n = len(hardware.gpus)
-        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; "
-                      f"full fine-tuning of a model one card cannot hold shards with `--distributed fsdp` "
-                      f"(`llmcustoms plan DATA --num-processes {n} --distributed fsdp` shows the fit).")
+        # Two lines at 80 columns: with the table, `hardware` stays within a screen.
+        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; a "
+                      f"model one card cannot hold trains sharded with `--distributed fsdp`.")
 
 
 def machine_table(hardware: Any) -> Table:
@@ -259,10 +259,10 @@ def machine_table(hardware: Any) -> Table:
         gpu = same[0]
         least, most = min(g.free_bytes for g in same), max(g.free_bytes for g in same)
         free = _gib(least) if least == most else f"{_gib(least)} to {_gib(most)}"
-        size = (f"{gpu.name}: {_gib(gpu.total_bytes)} ({free} free)" if len(same) == 1 else
-                f"{len(same)} x {gpu.name}: {_gib(gpu.total_bytes)} each ({free} free)")
+        size = ([f"{gpu.name}: {_gib(gpu.total_bytes)} ({free} free)"] if len(same) == 1 else
+                [f"{len(same)} x {gpu.name}", f"{_gib(gpu.total_bytes)} each", f"{free} free"])
         label = f"GPU {first}" if len(same) == 1 else f"GPUs {first}-{first + len(same) - 1}"
-        table.add_row(label, Parts([size, "compute capability {}.{}".format(*gpu.compute_capability),
+        table.add_row(label, Parts([*size, "compute capability {}.{}".format(*gpu.compute_capability),
                                     f"bf16 {'yes' if gpu.supports_bf16 else 'no'}"], sep=", "))
     if not hardware.gpus:
         table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))

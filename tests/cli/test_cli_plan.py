@@ -125,7 +125,7 @@ def test_hardware_with_several_gpus_says_how_to_use_them(monkeypatch):
     monkeypatch.setattr(hardware, "detect", lambda: replace(one, gpus=one.gpus * 4))
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # and a torch that can use them
     shown = flat(invoke("hardware").output)
-    assert "GPU 3" in shown and "4 GPUs: the table is for one of them" in shown
+    assert "GPUs 0-3" in shown and "4 x H100" in shown and "4 GPUs: the table is for one of them" in shown
     assert "--num-processes 4" in shown and "--distributed fsdp" in shown
 
 

@@ -235,6 +235,7 @@ def test_eight_alike_gpus_are_one_row_and_a_different_one_its_own():
     assert len(lines) <= 23, f"{len(lines)} lines:\n{text}"
     assert any("GPUs 0-7" in line and "8 x NVIDIA H100 80GB HBM3" in line for line in lines), text
     assert any("69.19 GiB to 79.19 GiB free" in line for line in lines), text
+    assert any("--num-processes 8" in line for line in lines) and "--distributed fsdp" in text
     mixed = show_hardware(80, replace(H100, gpus=(h100, h100, l4)), "download")
     assert "GPUs 0-1" in mixed and "GPU 2" in mixed and "NVIDIA L4: 22.50 GiB (22.50 GiB free)" in mixed, mixed
 
