@@ -6,7 +6,7 @@
 No GPU needed. In a subprocess per configuration, the model is built on the meta
 device and set up by llmcustoms' own `loading.load_model` (frozen base in
 `weights_dtype`, use_cache off, gradient checkpointing, `attach_lora` all-linear
-r16; for QLoRA NF4 weights and `prepare_model_for_kbit_training`); then every
+r16; for QLoRA NF4 weights, the rest in 16 bits as for LoRA); then every
 weight becomes a fake tensor (FakeTensorMode: shape, dtype, storage size, no
 data). Two optimizer steps run as `FineTuner` runs them on a GPU: rows of exactly
 seq_len random tokens (`batching.collate`), `sft.select_logits`, the plan's

@@ -302,15 +302,13 @@ def load_model(plan: Plan, device_index: int | None = None) -> Any:
         use_varlen_attention(model)
     if plan.method == "qlora":
         _keep_4bit_layout_trainable(model)
+    # QLoRA is prepared as LoRA is, not by PEFT's prepare_model_for_kbit_training: that casts
+    # every weight that is not 4-bit (embeddings, head, norms) to fp32, which keeps the residual
+    # stream and the MLP's saved tensors in fp32 too. On an H200 such a step peaked at 1.56x the
+    # same step's with them in 16 bits (docs/benchmarks.md). They are frozen either way, and
+    # attaching the adapter freezes the rest.
     checkpointing_kwargs = {"use_reentrant": False}
-    if plan.method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        sixteen_bit = {name: p.dtype for name, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)}
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs=checkpointing_kwargs)
-        _back_to_16_bit(model, sixteen_bit)
-    elif plan.gradient_checkpointing:
+    if plan.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
         model.enable_input_require_grads()
     if plan.method == "full":
@@ -364,16 +362,6 @@ def attach_lora(model: Any, plan: Plan) -> Any:
     except ValueError as exc:
         raise ModelError(f"Cannot attach LoRA to this model: {exc}",
                          "The model's layer names differ from its family's; check `lora_target_modules` in presets/.") from None
-
-
-def _back_to_16_bit(model: Any, dtypes: dict[str, Any]) -> None:
-    """prepare_model_for_kbit_training casts every weight that is not 4-bit (embeddings, head,
-    norms) to fp32, which keeps the residual stream and the MLP's saved tensors in fp32 too:
-    on an H200 that step's peak was 1.56x the same step's with them in 16 bits
-    (docs/benchmarks.md). They are frozen: back to the dtype they were loaded in, as LoRA has them."""
-    for name, param in model.named_parameters():
-        if name in dtypes and param.dtype != dtypes[name]:
-            param.data = param.data.to(dtypes[name])
 
 
 def _keep_4bit_layout_trainable(model: Any) -> None:
