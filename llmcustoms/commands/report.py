@@ -130,8 +130,9 @@ def analyse(run: RunDirectory) -> RunReport:
             report.recommend(change, text)
     else:
         _quality(report, plan, status, evals)
-    for findings, advice in (stop_findings(report.samples, status, plan.data_report, plan.epochs),
-                             forgetting_findings(status.get("general_knowledge"), plan)):
+    forgetting = forgetting_findings(status.get("general_knowledge"), plan)
+    stopping = stop_findings(report.samples, status, plan.data_report, plan.epochs, forgot=bool(forgetting[1]))
+    for findings, advice in (stopping, forgetting):
         report.findings += [Finding(*finding) for finding in findings]
         for change, text in advice:
             report.recommend(change, text)

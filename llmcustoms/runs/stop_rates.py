@@ -71,10 +71,12 @@ def untrained_warnings(status: dict[str, Any]) -> list[str]:
 
 
 def stop_findings(entries: list[dict[str, Any]], status: dict[str, Any], data_report: dict[str, Any],
-                  epochs: float) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+                  epochs: float, forgot: bool = False) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
     """`report`'s findings (topic, verdict, detail) on stopping, and its advice
     (what it changes, text): the stop rate, the rows whose replies do not learn
-    the end token, and the stop tokens the base model had not learned."""
+    the end token, and the stop tokens the base model had not learned. `forgot`:
+    the run answers clearly fewer general questions than its base model, so the
+    advice asks for more rows, never more epochs (they would wear away more)."""
     token, missing = end_token(status), _rows_without_end_token(data_report)
     findings = [] if missing is None else [("end token", f"not learned by {missing['rows']:,} rows",
                                              end_token_line(missing))]
@@ -99,7 +101,9 @@ def stop_findings(entries: list[dict[str, Any]], status: dict[str, Any], data_re
                 f"{base}): it has not learned where a reply ends, and may run on to the token limit. "
                 + (f"Likely why: {why}. " if why else "")
                 + f"Check that the data's replies end with {token} (`llmcustoms plan DATA` warns when a reply does not "
-                f"learn it) and are not cut by --max-seq-len; then train longer (--epochs {epochs * 2:g})")
+                f"learn it) and are not cut by --max-seq-len; then "
+                + ("give it more rows rather than more epochs, which would also wear away more of what the base "
+                   "model knew (see the general questions)" if forgot else f"train longer (--epochs {epochs * 2:g})"))
     return [("stopping", "stops less than the base model", detail), *findings], [("stopping", stopping), *advice]
 
 

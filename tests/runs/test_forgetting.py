@@ -87,6 +87,16 @@ def test_report_never_asks_for_more_epochs_and_fewer_epochs_at_once(tmp_path, pl
     assert f"--epochs {plan.epochs * 2:g}" in " ".join(analyse(alone).recommendations)  # nothing forgotten: longer
 
 
+def test_stopping_advice_asks_for_rows_not_epochs_when_the_model_forgot(tmp_path, plan):
+    """Replies that no longer stop call for more training; a model that forgot must not get more epochs for it."""
+    forgot = written_run(tmp_path, plan, samples([True] * 3, [False] * 3), {"general_knowledge": scores(49, 31)})
+    said = " ".join(analyse(forgot).recommendations)
+    assert "ends fewer sample replies" in said and "more rows rather than more epochs" in said
+    assert f"--epochs {plan.epochs * 2:g}" not in said and f"--epochs {plan.epochs / 2:g}" in said
+    kept = written_run(tmp_path / "kept", plan, samples([True] * 3, [False] * 3), {"general_knowledge": scores(49, 48)})
+    assert f"train longer (--epochs {plan.epochs * 2:g})" in " ".join(analyse(kept).recommendations)
+
+
 @pytest.mark.parametrize("base, trained, verdict", [(44, 42, "about as many as the base model"), (44, 44, "kept"),
                                                     (40, 47, "kept"), (44, None, "44/67 right")])
 def test_report_says_the_scores_without_advice_when_they_are_close(tmp_path, plan, base, trained, verdict):
