@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.recovery.stop_signals import StopRequested
+from llmcustoms.training.base_replies import answers_key, keep_answers, kept_answers
 from llmcustoms.runs.disk_writes import replace_file
 
 QUESTIONS_FILE = Path(__file__).with_name("general_questions.json")
@@ -140,18 +141,25 @@ class GeneralKnowledge:
         self.tokenizer, self.plan, self.run_dir, self.warn = tokenizer, plan, run_dir, warn
         self.questions = load_questions() if questions is None else questions
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.reused = False  # whether the last answers were the base model's, kept from an earlier run
 
     def score(self, model: Any, step: int, label: str, stopped: Callable[[], bool] = lambda: False,
               counted: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any] | None:
         """`model`'s score (in eval mode while answering), recorded under `label`
         and returned; None, with a warning, if answering fails (out of memory,
         ...), and None, silently, once `stopped()` says so. `counted`: as in `answer_questions`."""
-        started = time.perf_counter()
+        started, self.reused = time.perf_counter(), False
         was_training = model.training
         model.eval()
+        questions = [q.question for q in self.questions]
         try:
-            replies = answer_questions(model, self.tokenizer, self.plan, [q.question for q in self.questions],
-                                       self.max_new_tokens, self.batch_size, stopped, counted)
+            key = answers_key("general", self.plan, self.tokenizer, model, questions,
+                              {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size}
+                              ) if label == "base" else None
+            kept = kept_answers(self.run_dir.path.parent, key, len(questions))
+            self.reused = kept is not None and all(isinstance(reply, str) for reply in kept[0])
+            replies = kept[0] if self.reused else answer_questions(
+                model, self.tokenizer, self.plan, questions, self.max_new_tokens, self.batch_size, stopped, counted)
         except StopRequested:
             return None
         except Exception as error:  # noqa: BLE001 - whatever it was, training goes on
@@ -161,8 +169,12 @@ class GeneralKnowledge:
             model.train(was_training)
         rows = [{"step": step, "label": label, "question": q.question, "reply": reply,
                  "right": is_right(reply, q.answers)} for q, reply in zip(self.questions, replies)]
-        score = {"right": sum(r["right"] for r in rows), "asked": len(rows),
-                 "seconds": round(time.perf_counter() - started, 2)}
+        seconds = kept[1] if self.reused else round(time.perf_counter() - started, 2)
+        score = {"right": sum(r["right"] for r in rows), "asked": len(rows), "seconds": seconds}
+        if self.reused:
+            score["reused"] = True  # `seconds`: what generating them took in the run that kept them
+        elif self.run_dir.writable:
+            keep_answers(self.run_dir.path.parent, key, replies, seconds)
         self._record(label, score, rows)
         return score
 

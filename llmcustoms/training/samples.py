@@ -34,6 +34,7 @@ from llmcustoms.data.dataset import usable_examples
 from llmcustoms.data.row_formats import Example
 from llmcustoms.recovery.stop_signals import StopRequested
 from llmcustoms.reporting import Reporter
+from llmcustoms.training.base_replies import FOLDER, answers_key, keep_answers, kept_answers
 from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS, GeneralKnowledge, general_check
 
 SAMPLE_PROMPTS = 3
@@ -118,6 +119,7 @@ class SampleReplies:
         self.max_new_tokens = max_new_tokens
         self.warn = warn
         self.seconds: float | None = None  # how long answering took last time
+        self.reused = False  # whether the last answers were the base model's, kept from an earlier run
 
     def answer_in_run(self, processes: Any, model: Any, step: int, label: str, reporter: Reporter,
                       due: bool = True) -> None:
@@ -139,6 +141,9 @@ class SampleReplies:
                 reporter.activity(questions)
                 self.general.score(processes.accelerator.unwrap_model(model), step, label, stopped,
                                    lambda done, total: reporter.count(f"{questions}, token", done, total))
+            if self.reused or (self.general is not None and self.general.reused):
+                reporter.message("the base model's answers: reused from an earlier run with the same model, prompts "
+                                 f"and settings ({self.run_dir.path.parent / FOLDER})")
             reporter.activity(None)
         processes.accelerator.wait_for_everyone()
 
@@ -154,13 +159,16 @@ class SampleReplies:
             if stopped():
                 raise StopRequested
 
-        started = time.perf_counter()
+        started, self.reused = time.perf_counter(), False
         was_training = model.training
         model.eval()
         try:
-            replies: list[tuple[str, bool]] = []
-            counted(0, len(self.prompts))
-            for prompt in self.prompts:
+            key = self._key(model) if label == "base" else None
+            kept = _replies(kept_answers(self.run_dir.path.parent, key, len(self.prompts)))
+            replies = list(kept[0]) if kept else []
+            self.reused = kept is not None
+            counted(len(replies), len(self.prompts))
+            for prompt in self.prompts[len(replies):]:
                 replies.append(reply_and_stop(model, self.tokenizer, self.plan, list(prompt.messages),
                                               self.max_new_tokens, 0.0, token))
                 counted(len(replies), len(self.prompts))
@@ -171,15 +179,30 @@ class SampleReplies:
             return []
         finally:
             model.train(was_training)
-        self.seconds = time.perf_counter() - started
+        # Kept answers bring the time they took: `cheap` judges answering at evaluations by it.
+        self.seconds = kept[1] if kept else time.perf_counter() - started
+        if not kept and self.run_dir.writable:
+            keep_answers(self.run_dir.path.parent, key, [list(reply) for reply in replies], self.seconds)
         rows = [{"step": step, "label": label, "row": p.row, "prompt": p.text, "reply": reply,
                  "reference": p.reference, "stopped": stopped} for p, (reply, stopped) in zip(self.prompts, replies)]
         self.run_dir.append_samples(rows)
         return rows
 
+    def _key(self, model: Any) -> str | None:
+        prompts = [list(p.messages) for p in self.prompts]
+        return answers_key("samples", self.plan, self.tokenizer, model, prompts, {"max_new_tokens": self.max_new_tokens})
+
     def cheap(self, training_seconds: float) -> bool:
         """Whether answering at an evaluation costs little next to `training_seconds`."""
         return bool(self.prompts) and self.seconds is not None and self.seconds <= CHEAP_SHARE * training_seconds
+
+
+def _replies(kept: tuple[list[Any], float] | None) -> tuple[list[tuple[str, bool]], float] | None:
+    """Kept base answers as (reply, stopped) pairs, or None when they are not such pairs."""
+    if kept is None or not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], bool)
+                               for a in kept[0]):
+        return None
+    return [(reply, stopped) for reply, stopped in kept[0]], kept[1]
 
 
 def side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

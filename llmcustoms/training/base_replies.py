@@ -1,0 +1,101 @@
+"""The base model's answers, kept for the next run: the same model, prompts and settings answer the same.
+
+Before its first step a run answers its sample prompts and the forgetting
+check's general questions with the base model (`samples.py`,
+`general_knowledge.py`). That costs 35-45 s on a 2-core CPU for
+SmolLM2-135M and 34 s on an H200 for TinyLlama (more than the 20 steps that
+run trained), in every run, for answers that change only when something they
+depend on does: greedy decoding of the same weights, prompts, chat template,
+precision and device writes the same tokens. So the answers are kept in the
+output directory, `.base-replies/<key>.json` beside the runs (whose
+samples.jsonl already holds the same prompts and replies), and a later run
+with the same key reads them instead of generating.
+
+The key is a hash of everything the answers depend on: the base model's
+files (`plan.model_fingerprint`), the method (QLoRA answers with 4-bit
+weights), the precision, the prompt format and chat template, the stop
+tokens, the prompts, the token limit and batch size, the device and its
+dtype, and the versions of llmcustoms, torch and transformers. A run whose
+base is not the model's files (`--from-run`) or whose files have no
+fingerprint keeps nothing. A kept file that cannot be read, or does not
+match, is a miss: the answers are generated as before. One that cannot be
+written is skipped silently: keeping is a saving, never worth a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from llmcustoms.runs.disk_writes import replace_file
+
+FOLDER = ".base-replies"  # in the output directory, beside the runs
+
+
+def answers_key(kind: str, plan: Any, tokenizer: Any, model: Any, prompts: list[Any], settings: dict[str, Any]
+                ) -> str | None:
+    """The key of `kind`'s ("samples", "general") base answers to `prompts`, or
+    None when they cannot be kept (no fingerprint of the base model's files, or
+    a base that is an earlier run's weights)."""
+    if not getattr(plan, "model_fingerprint", None) or getattr(plan, "from_run", ""):
+        return None
+    import torch
+    import transformers
+
+    import llmcustoms
+    from llmcustoms.models.generation import generation_stops
+
+    device, dtype = _device_and_dtype(model)
+    described = {
+        "kind": kind, "model": plan.model_fingerprint, "method": plan.method, "precision": plan.mixed_precision,
+        "format": [plan.data_format, plan.raw_prompts, bool(plan.data_report)],
+        "template": getattr(tokenizer, "chat_template", None), "stops": sorted(generation_stops(tokenizer, plan)),
+        "prompts": prompts, "settings": settings, "device": device, "dtype": dtype,
+        "versions": [llmcustoms.__version__, torch.__version__, transformers.__version__],
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _device_and_dtype(model: Any) -> tuple[str, str]:
+    """Where the model answers and in what dtype ("cuda:NVIDIA H200", "torch.bfloat16"):
+    greedy tokens can differ between kernels."""
+    import torch
+
+    try:
+        weight = next(model.parameters())
+    except (AttributeError, StopIteration, TypeError):
+        return "unknown", "unknown"
+    device = weight.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return f"{device.type}:{name}", str(weight.dtype)
+
+
+def kept_answers(output_dir: Path, key: str | None, count: int) -> tuple[list[Any], float] | None:
+    """The answers kept under `key`, and the seconds generating them took, when
+    there are `count` of them; None otherwise."""
+    if key is None:
+        return None
+    try:
+        kept = json.loads((output_dir / FOLDER / f"{key}.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(kept, dict):
+        return None
+    answers, seconds = kept.get("answers"), kept.get("seconds")
+    if not isinstance(answers, list) or len(answers) != count or not isinstance(seconds, (int, float)):
+        return None
+    return answers, float(seconds)
+
+
+def keep_answers(output_dir: Path, key: str | None, answers: list[Any], seconds: float) -> None:
+    """Keep `answers` (and the `seconds` they took) under `key` for the next run;
+    nothing when that cannot be written."""
+    if key is None:
+        return
+    try:
+        (output_dir / FOLDER).mkdir(exist_ok=True)
+        replace_file(output_dir / FOLDER / f"{key}.json", json.dumps({"answers": answers, "seconds": seconds}))
+    except OSError:  # a full or read-only disk: the next run generates them again
+        return
