@@ -12,9 +12,12 @@ would run it, through the CLI:
   highspeed      llmcustoms train TRAIN --eval-data VAL --preset highspeed
   quality        ... --preset quality (the default)
   bestaccuracy   ... --preset bestaccuracy
-  tune           llmcustoms tune (--trials, short trials), then train with its
-                 best preset for the same number of steps as `quality` (the
-                 same token budget)
+  tune           llmcustoms tune --trials N (20 by default), each trial as long
+                 as a whole `quality` run (successive halving stops most at a
+                 ninth or a third of it), then train with the preset it wrote
+                 for `quality`'s steps; the row's `found` says what it chose
+                 and what the study cost in `quality` runs. Run again on the
+                 same --work, it continues the study with N more trials.
 
 With --peers, the recipes people copy instead, each on the same training rows
 (`benchmarks/peer_recipes.py` says what each is):
@@ -341,7 +344,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(Path.home() / ".cache/llmcustoms-dev/smollm2-135m-instruct"))
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument("--only", default="", help="dataset:config pairs, comma-separated (default: all)")
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--peers", action="store_true", help="also the peer recipes (see benchmarks/peer_recipes.py)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     parser.add_argument("--work", default=None, help="where runs go (default: a temporary directory)")

@@ -196,6 +196,25 @@ def test_successive_halving_stops_a_poor_trial_at_its_first_rung(tmp_path, prepa
     assert outcome.steps_run == 1 + STEPS < outcome.steps_budgeted == 2 * STEPS
 
 
+def test_trials_are_judged_by_the_eval_loss_train_would_keep_not_the_latest(tmp_path, prepared, rigged):
+    """Both overfit after their best step; the other point's best (0.80 at step 1) beats the
+    preset's (0.90 at step 3), though its latest loss at the second rung (1.2 at step 3)
+    does not. `train` keeps the best evaluation: that is what a trial is worth, at its rungs
+    and at its end."""
+    base_lr = prepared.plan.lr
+    best_at = {base_lr: (3, 0.90), 3 * base_lr: (1, 0.80)}  # step of the lowest loss, and that loss
+    rigged.curve = lambda plan, step: best_at[plan.lr][1] + 0.2 * abs(step - best_at[plan.lr][0])
+    settings = settings_for(tmp_path, 1, confirm=False)
+    tune(prepared, settings)  # the preset's trial
+    study_of(settings).enqueue_trial({**preset_point(prepared.plan), "lr": 3 * base_lr})
+    outcome = tune(prepared, settings_for(tmp_path, 1, confirm=False))
+    preset, other = study_of(settings).trials
+    assert preset.value == pytest.approx(0.90) and other.value == pytest.approx(0.80)
+    assert other.state.name == "COMPLETE" and other.user_attrs["steps"] == STEPS  # 1.2 at step 3: not pruned
+    assert other.intermediate_values[3] == pytest.approx(0.80) and preset.intermediate_values[9] == pytest.approx(0.90)
+    assert [r["best"] for r in outcome.rows] == [False, True]
+
+
 def test_the_presets_trial_is_never_stopped(tmp_path, prepared, rigged):
     base_lr = prepared.plan.lr
     rigged.curve = lambda plan, step: 1.0 + distance(plan.lr, 4 * base_lr)  # the preset is the worst
