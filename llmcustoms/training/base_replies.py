@@ -32,6 +32,9 @@ from typing import Any
 from llmcustoms.runs.disk_writes import replace_file
 
 FOLDER = ".base-replies"  # in the output directory, beside the runs
+# Part of every key: raise it when how the answers are generated or decoded
+# changes (generation.py, general_knowledge.py), so no older answer is read.
+FORMAT = 1
 
 
 def answers_key(kind: str, plan: Any, tokenizer: Any, model: Any, prompts: list[Any], settings: dict[str, Any]
@@ -48,10 +51,16 @@ def answers_key(kind: str, plan: Any, tokenizer: Any, model: Any, prompts: list[
     from llmcustoms.models.generation import generation_stops
 
     device, dtype = _device_and_dtype(model)
+    generation_config = getattr(model, "generation_config", None)
     described = {
-        "kind": kind, "model": plan.model_fingerprint, "method": plan.method, "precision": plan.mixed_precision,
+        "kind": kind, "format_version": FORMAT, "model": plan.model_fingerprint, "method": plan.method,
+        "precision": plan.mixed_precision, "compile": plan.compile,
         "format": [plan.data_format, plan.raw_prompts, bool(plan.data_report)],
-        "template": getattr(tokenizer, "chat_template", None), "stops": sorted(generation_stops(tokenizer, plan)),
+        # the tokenizer's whole definition, template and special tokens (`token_cache.tokenization_cache_key`)
+        "tokenizer": plan.tokens_key, "template": getattr(tokenizer, "chat_template", None),
+        "stops": sorted(generation_stops(tokenizer, plan)),
+        "generation_config": generation_config.to_json_string() if hasattr(generation_config, "to_json_string")
+        else None,
         "prompts": prompts, "settings": settings, "device": device, "dtype": dtype,
         "versions": [llmcustoms.__version__, torch.__version__, transformers.__version__],
     }

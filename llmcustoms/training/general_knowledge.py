@@ -153,10 +153,10 @@ class GeneralKnowledge:
         model.eval()
         questions = [q.question for q in self.questions]
         try:
-            key = answers_key("general", self.plan, self.tokenizer, model, questions,
+            key = answers_key("general", self.plan, self.tokenizer, model, [q + BRIEFLY for q in questions],
                               {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size}
                               ) if label == "base" else None
-            kept = kept_answers(self.run_dir.path.parent, key, len(questions))
+            kept = kept_answers(self.run_dir.path.resolve().parent, key, len(questions))
             self.reused = kept is not None and all(isinstance(reply, str) for reply in kept[0])
             replies = kept[0] if self.reused else answer_questions(
                 model, self.tokenizer, self.plan, questions, self.max_new_tokens, self.batch_size, stopped, counted)
@@ -174,7 +174,7 @@ class GeneralKnowledge:
         if self.reused:
             score["reused"] = True  # `seconds`: what generating them took in the run that kept them
         elif self.run_dir.writable:
-            keep_answers(self.run_dir.path.parent, key, replies, seconds)
+            keep_answers(self.run_dir.path.resolve().parent, key, replies, seconds)
         self._record(label, score, rows)
         return score
 

@@ -14,8 +14,9 @@ with a token generation stops on (EOS, the chat template's end-of-turn token:
 `generation.generation_stops`) before the token limit; the share of replies
 that did is the stop rate (`runs/stop_rates.py`), which the summary, `report`
 and the model card show. Rows written before it have no `stopped`. The
-prompts are the user's data, so they stay in the terminal and the run
-directory; the exported model card never shows them, only the stop rate. In a run with evaluation rows the
+prompts are the user's data, so they stay in the terminal and the output
+directory (the run's, and the base model's kept replies beside it:
+`base_replies.py`); the exported model card never shows them, only the stop rate. In a run with evaluation rows the
 "base" and "trained" answers come with the forgetting check's score
 (`general_knowledge.py`). A sample is a look, never worth the run: a prompt too long
 for the plan's sequence length is not drawn, a failure to answer is a
@@ -141,9 +142,9 @@ class SampleReplies:
                 reporter.activity(questions)
                 self.general.score(processes.accelerator.unwrap_model(model), step, label, stopped,
                                    lambda done, total: reporter.count(f"{questions}, token", done, total))
-            if self.reused or (self.general is not None and self.general.reused):
+            if label == "base" and (self.reused or (self.general is not None and self.general.reused)):
                 reporter.message("the base model's answers: reused from an earlier run with the same model, prompts "
-                                 f"and settings ({self.run_dir.path.parent / FOLDER})")
+                                 f"and settings ({self.run_dir.path.resolve().parent / FOLDER})")
             reporter.activity(None)
         processes.accelerator.wait_for_everyone()
 
@@ -163,8 +164,8 @@ class SampleReplies:
         was_training = model.training
         model.eval()
         try:
-            key = self._key(model) if label == "base" else None
-            kept = _replies(kept_answers(self.run_dir.path.parent, key, len(self.prompts)))
+            key = self._key(model) if label == "base" and self.prompts else None
+            kept = _replies(kept_answers(self.run_dir.path.resolve().parent, key, len(self.prompts)))
             replies = list(kept[0]) if kept else []
             self.reused = kept is not None
             counted(len(replies), len(self.prompts))
@@ -182,7 +183,7 @@ class SampleReplies:
         # Kept answers bring the time they took: `cheap` judges answering at evaluations by it.
         self.seconds = kept[1] if kept else time.perf_counter() - started
         if not kept and self.run_dir.writable:
-            keep_answers(self.run_dir.path.parent, key, [list(reply) for reply in replies], self.seconds)
+            keep_answers(self.run_dir.path.resolve().parent, key, [list(reply) for reply in replies], self.seconds)
         rows = [{"step": step, "label": label, "row": p.row, "prompt": p.text, "reply": reply,
                  "reference": p.reference, "stopped": stopped} for p, (reply, stopped) in zip(self.prompts, replies)]
         self.run_dir.append_samples(rows)

@@ -68,6 +68,9 @@ def test_whatever_changes_the_answers_changes_the_key(prepared):
                answers_key("general", plan, tokenizer, model, prompts, {"max_new_tokens": 48}),
                answers_key("general", replace(plan, method="qlora"), tokenizer, model, prompts, settings),
                answers_key("general", replace(plan, mixed_precision="bf16"), tokenizer, model, prompts, settings),
+               answers_key("general", replace(plan, tokens_key="another tokenizer"), tokenizer, model, prompts,
+                           settings),
+               answers_key("general", replace(plan, compile=not plan.compile), tokenizer, model, prompts, settings),
                answers_key("general", replace(plan, model_fingerprint={"config.json": "other"}), tokenizer, model,
                            prompts, settings)]
     assert None not in changed and len({key, *changed}) == len(changed) + 1
