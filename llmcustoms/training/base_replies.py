@@ -13,9 +13,13 @@ with the same key reads them instead of generating.
 
 The key is a hash of everything the answers depend on: the base model's
 files (`plan.model_fingerprint`), the method (QLoRA answers with 4-bit
-weights), the precision, the prompt format and chat template, the stop
-tokens, the prompts, the token limit and batch size, the device and its
-dtype, and the versions of llmcustoms, torch and transformers. A run whose
+weights), the precision and `--compile`, the prompt format, the tokenizer
+(`plan.tokens_key`: its whole definition and special tokens) and chat
+template, the stop tokens, the model's generation config, the prompts as
+asked, the token limit and batch size, the device and its dtype, `FORMAT`,
+and the versions of llmcustoms, torch and transformers. The folder holds the
+base model's replies to the user's prompts, so it is theirs like the runs
+beside it; the docs say so. A run whose
 base is not the model's files (`--from-run`) or whose files have no
 fingerprint keeps nothing. A kept file that cannot be read, or does not
 match, is a miss: the answers are generated as before. One that cannot be
