@@ -322,7 +322,8 @@ class StudyTrials:
             if step not in reported:  # a rollback replays steps; each is reported once
                 reported.add(step)
                 trial.report(last["eval_loss"], step)
-            _refresh(self.study, self.on_update, running=(trial.number, step, eval_loss))
+            # the live row shows the trial's score (its lowest so far), as its row will when it ends
+            _refresh(self.study, self.on_update, running=(trial.number, step, last["eval_loss"]))
             if step >= self.settings.steps:
                 return False
             return trial.should_prune() and stoppable

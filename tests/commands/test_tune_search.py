@@ -207,8 +207,11 @@ def test_trials_are_judged_by_the_eval_loss_train_would_keep_not_the_latest(tmp_
     settings = settings_for(tmp_path, 1, confirm=False)
     tune(prepared, settings)  # the preset's trial
     study_of(settings).enqueue_trial({**preset_point(prepared.plan), "lr": 3 * base_lr})
-    outcome = tune(prepared, settings_for(tmp_path, 1, confirm=False))
+    live = []  # the running trial's row, as the live table shows it at each evaluation
+    outcome = tune(prepared, settings_for(tmp_path, 1, confirm=False),
+                   on_update=lambda rows: live.extend(r["eval_loss"] for r in rows if r["state"] == "running"))
     preset, other = study_of(settings).trials
+    assert live and max(live) == pytest.approx(0.80)  # its score, never the latest (1.0 at step 2, 1.2 at 3)
     assert preset.value == pytest.approx(0.90) and other.value == pytest.approx(0.80)
     assert other.state.name == "COMPLETE" and other.user_attrs["steps"] == STEPS  # 1.2 at step 3: not pruned
     assert other.intermediate_values[3] == pytest.approx(0.80) and preset.intermediate_values[9] == pytest.approx(0.90)
