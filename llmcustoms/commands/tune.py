@@ -258,6 +258,10 @@ class StudyTrials:
             step, budget = tuner.position.step, self.settings.steps
             trial.set_user_attr("reason", f"pruned at step {step} of {budget}: not in the best third at step {step}")
             raise optuna.TrialPruned(f"pruned at step {step} of {budget}")
+        if result.stop is not None and result.stop.cause is StopCause.EARLY_STOPPING:
+            # its score is final: `train` would have stopped here too, keeping its best
+            trial.set_user_attr("reason", f"{result.stop.text}: stopped at step {result.stop.step} of "
+                                          f"{self.settings.steps}, as `train` would")
         return last.get("eval_loss", float("nan"))
 
     def _interrupted(self, trial: Any, signum: int, step: int) -> None:

@@ -23,11 +23,12 @@ from llmcustoms.cli import app
 from llmcustoms.commands import lr_find as lrfind
 from llmcustoms.commands.preparation import TrainOptions, prepare_run
 from llmcustoms.commands.tune import PreparedStudy, TuneSettings, run_study
-from llmcustoms.commands.tune_space import LR_FIND_SPAN, LR_SPAN, preset_point, rungs, search_space, trial_plan
+from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, preset_point, rungs, search_space, trial_patience,
+                                            trial_plan)
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.presets import load_preset
 from llmcustoms.training import finetuner
-from llmcustoms.training.position import StopCause, StopReason
+from llmcustoms.training.position import Position, StopCause, StopReason
 
 runner = CliRunner()
 STEPS = 9  # a trial's steps: judged at steps 1 and 3
@@ -44,7 +45,7 @@ class Rigged:
     def __init__(self, plan, tokenizer, train, evaluation, run_dir, reporter, faults=None, on_evaluate=None,
                  save_artifacts=True, baseline=True, **_):
         self.plan, self.on_evaluate = plan, on_evaluate
-        self.position = SimpleNamespace(step=0)
+        self.position = Position()  # its early_stop is the real rule
         self.signals = SimpleNamespace(received=None)
 
     def run(self):
@@ -57,6 +58,9 @@ class Rigged:
                 best = loss if best is None else min(best, loss)
                 if self.on_evaluate is not None and self.on_evaluate(step, loss):
                     return SimpleNamespace(stop=StopReason(StopCause.CALLER, step, ""), best_eval_loss=best)
+                stop = self.position.early_stop(loss, self.plan.early_stopping_patience)
+                if stop is not None:
+                    return SimpleNamespace(stop=stop, best_eval_loss=best)
         return SimpleNamespace(stop=None, best_eval_loss=best)
 
 
@@ -213,14 +217,44 @@ def test_trials_are_judged_by_the_eval_loss_train_would_keep_not_the_latest(tmp_
     preset, other = study_of(settings).trials
     assert live and max(live) == pytest.approx(0.80)  # its score, never the latest (1.0 at step 2, 1.2 at 3)
     assert preset.value == pytest.approx(0.90) and other.value == pytest.approx(0.80)
-    assert other.state.name == "COMPLETE" and other.user_attrs["steps"] == STEPS  # 1.2 at step 3: not pruned
-    assert other.intermediate_values[3] == pytest.approx(0.80) and preset.intermediate_values[9] == pytest.approx(0.90)
+    assert other.state.name == "COMPLETE" and other.user_attrs["steps"] > 3  # 1.2 at step 3: not pruned
+    last = max(preset.intermediate_values)  # 1.1 there, after its best at step 3
+    assert other.intermediate_values[3] == pytest.approx(0.80) and preset.intermediate_values[last] == pytest.approx(0.90)
     assert [r["best"] for r in outcome.rows] == [False, True]
+
+
+def test_a_trial_stops_early_where_train_would_and_keeps_its_score(tmp_path, prepared, rigged):
+    """Best at its first evaluation, worse after: `train` would wait its patience in
+    steps (its patience times its interval) and stop; the trial waits as many
+    steps, counted in its own evaluations (a ninth of its 40 steps apart), and is a
+    complete trial worth its first evaluation."""
+    plan, every = prepared.plan, rungs(40)[0]
+    assert plan.early_stopping_patience and plan.eval_every  # the preset's: train stops early
+    waits = trial_patience(plan, every)
+    assert waits == math.ceil(plan.early_stopping_patience * plan.eval_every / every)
+    stops_at = every * (1 + waits)
+    assert stops_at < 40
+    rigged.curve = lambda plan, step: 0.5 + 0.1 * abs(step - every)
+    settings = settings_for(tmp_path, 1, confirm=False, steps=40)
+    outcome = tune(prepared, settings)
+    [trial] = study_of(settings).trials
+    assert trial_plan(plan, trial.params, 40).early_stopping_patience == waits
+    assert trial.state.name == "COMPLETE" and trial.value == pytest.approx(0.5)
+    assert trial.user_attrs["steps"] == stops_at and outcome.steps_run == stops_at
+    assert "as `train` would" in outcome.rows[0]["reason"]
+
+
+def test_a_trial_never_stops_early_when_train_would_not(prepared):
+    from dataclasses import replace
+
+    assert trial_plan(replace(prepared.plan, early_stopping_patience=0), {"lr": 1e-3, "warmup_ratio": 0.0},
+                      40).early_stopping_patience == 0
 
 
 def test_the_presets_trial_is_never_stopped(tmp_path, prepared, rigged):
     base_lr = prepared.plan.lr
-    rigged.curve = lambda plan, step: 1.0 + distance(plan.lr, 4 * base_lr)  # the preset is the worst
+    # the preset is the worst, and still improving (an early stop is not a pruning)
+    rigged.curve = lambda plan, step: 1.0 + distance(plan.lr, 4 * base_lr) - 0.01 * step
     settings = settings_for(tmp_path, 3, confirm=False)
     settings.study_dir.mkdir(parents=True)
     study = optuna.create_study(study_name="s", storage=f"sqlite:///{settings.study_dir / 'study.db'}")
