@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
                  if folder.is_dir() and folder.name not in ("fixtures", "__pycache__")]
 
-from tiny_models import FIXTURES, WIDE, build_model  # noqa: E402
+from tiny_models import FIXTURES, TEMPLATE_FAMILIES, WIDE, build_model  # noqa: E402
 
 
 def _wide_consoles() -> None:
@@ -80,6 +80,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """model_type -> directory of a two-layer random model with its tokenizer."""
     root = tmp_path_factory.mktemp("models")
     return {family: build_model(family, root / f"tiny-{family}") for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory) -> dict[str, Path]:
+    """Today's families (Qwen3, Qwen3.5, Llama 3.2, Gemma 3, Phi-3.5) -> a two-layer
+    model of each with its original chat template (`tiny_models.TEMPLATE_FAMILIES`)."""
+    root = tmp_path_factory.mktemp("family-models")
+    return {family: build_model(family, root / f"tiny-{family}") for family in TEMPLATE_FAMILIES}
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,

@@ -243,7 +243,7 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
 def _facts(dataset: Dataset, lengths: Sequence[int], source: str, plan: Plan, truncated: int,
            dropped: int, reasoning_shown: bool = True, end_tokens: dict[str, Any] | None = None) -> dict[str, Any]:
     epochs = None if plan.sources.get("total_steps") == "flag" else plan.epochs
-    report = {**dataset.to_json(), **(end_tokens or {})}  # end_tokens: replies that do not learn to stop
+    report = {**dataset.to_json(), **(end_tokens or {})}  # end_tokens: replies not learned, or that do not learn to stop
     if not reasoning_shown:  # the model's chat template leaves the rows' reasoning parts out
         report["reasoning_parts_dropped"] = dataset.reasoning_parts
     return data_facts(report, lengths, source, plan.max_seq_len, truncated, dropped, plan.total_steps, epochs)
@@ -266,6 +266,11 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     hf = tokenized.tokenizer
     end_tokens = end_token_facts(hf, train_full, prompts_use_template(hf, plan.data_format, plan.raw_prompts),
                                  stop_token_ids(plan.model))
+    if isinstance(train_full, TokenRows) and not plan.train_on_prompt:
+        # With --train-on-prompt a row is one run of learned tokens; a pair's replies are counted by DPO.
+        from llmcustoms.data.reply_counts import unlearned_replies
+
+        end_tokens = {**end_tokens, **unlearned_replies(train_full, prepared.dataset.replies)}
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
                                             train_dropped, supports_reasoning(hf), end_tokens),
                    tokens_key=tokenized.key)

@@ -30,6 +30,7 @@ in docs/data-formats.md); it is saved with the adapter so generation uses the sa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from llmcustoms.errors import ModelError
@@ -39,6 +40,8 @@ from llmcustoms.data.row_formats import Example, Message, base_format
 # What a piece of rendered text is (see the module's docstring).
 PROMPT, REPLY, UNLEARNED = "prompt", "reply", "unlearned"
 Segments = list[tuple[str, str]]
+# A reply no template changes: what follows it is what the template adds after a reply.
+_PROBE_REPLY = "llmcustoms probe reply"
 
 # Used when a tokenizer has no chat template (Phi-2, base Llama checkpoints).
 # `{bos}` is filled with the BOS token for tokenizers that normally start with one.
@@ -113,41 +116,141 @@ def chat_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | 
     pieces. An assistant turn's piece holds its reply and its tool calls (and
     its reasoning, if `reasoning`: the template shows it); assistant turns
     before `learned_from` (a preference pair's prompt) are prompt, turns
-    marked not `learned` UNLEARNED."""
+    marked not `learned` UNLEARNED.
+
+    Each reply is the text the template adds to the conversation up to it
+    when that turn is the last: what the model writes after the generation
+    prompt. A template that shows earlier turns otherwise (Qwen3 drops their
+    think blocks; Phi-3.5 writes EOS after the last turn only) still has
+    every reply learned: the reply is cut after its end-of-turn token and
+    the sequence goes on with the text the template writes between it and
+    the next reply (`_after_turn`), so later turns see earlier replies as
+    they were generated, as TRL's training templates show them."""
     learned = [k for k, m in enumerate(messages) if m.role == "assistant" and m.learned and k >= learned_from]
     if not learned:  # nothing to learn (rows read from a file never get here): all prompt
         return [(_render(tokenizer, messages, tools, False, reasoning), PROMPT)]
     messages = messages[:learned[-1] + 1]
     segments: Segments = []
-    done = ""
+    done, previous = "", -1
     for k, message in enumerate(messages):
         if message.role != "assistant":
             continue
         prefix = _render(tokenizer, messages[:k], tools, True, reasoning)
         full = _render(tokenizer, messages[: k + 1], tools, False, reasoning)
-        if not (prefix.startswith(done) and full.startswith(prefix)):
+        if not full.startswith(prefix):  # the generation prompt is not how the turn starts (a prefilled think block)
             return _last_turn_segments(tokenizer, messages, tools, reasoning)
-        segments.append((prefix[len(done):], PROMPT))
+        if prefix.startswith(done):
+            between = prefix[len(done):]
+        elif not any(kind == REPLY for _, kind in segments):  # nothing learned yet: the history as the template shows it
+            segments, between = [], prefix
+        else:
+            stitched = _after_turn(tokenizer, messages[:k], previous, prefix, segments[-1][0], tools, reasoning)
+            if stitched is None:
+                return _last_turn_segments(tokenizer, messages, tools, reasoning)
+            segments[-1] = (stitched[0], segments[-1][1])
+            between = stitched[1]
+        segments.append((between, PROMPT))
         segments.append((full[len(prefix):], PROMPT if k < learned_from else REPLY if message.learned else UNLEARNED))
-        done = full
-    return segments
+        done, previous = full, k
+    return _ended_at_turn_end(tokenizer, segments)
+
+
+def _ended_at_turn_end(tokenizer, segments: Segments) -> Segments:
+    """Each reply ends with its end-of-turn token: whitespace the template
+    writes after it (ChatML's newline) goes to the next prompt piece, since
+    the model stops at the token and never writes it."""
+    end = turn_end_text(tokenizer)
+    if end is None:
+        return segments
+    out: Segments = []
+    for i, (text, kind) in enumerate(segments):
+        after = text[text.rfind(end) + len(end):] if kind != PROMPT and end in text else ""
+        if after and not after.strip() and i + 1 < len(segments):
+            text = text[:len(text) - len(after)]
+            segments[i + 1] = (after + segments[i + 1][0], segments[i + 1][1])
+        out.append((text, kind))
+    return out
+
+
+# Put in front of a turn's content to find where the template shows it: a
+# private-use character no text or template writes.
+_MARK = "\ue000"
+
+
+def _after_turn(tokenizer, messages: tuple[Message, ...], turn: int, prefix: str, reply: str,
+                tools: list[dict] | None, reasoning: bool) -> tuple[str, str] | None:
+    """For a template that shows assistant turn `turn` otherwise in the
+    history than when generating it: (its `reply` cut after its end-of-turn
+    token, the text of `prefix`, the rendering of `messages` with the
+    generation prompt, after that turn's end), or None where that cannot be
+    told (the template writes no end-of-turn token, or it is not in the reply)."""
+    end = turn_end_text(tokenizer)
+    if end is None or end not in reply:
+        return None
+    cut = reply[:reply.rindex(end) + len(end)]
+    nxt = turn + 1
+    if nxt < len(messages):  # where the next turn's content starts; else where the generation prompt does
+        marked = messages[:nxt] + (replace(messages[nxt], content=_MARK + messages[nxt].content),) + messages[nxt + 1:]
+        other = _render(tokenizer, marked, tools, True, reasoning)
+        start = next((i for i, (a, b) in enumerate(zip(prefix, other)) if a != b), len(prefix))
+    else:
+        start = len(prefix)
+    at = prefix.rfind(end, 0, start)
+    # The turn's end in the history must close the same reply: more than the
+    # end token in common, unless the reply is nothing else.
+    body = cut[:-len(end)]
+    if at < 0 or (body and not prefix[:at].endswith(body[-1])):
+        return None
+    return cut, prefix[at + len(end):]
+
+
+# turn_end_text's answers, by template and special tokens: it is asked for every row.
+_turn_ends: dict[tuple, str | None] = {}
+
+
+def turn_end_text(tokenizer) -> str | None:
+    """The first special token the chat template writes after an assistant
+    reply (ChatML's <|im_end|>, Phi's <|end|>, Gemma's <end_of_turn>), or None."""
+    specials = tuple(tokenizer.all_special_tokens) + tuple(
+        str(a) for a in tokenizer.added_tokens_decoder.values() if a.special)
+    key = (str(getattr(tokenizer, "chat_template", None)), specials)
+    if key not in _turn_ends:
+        _turn_ends[key] = _probe_turn_end(tokenizer, specials)
+    return _turn_ends[key]
+
+
+def _probe_turn_end(tokenizer, specials: tuple[str, ...]) -> str | None:
+    from jinja2 import TemplateError
+
+    probe = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _PROBE_REPLY}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except (TemplateError, TypeError, ValueError, KeyError):  # no template, or one that refuses the probe
+        return None
+    if not isinstance(text, str) or _PROBE_REPLY not in text:
+        return None
+    after = text[text.rindex(_PROBE_REPLY) + len(_PROBE_REPLY):]
+    return min((t for t in specials if t and t in after), key=after.index, default=None)
+
+
+def _not_separable() -> ModelError:
+    return ModelError(
+        "This model's chat template renders a conversation differently from its prompt, "
+        "so the reply cannot be separated from the prompt.",
+        "Pass --train-on-prompt to train on whole conversations, or use a model with a standard template.",
+    )
 
 
 def _last_turn_segments(tokenizer, messages: tuple[Message, ...], tools: list[dict] | None,
                         reasoning: bool) -> Segments:
-    # Some templates rewrite earlier turns (e.g. drop reasoning) as the
-    # conversation grows, so per-turn cuts do not line up; then only the last
-    # reply is trained on, which is still exact. `chat_segments` ends the
+    # Where `_after_turn` cannot tell where an earlier turn ends, only the
+    # last reply is trained on, which is still exact. `chat_segments` ends the
     # conversation at its last learned reply, so that is the one.
     last = len(messages) - 1
     prefix = _render(tokenizer, messages[:last], tools, True, reasoning)
     full = _render(tokenizer, messages, tools, False, reasoning)
     if not full.startswith(prefix):
-        raise ModelError(
-            "This model's chat template renders a conversation differently from its prompt, "
-            "so the reply cannot be separated from the prompt.",
-            "Pass --train-on-prompt to train on whole conversations, or use a model with a standard template.",
-        )
+        raise _not_separable()
     return [(prefix, PROMPT), (full[len(prefix):], REPLY)]
 
 

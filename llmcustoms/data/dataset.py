@@ -86,6 +86,7 @@ class Dataset:
     total_chars: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prompt_chars: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     turns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    replies: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # replies to learn, per row
     duplicates: int = 0  # rows whose text (whitespace normalised) repeats an earlier row
     near_empty: int = 0  # replies shorter than NEAR_EMPTY_CHARS characters
     reasoning_parts: int = 0  # left out by a chat template that does not show reasoning
@@ -141,7 +142,7 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
     started = time.perf_counter()
     fmt, rows = _validated(path)
     dataset = Dataset(path=path, format=fmt, policy=policy)
-    total, prompt, turns, hashes = array("q"), array("q"), array("i"), array("Q")
+    total, prompt, turns, replies, hashes = array("q"), array("q"), array("i"), array("i"), array("Q")
     first_problem = ""
     for raw, example, problem in rows:
         if dataset.suspicious.holds_media(raw, example):
@@ -164,13 +165,14 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
         total.append(example.char_count())
         prompt.append(example.prompt_chars())
         turns.append(len(example.messages))
+        replies.append(example.replies())
         hashes.append(_duplicate_key(example))
         dataset.near_empty += len(example.reply().strip()) < NEAR_EMPTY_CHARS
         dataset.reasoning_parts += reasoning_parts(example.messages)
         if progress is not None and len(total) % 1000 == 0:
             progress(len(total) + dataset.bad.count)
     dataset.total_chars, dataset.prompt_chars = np.frombuffer(total, np.int64), np.frombuffer(prompt, np.int64)
-    dataset.turns = np.frombuffer(turns, np.int32)
+    dataset.turns, dataset.replies = np.frombuffer(turns, np.int32), np.frombuffer(replies, np.int32)
     dataset.duplicates = len(hashes) - len(np.unique(np.frombuffer(hashes, np.uint64)))
     dataset.seconds = time.perf_counter() - started
     dataset.suspicious.refuse_media(path)

@@ -166,6 +166,13 @@ class Example:
         return replace(self, messages=(Message("user", self.prompt.strip()), Message("assistant", self.completion.strip())),
                        prompt="", completion="")
 
+    def replies(self) -> int:
+        """How many replies the row has to learn: its learned assistant turns
+        (a pair's chosen half), or one."""
+        if not self.is_chat:
+            return 1
+        return sum(m.role == "assistant" and m.learned and k >= self.learned_from for k, m in enumerate(self.messages))
+
     def char_count(self) -> int:
         return (sum(m.chars() for m in self.messages + self.rejected) + len(self.tools) + len(self.prompt)
                 + len(self.completion))

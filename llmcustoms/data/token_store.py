@@ -46,7 +46,10 @@ from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
 # v3: "\r\n" and a lone "\r" in a row's text are read as "\n", so a file with
 # them tokenizes otherwise than before; so does one whose replies carry
 # OpenAI's `weight: 0` (masked now) or reasoning parts.
-STORE_FORMAT = "tokenized-v3"
+# v4: every reply of a template that shows earlier turns otherwise (Qwen3,
+# Phi-3.5) is learned, not only the last; a reply ends at its end-of-turn
+# token (the newline ChatML writes after it is prompt).
+STORE_FORMAT = "tokenized-v4"
 # No row keeps more tokens than this (far beyond any max_seq_len a run uses);
 # text is clipped to MAX_ROW_TOKENS * MAX_CHARS_PER_TOKEN characters before
 # tokenizing, so one huge row costs little time and memory.

@@ -91,14 +91,16 @@ class Tokenizer:
         return raw_segments(self.hf, example)
 
     def _end_with_stop_token(self, ids: list[int]) -> list[int]:
-        if ids and ids[-1] in self.stop_token_ids:
-            return ids
+        """Cut after the first stop token that only whitespace and stop tokens
+        follow (Phi-3.5's last reply ends "<|end|>\\n<|endoftext|>": the model
+        stops at <|end|>), or add EOS where there is none."""
+        end = None
         for i in range(len(ids) - 1, -1, -1):
             if ids[i] in self.stop_token_ids:
-                if not self.hf.decode(ids[i + 1:]).strip():
-                    return ids[: i + 1]
+                end = i
+            elif self.hf.decode(ids[i:i + 1]).strip():
                 break
-        return ids + [self.hf.eos_token_id]
+        return ids[: end + 1] if end is not None else ids + [self.hf.eos_token_id]
 
     def encode(self, example: Example) -> TokenizedExample:
         """Token ids and labels of one example, not truncated."""

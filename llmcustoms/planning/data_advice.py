@@ -46,6 +46,8 @@ def advice(report: dict[str, Any], lengths: Sequence[int], max_seq_len: int, tru
     if reasoning:
         lines.append(f"{reasoning:,} reasoning part{'s' if reasoning != 1 else ''} left out: this model's chat template "
                      "does not show reasoning (reasoning_content); a model whose template does would learn them")
+    if report.get("replies_not_learned"):
+        lines.append(unlearned_line(report["replies_not_learned"]))
     if report.get("replies_without_end_token"):
         lines.append(end_token_line(report["replies_without_end_token"]))
     if truncated:
@@ -72,6 +74,15 @@ def suspicious_line(found: dict[str, Any]) -> str:
     places = ", ".join(found["first_lines"]) + (", ..." if count > len(found["first_lines"]) else "")
     marks = f" ({', '.join(found['what'])})" if found.get("what") else ""
     return f"{found['finding']}{marks}: {count:,} row{'s' if count != 1 else ''} ({places}); {found['advice']}"
+
+
+def unlearned_line(found: dict[str, Any]) -> str:
+    """The replies no token of which is learned (`data/reply_counts.unlearned_replies`)."""
+    replies, rows = int(found["replies"]), int(found["rows"])
+    return (f"{replies:,} of {found['of']:,} replies are not learned, in {rows:,} row{'s' if rows != 1 else ''}: this "
+            "model's chat template shows earlier turns otherwise than it writes them and where those replies end cannot "
+            "be told, so only the last reply of each such conversation is learned. Split those conversations into one "
+            "row per reply to learn every reply, or use a model whose template ends each reply with an end-of-turn token")
 
 
 def end_token_line(found: dict[str, Any]) -> str:

@@ -268,9 +268,9 @@ def test_sharegpt_function_call_and_observation_learn_the_call_not_the_result(qw
         f"{schema}\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
         "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
         "</tool_call><|im_end|>\n" + chatml_turn("user", "What is the weather in Paris?") + "<|im_start|>assistant\n",
-        "<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        "\n<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
     ]
-    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
                        "It is 21 degrees in Paris.<|im_end|>"]
 
 
@@ -285,10 +285,10 @@ def test_openai_tool_calls_are_learned_and_tool_results_are_not(qwen):
     assert masked[0].endswith("</tool_call><|im_end|>\n" + chatml_turn("user", "Weather and time in Rome?")
                               + "<|im_start|>assistant\n")
     assert '"name": "get_time"' in masked[0]  # a bare schema, wrapped as OpenAI's {type, function}
-    assert masked[1:] == ["<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n"
+    assert masked[1:] == ["\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n"
                           "</tool_response><|im_end|>\n<|im_start|>assistant\n"]
     assert learned == ['Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-                       '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n',
+                       '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
                        "Sunny, and it is noon.<|im_end|>"]
 
 
@@ -297,7 +297,7 @@ def test_without_the_tools_list_the_calls_are_still_learned(qwen):
     masked, learned = masks(qwen, Example(first.row, messages=first.messages))
     assert masked[0] == "<|im_start|>system\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\n" + \
         chatml_turn("user", "What is the weather in Paris?") + "<|im_start|>assistant\n"
-    assert learned[0] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    assert learned[0] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 
 
 @pytest.mark.parametrize("style", ["chatml", "no_template"])
@@ -519,10 +519,10 @@ def test_a_weight_0_turn_is_context_never_learned_and_a_weight_1_turn_is_learned
     assert prompt_of(example).reference == "Honey."  # a sample answers where the data has a reply to learn
     # --train-on-prompt learns the prompts, never a reply the row marks weight 0: exactly its tokens stay masked.
     masked, learned = masks(chatml, example, train_on_prompt=True)
-    assert masked == ["Milk.<|im_end|>\n"]
+    assert masked == ["Milk.<|im_end|>"]
     assert learned == [chatml_turn("system", "Answer briefly.") + chatml_turn("user", "What do bees make?")
                        + "<|im_start|>assistant\n",
-                       chatml_turn("user", "No. What do bees make?") + "<|im_start|>assistant\nHoney.<|im_end|>"]
+                       "\n" + chatml_turn("user", "No. What do bees make?") + "<|im_start|>assistant\nHoney.<|im_end|>"]
 
 
 def test_turns_after_the_last_weight_1_reply_are_dropped(chatml):
@@ -625,14 +625,14 @@ def test_tool_call_parts_are_learned_as_calls(qwen, reasoning):
     _, (_, calling) = examples_of(SHAPES / "messages_value_parts.jsonl")
     masked, learned = masks(qwen, calling)  # Qwen2.5's template shows no reasoning: left out
     assert masked[0].startswith("<|im_start|>system\n" + QWEN_DEFAULT_SYSTEM + "\n\n# Tools\n")
-    assert masked[1:] == ["<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n"
+    assert masked[1:] == ["\n<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response><|im_end|>\n"
                           "<|im_start|>assistant\n"]
-    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+    assert learned == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
                        "It is 21 degrees in Paris.<|im_end|>"]
     masked, learned = masks(reasoning, calling)
     assert learned == ['<think>\nI need the weather tool.\n</think>\n\n<tool_call>{"name": "get_weather", '
-                       '"arguments": {"city": "Paris"}}</tool_call><|im_end|>\n', "It is 21 degrees in Paris.<|im_end|>"]
-    assert masked[1] == chatml_turn("tool", '{"celsius": 21}') + "<|im_start|>assistant\n"
+                       '"arguments": {"city": "Paris"}}</tool_call><|im_end|>', "It is 21 degrees in Paris.<|im_end|>"]
+    assert masked[1] == "\n" + chatml_turn("tool", '{"celsius": 21}') + "<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize("part, expected", [

@@ -27,19 +27,21 @@ CONVERSATION = Example(row=1, messages=(
 ))
 
 # For each tokenizer style: the exact text of the trained spans, in order.
+# A reply ends at its end-of-turn token: the model stops there, so what the
+# template writes after it is prompt.
 EXPECTED_REPLIES = {
-    "llama": ["Bees make honey.</s>\n", "A spider has eight legs.</s>"],
-    "qwen2": ["Bees make honey.<|im_end|>\n", "A spider has eight legs.<|im_end|>"],
+    "llama": ["Bees make honey.</s>", "A spider has eight legs.</s>"],
+    "qwen2": ["Bees make honey.<|im_end|>", "A spider has eight legs.<|im_end|>"],
     # Phi-2 style: no template of its own, so the fallback template is used.
-    "phi": ["Bees make honey.<|endoftext|>\n\n", "A spider has eight legs.<|endoftext|>"],
+    "phi": ["Bees make honey.<|endoftext|>", "A spider has eight legs.<|endoftext|>"],
 }
 EXPECTED_PROMPTS = {
     "llama": ["<|system|>\nBe brief.</s>\n<|user|>\nWhat do bees make?</s>\n<|assistant|>\n",
-              "<|user|>\nHow many legs does a spider have?</s>\n<|assistant|>\n"],
+              "\n<|user|>\nHow many legs does a spider have?</s>\n<|assistant|>\n"],
     "qwen2": ["<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat do bees make?<|im_end|>\n<|im_start|>assistant\n",
-              "<|im_start|>user\nHow many legs does a spider have?<|im_end|>\n<|im_start|>assistant\n"],
+              "\n<|im_start|>user\nHow many legs does a spider have?<|im_end|>\n<|im_start|>assistant\n"],
     "phi": ["### System:\nBe brief.\n\n### User:\nWhat do bees make?\n\n### Assistant:\n",
-            "### User:\nHow many legs does a spider have?\n\n### Assistant:\n"],
+            "\n\n### User:\nHow many legs does a spider have?\n\n### Assistant:\n"],
 }
 
 
