@@ -35,6 +35,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
@@ -52,7 +53,17 @@ PHI3_MINI = small_arch("Phi-3-mini-4k", model_type="phi3", hidden=3072, layers=3
                        intermediate=8192, vocab=32064)
 MISTRAL_7B = small_arch("Mistral-7B-v0.1", model_type="mistral", hidden=4096, layers=32, heads=32, kv_heads=8,
                         intermediate=14336)
-EXTRA = {"Phi-3-mini-4k": {"sliding_window": 2047}, "Mistral-7B-v0.1": {"sliding_window": 4096}}
+# Today's families (issue 45): Qwen3's and Gemma 3's heads are wider than hidden / heads.
+QWEN3_17B = replace(small_arch("Qwen3-1.7B", model_type="qwen3", hidden=2048, layers=28, heads=16, kv_heads=8,
+                               intermediate=6144, vocab=151936, tied=True), head_dim=128)
+LLAMA32_3B = replace(small_arch("Llama-3.2-3B", hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192,
+                                vocab=128256, tied=True), head_dim=128)
+GEMMA3_1B = replace(small_arch("gemma-3-1b", model_type="gemma3_text", hidden=1152, layers=26, heads=4, kv_heads=1,
+                               intermediate=6912, vocab=262144, tied=True), head_dim=256)
+PHI4_MINI = small_arch("Phi-4-mini", model_type="phi3", hidden=3072, layers=32, heads=24, kv_heads=8,
+                       intermediate=8192, vocab=200064, tied=True)
+EXTRA = {"Phi-3-mini-4k": {"sliding_window": 2047}, "Mistral-7B-v0.1": {"sliding_window": 4096},
+         "gemma-3-1b": {"sliding_window": 512}, "Phi-4-mini": {"partial_rotary_factor": 0.75}}
 
 CONFIGS = [
     Config("small-llama-lora-b4-s256", LLAMA, "lora", 4, 256),  # memory_accuracy's llama-lora-s256, on a "GPU"
@@ -70,6 +81,10 @@ CONFIGS = [
     Config("mistral7b-qlora-b8-s512", MISTRAL_7B, "qlora", 8, 512),
     Config("mistral7b-qlora-ckpt-b2-s1024", MISTRAL_7B, "qlora", 2, 1024, gradient_checkpointing=True),  # 8 GB plan
     Config("mistral7b-full-ckpt-b4-s512", MISTRAL_7B, "full", 4, 512, gradient_checkpointing=True),
+    Config("qwen3-1.7b-lora-b8-s512", QWEN3_17B, "lora", 8, 512),
+    Config("llama3.2-3b-lora-b8-s512", LLAMA32_3B, "lora", 8, 512),
+    Config("gemma3-1b-lora-b8-s512", GEMMA3_1B, "lora", 8, 512),
+    Config("phi4-mini-lora-b8-s512", PHI4_MINI, "lora", 8, 512),
 ]
 STEPS = 2  # the second step runs with the optimizer's state in memory
 CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_state",
@@ -84,7 +99,8 @@ def hf_config(arch: Any) -> Any:
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_kv_heads,
         max_position_embeddings=arch.max_context, tie_word_embeddings=arch.tie_word_embeddings,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, **EXTRA.get(arch.hub_id, {}))
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **({"head_dim": arch.head_dim} if arch.head_dim else {}),
+        **EXTRA.get(arch.hub_id, {}))
 
 
 def sim_plan(config: Config) -> Any:

@@ -184,9 +184,10 @@ def hardware() -> None:
         from llmcustoms.planning.fitting import fit_table
         from llmcustoms.training.preflight import usable_hardware
         from llmcustoms.planning.presets import load_families
+        from llmcustoms.ui.hardware_view import show_hardware
 
         fits = fit_table(machine := usable_hardware(), load_families())
-        ui().show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
+        show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
 
 
 @app.command(cls=flags.Command)

@@ -47,9 +47,10 @@ TEMPLATE_TOKENS_PER_MESSAGE = 6
 Progress = Callable[[str, int, "int | None"], None]
 
 
-def given_model_reason(name: str) -> str | None:
-    """What the plan says of a --model: a GGUF file and what was made of it, or
-    a model that cannot load; nothing for the usual folder or Hub id."""
+def given_model_reason(name: str, families: dict | None = None) -> str | None:
+    """What the plan says of a --model: a GGUF file and what was made of it, a
+    model that cannot load, or one the Hub gates that is still to download
+    (said before the download fails); nothing for the usual folder or Hub id."""
     from llmcustoms.models.loading import model_location
 
     if is_gguf(name):
@@ -58,9 +59,14 @@ def given_model_reason(name: str) -> str | None:
         kept = {"f16": "float16", "bf16": "bfloat16"}.get(quantization, "float32")
         return (f"model {Path(name).name}: a GGUF file ({quantization}), read through transformers' GGUF reader "
                 f"and dequantized to {kept} once, into {folder}")
-    if hubaccess.availability(name) == hubaccess.UNAVAILABLE:
+    where = hubaccess.availability(name)
+    if where == hubaccess.UNAVAILABLE:
         return (f"model {name}: {hubaccess.offline_note()}, and it is not in the local "
                 "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
+    spec = find_model_spec(name, families or {})
+    family = (families or {}).get(spec.family) if spec else None
+    if where == hubaccess.DOWNLOADABLE and family is not None and family.hub_licence:
+        return f"model {name}: to download, and gated: {family.hub_licence}"
     return None
 
 
@@ -185,7 +191,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     choice_reason = None
     if options.model:
         model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
-        choice_reason = given_model_reason(options.model)
+        choice_reason = given_model_reason(options.model, families)
     else:
         usable, offline_reason = hubaccess.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)

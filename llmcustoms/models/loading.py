@@ -25,7 +25,7 @@ from llmcustoms.models.gguf_folder import gguf_folder, is_gguf
 from llmcustoms.errors import ModelError
 from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.planning.plan import ModelChoice, Plan
-from llmcustoms.planning.presets import Family, ModelSpec, family_for_model_type, find_model_spec
+from llmcustoms.planning.presets import Family, ModelSpec, family_for_model_type, find_model_spec, load_families
 
 # "org/name", as the Hub writes a model id.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -105,8 +105,10 @@ def _explain(name: str, exc: Exception) -> ModelError:
     text = str(exc)
     kind = type(exc).__name__
     if "Gated" in kind or "gated" in text or "401" in text:
+        spec = find_model_spec(name, load_families())
+        licence = load_families()[spec.family].hub_licence if spec else ""
         return ModelError(f"The model '{name}' is gated on the Hugging Face Hub and needs an access token.",
-                          "Accept its licence on the Hub, then set HF_TOKEN in the environment or in .env.")
+                          licence or "Accept its licence on the Hub, then set HF_TOKEN in the environment or in .env.")
     if "trust_remote_code" in text:  # transformers refuses a model's own code unless trusted
         return remote_code_refused(name)
     if "no file named model.safetensors found" in text or "cannot be loaded with `safetensors`" in text:
@@ -211,6 +213,7 @@ def spec_from_config(name: str, config: Any, family: str) -> ModelSpec:
         intermediate_size=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
         vocab_size=config.vocab_size, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_context=getattr(config, "max_position_embeddings", None) or 2048,
+        head_dim=getattr(config, "head_dim", None) or 0,
     )
     return replace(spec, params=sum(parameter_counts(spec)))
 

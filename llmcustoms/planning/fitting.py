@@ -1,5 +1,6 @@
 """What fits this machine, worked out for the UI to show: the `hardware`
-command's table (per model and method) and the models `setup` offers.
+command's table (per model and method, and grouped by family: `by_family`)
+and the models `setup` offers.
 (`planning/sizing.py` answers the planner's own question: which method and
 micro-batch for the one model being planned, or why nothing fits.)
 
@@ -39,6 +40,20 @@ class ModelFit:
     hub_id: str
     params: int
     methods: dict[str, MethodFit]
+    family: str = ""
+
+
+@dataclass(frozen=True)
+class FamilyFit:
+    """A family against this machine, method by method: the largest of its
+    models that fits and how, or, when none does, its smallest model and what
+    that needs. `hub_ids` are its models, smallest first."""
+
+    family: str
+    smallest_params: int
+    largest_params: int
+    hub_ids: tuple[str, ...]
+    methods: dict[str, tuple[int, MethodFit]]  # method -> (params of the model shown, its fit)
 
 
 @dataclass(frozen=True)
@@ -80,8 +95,37 @@ def fit_table(hardware: Hardware, families: dict[str, Family], seq_len: int = TA
         for spec in family.models:
             memory = MemoryEstimator(spec, hardware.has_gpu, budget)
             models.append(ModelFit(spec.hub_id, spec.params, {
-                method: _method_fit(memory, method, seq_len, hardware.mixed_precision) for method in TABLE_METHODS}))
+                method: _method_fit(memory, method, seq_len, hardware.mixed_precision) for method in TABLE_METHODS},
+                family.name))
     return FitTable(budget, hardware.has_gpu, seq_len, TABLE_METHODS, tuple(models))
+
+
+def by_family(fits: FitTable) -> list[FamilyFit]:
+    """`fits` a row per family, in catalog order: with a dozen families the
+    table of every model would not fit a screen."""
+    families: dict[str, list[ModelFit]] = {}
+    for model in fits.models:
+        families.setdefault(model.family, []).append(model)
+    rows = []
+    for name, models in families.items():
+        models = sorted(models, key=lambda m: m.params)
+        methods = {}
+        for method in fits.methods:
+            fitting = [m for m in models if m.methods[method].fits]
+            shown = fitting[-1] if fitting else models[0]
+            methods[method] = (shown.params, shown.methods[method])
+        rows.append(FamilyFit(name, models[0].params, models[-1].params, tuple(m.hub_id for m in models), methods))
+    return rows
+
+
+def family_availability(hub_ids: tuple[str, ...], where: dict[str, str]) -> str:
+    """Where a family's models would load from, in one cell: the one answer
+    when all agree, else how many are cached or local ("2 of 4 cached")."""
+    answers = [where.get(hub_id, "") for hub_id in hub_ids]
+    if len(set(answers)) == 1:
+        return answers[0]
+    here = sum(answer in ("cached", "local") for answer in answers)
+    return f"{here} of {len(answers)} cached" if here else answers[0]
 
 
 def fitting_models(hardware: Hardware, families: dict[str, Family], seq_len: int) -> list[FittingModel]:

@@ -16,6 +16,8 @@ The estimate is a sum of parts, each from first principles:
                (Korthikanti et al. 2022, restated for Llama-style blocks with
                memory-efficient attention); with gradient checkpointing, each
                layer's input plus one layer's worth during recomputation
+  norms        RMSNorm works in fp32: q/k norms (Qwen3, Gemma 3) and Gemma's
+               two extra norms a block keep fp32 copies for backward
   logits       batch x sequence x vocabulary in fp32, a few times over (the
                logits, log-softmax kept for backward, and their gradient);
                large for Qwen's 152k vocabulary
@@ -67,6 +69,15 @@ ACTIVATION_COEFFICIENTS = {
     "lora": {"hidden": 10.9, "intermediate": 3.1, "kv": 1.6},
     "full": {"hidden": 12.5, "intermediate": 3.9, "kv": 1.6},
 }
+# RMSNorm computes in fp32 and keeps what backward needs of that: bytes per
+# normalised element per token, fitted on Qwen3-1.7B's simulated step
+# (benchmarks/cuda_simulation.py: 7.4; its q/k norms are the only norms it has
+# beyond Llama's). Qwen3 and Gemma 3 normalise each head's queries and keys;
+# Gemma 3 also normalises each block's attention and MLP outputs and the MLP's
+# input (four norms a block against Llama's two).
+NORM_BYTES_PER_ELEMENT = 7.4
+QK_NORM_TYPES = {"qwen3", "gemma3_text", "gemma3", "olmo2", "qwen3_moe"}
+SANDWICH_NORM_TYPES = {"gemma3_text", "gemma3", "gemma2"}
 # Copies of the fp32 logits alive at the peak (logits, log-softmax kept for
 # backward, their gradient, partly overlapping): fitted 2.85.
 LOGIT_COPIES = 2.85
@@ -104,7 +115,7 @@ class Linear:
 def block_linears(arch: ModelSpec) -> list[Linear]:
     """The linear layers of one transformer block, by model type."""
     h, i = arch.hidden_size, arch.intermediate_size
-    d = h // arch.num_attention_heads
+    d = arch.head_width
     q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     if arch.model_type == "phi":
         return [Linear("q_proj", h, q), Linear("k_proj", h, kv), Linear("v_proj", h, kv),
@@ -207,13 +218,25 @@ class MemoryEstimator:
             return 0
         return largest_matrix(self.arch) * 8
 
+    def _extra_norm_width(self) -> int:
+        """Elements per token per layer normalised beyond a Llama block's two
+        hidden-size norms: q/k norms (Qwen3, Gemma 3), Gemma's two more."""
+        arch = self.arch
+        width = 0
+        if arch.model_type in QK_NORM_TYPES:
+            width += (arch.num_attention_heads + arch.num_kv_heads) * arch.head_width
+        if arch.model_type in SANDWICH_NORM_TYPES:
+            width += 2 * arch.hidden_size
+        return width
+
     def activation_bytes_per_token(self, method: str, mixed_precision: str, gradient_checkpointing: bool,
                                    lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = ("all-linear",)) -> float:
         arch = self.arch
         element = 4 if mixed_precision == "no" else 2
-        kv = arch.num_kv_heads * (arch.hidden_size // arch.num_attention_heads)
+        kv = arch.num_kv_heads * arch.head_width
         c = ACTIVATION_COEFFICIENTS["full" if method == "full" else "lora"]
         per_layer = (c["hidden"] * arch.hidden_size + c["intermediate"] * arch.intermediate_size + c["kv"] * kv) * element
+        per_layer += NORM_BYTES_PER_ELEMENT * self._extra_norm_width()
         if method != "full" and lora_dropout > 0:
             # PEFT applies each adapter's own dropout to its input and keeps the result and the mask.
             linears = block_linears(arch)

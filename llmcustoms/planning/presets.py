@@ -60,6 +60,13 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool
     max_context: int
+    # Width of one attention head where it is not hidden_size / heads (Qwen3's
+    # 128 at hidden 1024 and 16 heads; Gemma 3's 256); 0: hidden_size / heads.
+    head_dim: int = 0
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ class Family:
     # architecture is one of its own models'; any other checkpoint of the type
     # goes to the family that covers it.
     covers_other_checkpoints: bool = True
+    # Where the Hub gates the family's models behind a licence to accept: what
+    # to do, said before a download fails (empty: not gated).
+    hub_licence: str = ""
 
     def targets_for(self, model_type: str) -> tuple[str, ...]:
         return self.lora_target_modules[model_type]
@@ -219,6 +229,8 @@ _MODEL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "num_attention_heads": int, "num_kv_heads": int, "intermediate_size": int,
     "vocab_size": int, "tie_word_embeddings": bool, "max_context": int,
 }
+# Fields a model may have; their defaults otherwise (`ModelSpec`).
+_OPTIONAL_MODEL_FIELDS: dict[str, type] = {"head_dim": int}
 
 
 def parse_family(data: dict[str, Any], source: str) -> Family:
@@ -244,6 +256,8 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
             problems.append(f"{where}: must be a mapping")
             continue
         _check_fields(raw, _MODEL_FIELDS, problems, where)
+        optional = {k: raw[k] for k in _OPTIONAL_MODEL_FIELDS if k in raw}
+        _check_fields(optional, {k: _OPTIONAL_MODEL_FIELDS[k] for k in optional}, problems, where)
         model_type = raw.get("model_type", model_types[0] if model_types else "")
         if model_type not in model_types:
             problems.append(f"{where}: model_type '{model_type}' is not one of {list(model_types)}")
@@ -251,13 +265,14 @@ def parse_family(data: dict[str, Any], source: str) -> Family:
             problems.append(f"{where}: num_attention_heads must be a multiple of num_kv_heads")
         if not problems:
             models.append(ModelSpec(family=data["name"], model_type=model_type,
-                                    **{k: raw[k] for k in _MODEL_FIELDS}))
+                                    **{k: raw[k] for k in _MODEL_FIELDS}, **optional))
     if problems:
         raise ConfigError("Invalid model family file:\n  " + "\n  ".join(problems))
     return Family(
         name=data["name"], description=data["description"].strip(), model_types=model_types,
         lora_target_modules=targets, chat_template_notes=str(data.get("chat_template_notes", "")).strip(),
         models=tuple(models), covers_other_checkpoints=covers,
+        hub_licence=str(data.get("hub_licence", "")).strip(),
     )
 
 

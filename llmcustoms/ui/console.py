@@ -72,17 +72,17 @@ def memory_table(memory: dict[str, int], where: str) -> Table:
     table.add_column()
     for label, key in MEMORY_PARTS:
         if memory.get(key):
-            table.add_row(label, _gib(memory[key]), "")
+            table.add_row(label, gib(memory[key]), "")
     share = total / budget if budget else 0
     colour = "green" if share <= 0.9 else "red"
     width = 30
     filled = min(width, round(share * width))
-    table.add_row("[bold]total", f"[bold]{_gib(total)}",
-                  f"[{colour}]{'#' * filled}[/]{'.' * (width - filled)} {share:.0%} of {_gib(budget)}")
+    table.add_row("[bold]total", f"[bold]{gib(total)}",
+                  f"[{colour}]{'#' * filled}[/]{'.' * (width - filled)} {share:.0%} of {gib(budget)}")
     return table
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 1024 ** 3:.2f} GiB"
 
 
@@ -228,90 +228,6 @@ def confirm(question: str) -> bool:
     from rich.prompt import Confirm
 
     return Confirm.ask(question, default=True, console=console)
-
-
-def show_hardware(hardware: Any, fits: Any, where: dict[str, str]) -> None:
-    """The machine, and `fitting.FitTable`: which models and methods fit it, and
-    `where` each model would load from (`hub_access.availability`)."""
-    console.print(machine_table(hardware))
-    console.print(fits_table(fits, where))
-    if "offline: no" in where.values():
-        console.print("The Hugging Face Hub cannot be reached: only cached models (or --model PATH to a local "
-                      "model directory) can be trained.")
-    if hardware.torch_note:  # GPUs found that the installed torch cannot use: the table is the CPU's
-        console.print(f"[yellow]warning:[/] {escape(hardware.torch_note)}")
-    if not hardware.has_gpu:
-        console.print("No GPU: training runs on the CPU, which fits in memory but takes hours for real models. "
-                      "`llmcustoms plan DATA --vram 24` shows what a 24 GB GPU would run.")
-    elif len(hardware.gpus) > 1:
-        n = len(hardware.gpus)
-        # Two lines at 80 columns: with the table, `hardware` stays within a screen.
-        console.print(f"{n} GPUs: the table is for one of them. Train on all with `--num-processes {n}`; a "
-                      f"model one card cannot hold trains sharded with `--distributed fsdp`.")
-
-
-def machine_table(hardware: Any) -> Table:
-    """The machine in a few lines, without rules or a title: `hardware` fits an 80x24 screen."""
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column()
-    for first, same in _alike_gpus(hardware.gpus):
-        gpu = same[0]
-        least, most = min(g.free_bytes for g in same), max(g.free_bytes for g in same)
-        free = _gib(least) if least == most else f"{_gib(least)} to {_gib(most)}"
-        size = ([f"{gpu.name}: {_gib(gpu.total_bytes)} ({free} free)"] if len(same) == 1 else
-                [f"{len(same)} x {gpu.name}", f"{_gib(gpu.total_bytes)} each", f"{free} free"])
-        label = f"GPU {first}" if len(same) == 1 else f"GPUs {first}-{first + len(same) - 1}"
-        table.add_row(label, Parts([*size, "compute capability {}.{}".format(*gpu.compute_capability),
-                                    f"bf16 {'yes' if gpu.supports_bf16 else 'no'}"], sep=", "))
-    if not hardware.gpus:
-        table.add_row("GPU", "none" + (f" ({escape(hardware.driver_note)})" if hardware.driver_note else ""))
-    bf16 = f", native bf16 ({hardware.cpu_bf16})" if hardware.cpu_bf16 else ""
-    table.add_row("CPU cores", f"{hardware.cpu_cores}{bf16}")
-    table.add_row("RAM", f"{_gib(hardware.ram_bytes)} ({_gib(hardware.ram_free_bytes)} available)")
-    table.add_row("precision", PRECISION_LABELS.get(hardware.mixed_precision, hardware.mixed_precision))
-    return table
-
-
-def _alike_gpus(gpus: Any) -> list[tuple[int, list[Any]]]:
-    """Runs of the same card (name, size, compute capability), with the index of the first:
-    a machine of eight alike GPUs is one row, and `hardware` stays within a screen."""
-    runs: list[tuple[int, list[Any]]] = []
-    for i, gpu in enumerate(gpus):
-        key = (gpu.name, gpu.total_bytes, gpu.compute_capability)
-        if runs and (runs[-1][1][0].name, runs[-1][1][0].total_bytes, runs[-1][1][0].compute_capability) == key:
-            runs[-1][1].append(gpu)
-        else:
-            runs.append((i, [gpu]))
-    return runs
-
-
-# A line at 80 columns, under the table.
-FIT_LEGEND = "yes N: micro-batch up to N; ckpt: gradient checkpointing; no NG: needs N GiB"
-
-
-def fits_table(fits: Any, where: dict[str, str] | None = None) -> Group:
-    """`fitting.FitTable` as a table: per model and method, yes with the largest
-    micro-batch, or why not. No rules, and the title and legend are lines of
-    their own (a table's would wrap at its width): `hardware` fits 80x24."""
-    table = Table(box=None, pad_edge=False)
-    for column in ("model", "size", *fits.methods, *(("here",) if where else ())):
-        table.add_column(column, no_wrap=True)
-    for model in fits.models:
-        here = (escape(where.get(model.hub_id, "")),) if where else ()
-        table.add_row(escape(model.hub_id.split("/")[-1]), f"{model.params / 1e9:.1f}B",
-                      *(_fit_cell(model.methods[m]) for m in fits.methods), *here)
-    title = (f"What fits in {_gib(fits.budget_bytes)} of {'GPU memory' if fits.on_gpu else 'RAM'} "
-             f"({fits.seq_len}-token sequences; largest micro-batch)")
-    return Group(Text(title, style="bold"), table, Text(FIT_LEGEND, style="dim"))
-
-
-def _fit_cell(fit: Any) -> str:
-    if fit.micro_batch:
-        return f"[green]yes[/] {fit.micro_batch}"
-    if fit.needs_checkpointing:
-        return "[yellow]ckpt[/]"  # fits with gradient checkpointing (the footnote says so)
-    return f"[red]no[/] {fit.need_bytes / 1024 ** 3:.0f}G"
 
 
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:

@@ -191,7 +191,7 @@ def test_the_model_is_chosen_by_what_fits():
     preset = load_preset("bestaccuracy")
     candidates = [model(m) for m in preset.model_candidates(has_gpu=True)]
     assert [c.name for c in candidates] == list(preset.models)
-    for gib, expected in ((80, "Qwen/Qwen2.5-7B-Instruct"), (4, None)):
+    for gib, expected in ((80, "Qwen/Qwen3-8B"), (4, None)):
         chosen, reason = Planner(Hardware.with_gpu(gib), preset).choose_model(candidates, stats(), {})
         if expected:
             assert chosen.name == expected

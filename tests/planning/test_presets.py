@@ -13,9 +13,12 @@ PRESETS = builtin_preset_names()
 FAMILY_FILES = sorted((presets_dir() / "families").glob("*.yaml"))
 
 
-def test_the_three_presets_and_five_families_ship():
+def test_the_three_presets_and_nine_families_ship():
     assert PRESETS == ["bestaccuracy", "highspeed", "quality"]
-    assert set(load_families()) == {"tinyllama", "smollm2", "phi", "mistral", "qwen"}
+    assert set(load_families()) == {"tinyllama", "smollm2", "phi", "mistral", "qwen", "qwen3", "llama3", "gemma3",
+                                     "smollm3"}
+    gated = {name for name, family in load_families().items() if family.hub_licence}
+    assert gated == {"llama3", "gemma3"}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -83,10 +86,10 @@ def test_every_family_has_consistent_architecture_facts(path):
     assert family.models
     for model in family.models:
         assert model.num_attention_heads % model.num_kv_heads == 0
-        assert model.hidden_size % model.num_attention_heads == 0
+        assert model.head_dim or model.hidden_size % model.num_attention_heads == 0
         assert family.targets_for(model.model_type)
         # Parameter count is close to what the architecture implies (embeddings + blocks).
-        head_dim = model.hidden_size // model.num_attention_heads
+        head_dim = model.head_width
         attention = model.hidden_size * head_dim * (2 * model.num_attention_heads + 2 * model.num_kv_heads)
         mlp = (2 if model.model_type == "phi" else 3) * model.hidden_size * model.intermediate_size
         embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)

@@ -8,7 +8,8 @@ import re
 
 from rich.console import Console
 
-from llmcustoms.ui.console import machine_table, plan_table, runs_table
+from llmcustoms.ui.console import plan_table, runs_table
+from llmcustoms.ui.hardware_view import machine_table
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.runs.run_directory import RunSummary
 from test_planning import plan_for
