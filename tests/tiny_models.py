@@ -164,7 +164,7 @@ def _build_template_family(family: str, directory: Path, seed: int) -> Path:
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                   pad_token_id=tokenizer.pad_token_id, initializer_range=0.1)
     config = {
-        "qwen3": lambda: Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=128, tie_word_embeddings=True),  # Qwen3's at every size
         "llama": lambda: LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256}),

@@ -29,7 +29,7 @@ from llmcustoms.models.gguf_vocab import GgufRefused, gguf_vocab
 QUANTS = ("f16", "bf16", "q8_0", "q4_0")
 # transformers' model_type -> llama.cpp's architecture. Mistral is written as
 # llama (llama.cpp's converter does the same: the weights are laid out alike).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Architectures whose query and key rows llama.cpp wants in its own rotary order.
 PERMUTED = {"llama"}
 
@@ -54,7 +54,25 @@ def check_exportable(config: Any) -> str:
     if scaling not in (None, "default"):
         raise GgufRefused(f"This model uses {scaling} rotary scaling, which this GGUF export does not write yet.",
                           "Export with --merge instead and convert that folder with llama.cpp's convert_hf_to_gguf.py.")
+    unchecked = _unchecked_shape(config)
+    if unchecked:
+        raise GgufRefused(f"This model has {unchecked}, which transformers' GGUF reader (that checks the written file) "
+                          "does not read back, so the export could not be checked.",
+                          "Export with --merge instead and convert that folder with llama.cpp's convert_hf_to_gguf.py.")
     return ARCHITECTURES[model_type]
+
+
+def _unchecked_shape(config: Any) -> str:
+    """What of the model's shape a file read back through transformers' GGUF
+    reader would lose ("" if nothing): it reads no partial rotary factor (Phi-4-mini's
+    0.75) and, for Qwen3, no head width (it assumes Qwen3's 128)."""
+    partial = getattr(config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        return f"a partial rotary embedding ({partial:g} of each head)"
+    head_dim = getattr(config, "head_dim", None)
+    if config.model_type == "qwen3" and head_dim != 128:
+        return f"heads {head_dim} wide (Qwen3's are 128)"
+    return ""
 
 
 def write_gguf(model: Any, tokenizer: Any, path: Path, quant: str, name: str, end_of_turn: int | None,
@@ -114,6 +132,9 @@ def _add_hyperparameters(writer: Any, config: Any, name: str, quant: str) -> Non
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    if head_dim != config.hidden_size // heads:  # Qwen3's 128-wide heads at hidden 1024: llama.cpp reads these
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rotary = int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0))
     writer.add_rope_dimension_count(rotary)
     writer.add_rope_freq_base(_rope_theta(config))

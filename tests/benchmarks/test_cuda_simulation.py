@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,17 @@ TINY_QWEN = small_arch("tiny-qwen", model_type="qwen2", hidden=64, layers=2, hea
                        vocab=1024, tied=True)
 
 
+# Today's families at two layers: heads wider than hidden / heads, q/k norms, Gemma's extra norms.
+TINY_QWEN3 = replace(small_arch("tiny-qwen3", model_type="qwen3", hidden=64, layers=2, heads=4, kv_heads=2,
+                                intermediate=128, vocab=512, tied=True), head_dim=32)
+TINY_GEMMA3 = replace(small_arch("tiny-gemma3", model_type="gemma3_text", hidden=64, layers=2, heads=2, kv_heads=1,
+                                 intermediate=128, vocab=1024, tied=True), head_dim=48)
+
+
 @pytest.mark.parametrize("config", [
     Config("lora", TINY_LLAMA, "lora", 4, 64),
+    Config("lora-qwen3", TINY_QWEN3, "lora", 4, 64),
+    Config("lora-gemma3", TINY_GEMMA3, "lora", 4, 64),
     Config("lora-tied-checkpointed", TINY_QWEN, "lora", 2, 96, gradient_checkpointing=True),
     Config("qlora", TINY_LLAMA, "qlora", 4, 64),
     Config("full", TINY_LLAMA, "full", 2, 64),

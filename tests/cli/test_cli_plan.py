@@ -74,13 +74,17 @@ def test_hardware_shows_the_machine_and_what_fits():
     result = invoke("hardware")
     assert result.exit_code == 0, result.output
     assert "CPU cores" in result.output and "RAM" in result.output
-    assert "What fits" in result.output and "Mistral-7B-Instruct-v0.3" in result.output
+    assert "What fits" in result.output
+    for family in ("tinyllama", "smollm2", "phi", "mistral", "qwen", "qwen3", "llama3", "gemma3", "smollm3"):
+        assert f"\n{family} " in result.output, family  # a row per family, today's with them
 
 
 def test_presets_lists_presets_and_families():
     result = invoke("presets")
     assert result.exit_code == 0, result.output
-    for name in ("highspeed", "quality", "bestaccuracy", "tinyllama", "mistral", "qwen", "phi"):
+    for name in ("highspeed", "quality", "bestaccuracy", "tinyllama", "mistral", "qwen", "phi", "qwen3", "llama3",
+                 "gemma3", "smollm3", "Qwen3-1.7B", "Llama-3.2-3B-Instruct", "gemma-3-1b-it", "Phi-4-mini-instruct",
+                 "SmolLM3-3B"):
         assert name in result.output
 
 

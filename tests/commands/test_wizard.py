@@ -129,11 +129,11 @@ def test_setup_writes_the_data_path_whole_so_train_finds_it_from_anywhere(tmp_pa
 def test_setup_answers_are_used_and_other_variables_are_kept(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text("HF_TOKEN=hf_keepme\nLLMCUSTOMS_PRESET=quality\n")
-    result = run_setup(tmp_path, env_file, answers("", "bestaccuracy", "2", "out", "40", "y"))
+    result = run_setup(tmp_path, env_file, answers("", "bestaccuracy", "3", "out", "40", "y"))
     assert result.returncode == 0, result.stdout + result.stderr
     text = env_file.read_text()
     assert "LLMCUSTOMS_PRESET=bestaccuracy" in text and "LLMCUSTOMS_OUTPUT_DIR=out" in text
-    assert f"LLMCUSTOMS_MODEL={SMOLLM2[1]}" in text  # number 2 of the list, smallest first
+    assert f"LLMCUSTOMS_MODEL={SMOLLM2[1]}" in text  # number 3 of the list, smallest first (Gemma 3 270M is 2)
     assert "LLMCUSTOMS_SAVE_EVERY=40" in text and "HF_TOKEN=hf_keepme" in text
     assert "hf_keepme" not in result.stdout
 
