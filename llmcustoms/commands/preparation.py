@@ -280,6 +280,9 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
                                             train_dropped, supports_reasoning(hf), end_tokens),
                    tokens_key=tokenized.key)
+    if len(evaluation_full) and not len(evaluation):  # held out, then dropped: never a silent "no evaluation"
+        prepared = replace(prepared, eval_source=f"the {len(evaluation_full):,} held-out row(s) keep no reply within "
+                                                 f"{plan.max_seq_len} tokens; raise --max-seq-len")
     return replace(prepared, plan=plan, tokenizer=tokenized.tokenizer, train=train, evaluation=evaluation,
                    truncated=train_cut + eval_cut, dropped=train_dropped + eval_dropped,
                    used_fallback_template=tokenized.used_fallback, tokenize_seconds=tokenized.seconds,

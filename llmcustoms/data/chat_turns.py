@@ -183,8 +183,10 @@ def _turn(role: str, turn: dict, content: Any, where: str) -> Message:
 
 
 def _weight(turn: dict, role: str, where: str) -> bool:
-    """Whether an OpenAI turn is learned: its `weight`, 1 (or none) or 0."""
-    if "weight" not in turn:
+    """Whether an OpenAI turn is learned: its `weight`, 1 (or none) or 0. A
+    null weight is none: Arrow, parquet and `Dataset.to_json` write one on
+    every turn of a column where some turns have a weight."""
+    if turn.get("weight") is None:
         return True
     weight = turn["weight"]
     if role != "assistant":

@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -100,19 +101,41 @@ def _text_lines(f: IO[bytes]) -> Iterator[tuple[int, str | None, str | None, boo
 
 
 def _read_txt(path: Path) -> Iterator[RawRow]:
-    """Plain text: a row per paragraph, paragraphs separated by blank lines (a
-    line of spaces counts as blank), as `datasets`' text loader reads with
-    sample_by="paragraph"; each row is a `text` row at its first line. Lines
-    are joined with "\\n". A paragraph over the limit on one row, or with a
-    line that is not UTF-8, is a bad row; the rest of it is not kept."""
+    """Plain text, as `datasets`' text loader and LLaMA-Factory read it: a
+    file with blank lines (a line of spaces counts as blank) is a row per
+    paragraph, as sample_by="paragraph"; one without is a row per line (its
+    default, sample_by="line"). Each row is a `text` row at its first line;
+    a paragraph's lines are joined with "\\n". A row over TEXT_PIECE_CHARS is
+    split into pieces (`_pieces`). A paragraph over the limit on one row, or
+    with a line that is not UTF-8, is a bad row; the rest of it is not kept."""
+    by_paragraph = _has_blank_line(path)
     row = 0
     with open(path, "rb") as f:
+        lines = _text_lines(f)
         # A line that is not UTF-8 (its text None) is no blank line: it belongs to its paragraph.
-        for blank, lines in itertools.groupby(_text_lines(f), key=lambda line: line[1] is not None
-                                              and not line[1].strip()):
-            if not blank:
+        groups = (itertools.groupby(lines, key=lambda line: line[1] is not None and not line[1].strip())
+                  if by_paragraph else ((line[1] is not None and not line[1].strip(), [line]) for line in lines))
+        for blank, group in groups:
+            if blank:
+                continue
+            for piece in _pieces(_paragraph(row + 1, group)):
                 row += 1
-                yield _paragraph(row, lines)
+                yield replace(piece, row=row)
+
+
+def _has_blank_line(path: Path) -> bool:
+    """Whether a text file holds a blank line between two lines of text."""
+    seen_text = seen_blank = False
+    with open(path, "rb") as f:
+        for _, text, _, _, _ in _text_lines(f):
+            blank = text is not None and not text.strip()
+            if blank and seen_text:
+                seen_blank = True
+            elif not blank:
+                if seen_blank:
+                    return True
+                seen_text = True
+    return False
 
 
 def _paragraph(row: int, lines: Iterator[tuple[int, str | None, str | None, bool, int]]) -> RawRow:
@@ -123,6 +146,29 @@ def _paragraph(row: int, lines: Iterator[tuple[int, str | None, str | None, bool
             return RawRow(row, first, problem=problem or TOO_LONG)  # the rest of it is skipped unkept
         kept.append(text)
     return RawRow(row, first, value={"text": "\n".join(kept)}, line_endings=breaks)
+
+
+# A text row longer than this is trained in pieces: a row is cut at the run's
+# --max-seq-len, so one long document (a book pasted as one paragraph) would
+# teach only its first page.
+TEXT_PIECE_CHARS = 8192
+
+
+def _pieces(paragraph: RawRow) -> list[RawRow]:
+    """A long row split into pieces of at most TEXT_PIECE_CHARS, at line
+    breaks where it has them, else at spaces, else anywhere."""
+    text = (paragraph.value or {}).get("text", "")
+    if len(text) <= TEXT_PIECE_CHARS:
+        return [paragraph]
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + TEXT_PIECE_CHARS)
+        if end < len(text):
+            cut = max(text.rfind("\n", start, end), text.rfind(" ", start, end))
+            end = cut + 1 if cut > start else end
+        pieces.append(replace(paragraph, value={"text": text[start:end].strip("\n")}))
+        start = end
+    return [piece for piece in pieces if piece.value["text"].strip()]
 
 
 class _TextStream:

@@ -1,8 +1,11 @@
 """Preference rows (DPO): a prompt, a chosen reply and a rejected one.
 
-Three shapes, as the field's tools write them:
+Three shapes, as the field's tools write them (an assistant turn may carry
+tool calls, as OpenAI's `tool_calls`, and the row a `tools` list):
 
-  preference           prompt, chosen, rejected as text                 (TRL's standard shape)
+  preference           prompt, chosen, rejected as text                 (TRL's standard shape;
+                       without a prompt field, the prompt is the text chosen and
+                       rejected begin with, as in Anthropic's hh-rlhf: TRL's implicit prompt)
   preference_chat      prompt, chosen, rejected as lists of turns       (TRL's conversational shape;
                        the prompt may hold a system turn and earlier turns)
                        or chosen and rejected as whole conversations with no
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmcustoms.data.chat_turns import OPENAI_ROLES, SHAREGPT_ROLES, Message, RowProblem, content_text
+from llmcustoms.data.chat_turns import OPENAI_ROLES, SHAREGPT_ROLES, Message, RowProblem, content_text, openai_calls
 
 PREFERENCE_FORMATS = {
     "preference": "preference pairs (prompt, chosen, rejected as text)",
@@ -60,7 +63,9 @@ def preference_format(value: dict) -> str | None:
 
 def to_pair(row: int, value: dict, fmt: str) -> PreferencePair:
     """Validate one preference row against the detected shape."""
-    if fmt == "preference":
+    if fmt == "preference" and "prompt" not in value:
+        prompt, chosen, rejected = _shared_text(_text(value, "chosen"), _text(value, "rejected"))
+    elif fmt == "preference":
         prompt = (Message("user", _text(value, "prompt")),)
         chosen, rejected = (Message("assistant", _text(value, "chosen")),), (Message("assistant", _text(value, "rejected")),)
     elif fmt == "preference_chat" and "prompt" not in value:
@@ -102,7 +107,9 @@ def _turns(turns: Any, name: str) -> tuple[Message, ...]:
         if not isinstance(role, str) or role not in ROLES or ROLES[role] not in ("system", "user", "assistant"):
             raise RowProblem(f"{'missing role' if role is None else 'unsupported role'} ({where}; "
                              "accepted in preference rows: system, user, assistant)")
-        messages.append(Message(ROLES[role], content_text(turn.get("content", turn.get("value")), where)))
+        calls = openai_calls(turn.get("tool_calls"), where) if ROLES[role] == "assistant" else ()
+        messages.append(Message(ROLES[role], content_text(turn.get("content", turn.get("value")), where,
+                                                          may_be_null=bool(calls)), calls))
     return tuple(messages)
 
 
@@ -125,6 +132,20 @@ def _shared_prompt(chosen: tuple[Message, ...],
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
+def _shared_text(chosen: str, rejected: str) -> tuple[tuple[Message, ...], tuple[Message, ...], tuple[Message, ...]]:
+    """TRL's implicit prompt for text pairs: the text both begin with (less a
+    space it ends with) is the prompt, the rest of each its reply."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared and chosen[shared - 1] == " ":
+        shared -= 1
+    if not chosen[:shared].strip():
+        raise RowProblem("missing field 'prompt', and 'chosen' and 'rejected' begin with no shared prompt")
+    return ((Message("user", chosen[:shared]),), (Message("assistant", chosen[shared:]),),
+            (Message("assistant", rejected[shared:]),))
+
+
 def _checked(pair: PreferencePair) -> PreferencePair:
     if not pair.prompt or pair.prompt[-1].role != "user":
         raise RowProblem("the prompt must end with a user turn")
@@ -133,8 +154,8 @@ def _checked(pair: PreferencePair) -> PreferencePair:
     for name, reply in (("chosen", pair.chosen), ("rejected", pair.rejected)):
         if not reply or any(m.role != "assistant" for m in reply):
             raise RowProblem(f"field '{name}' must be the assistant's reply")
-        if not any(m.content.strip() for m in reply):
+        if not any(m.content.strip() or m.tool_calls for m in reply):
             raise RowProblem(f"field '{name}' is empty")
-    if [m.content.strip() for m in pair.chosen] == [m.content.strip() for m in pair.rejected]:
+    if [(m.content.strip(), m.tool_calls) for m in pair.chosen] == [(m.content.strip(), m.tool_calls) for m in pair.rejected]:
         raise RowProblem("chosen and rejected are the same reply")
     return pair

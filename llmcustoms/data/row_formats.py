@@ -8,6 +8,7 @@ in this order (the first whose fields a row has wins):
   sharegpt           conversations: [{from: human|gpt|system|function_call|observation, value}]
                      (optional system and tools fields, as LLaMA-Factory writes them)
   alpaca             instruction, input (optional), output; optional system
+                     and history ([[instruction, response], ...]: earlier turns)
   alpaca_response    instruction, input or context (optional), response   (Alpaca)
   question_answer    question, answer                                      (Alpaca)
   prompt_completion  prompt, completion
@@ -302,7 +303,23 @@ def _alpaca(row: int, value: dict, fmt: str) -> Example:
                   if text.strip()), "")
     prompt = f"{instruction}\n\n{extra}" if extra else instruction
     turns = (Message("user", prompt), Message("assistant", _text_field(value, reply_field)))
-    return Example(row, messages=_system_turn(value) + turns)
+    return Example(row, messages=_system_turn(value) + _history(value) + turns)
+
+
+def _history(value: dict) -> tuple[Message, ...]:
+    """LLaMA-Factory's Alpaca `history`: earlier [instruction, response]
+    pairs, read as the turns before the row's own (their replies learned too)."""
+    history = value.get("history")
+    if history is None:
+        return ()
+    if not isinstance(history, list):
+        raise RowProblem(f"field 'history' must be a list of [instruction, response] pairs, found {type(history).__name__}")
+    turns: list[Message] = []
+    for i, pair in enumerate(history, start=1):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t.strip() for t in pair)):
+            raise RowProblem(f"history[{i}] must be a pair of texts [instruction, response]")
+        turns += [Message("user", pair[0]), Message("assistant", pair[1])]
+    return tuple(turns)
 
 
 def _conversation(row: int, value: dict, fmt: str) -> Example:
@@ -314,6 +331,20 @@ def _conversation(row: int, value: dict, fmt: str) -> Example:
     if system and messages[0].role == "system":
         raise RowProblem("both a 'system' field and a system turn")
     return Example(row, messages=system + messages, tools=tools_field(value))
+
+
+def _conversational_completion(row: int, value: dict) -> Example:
+    """TRL's conversational prompt/completion (and unpaired preference, with a
+    `label`): `prompt` and `completion` as lists of turns, read as one
+    conversation whose completion is learned; assistant turns in the prompt
+    are its context."""
+    prompt, completion = value.get("prompt"), value.get("completion")
+    if not isinstance(completion, list) or not completion:
+        raise RowProblem("field 'completion' must be a list of turns when 'prompt' is one")
+    messages = chat_turns(prompt + completion, "prompt + completion", "role", "content", OPENAI_ROLES)
+    if not any(m.role == "assistant" for m in messages[len(prompt):]):
+        raise RowProblem("field 'completion' has no assistant turn to learn from")
+    return Example(row, messages=messages, tools=tools_field(value), learned_from=len(prompt))
 
 
 def _desirable(value: dict) -> bool:
@@ -335,6 +366,8 @@ def to_example(raw: RawRow, fmt: str) -> Example:
         example = _alpaca(raw.row, value, fmt)
     elif fmt in ("messages", "sharegpt"):
         example = _conversation(raw.row, value, fmt)
+    elif fmt == "prompt_completion" and isinstance(value.get("prompt"), list):
+        example = _conversational_completion(raw.row, value)
     elif fmt in PROMPT_FIELDS:
         if doubt := _ambiguity(value):
             raise RowProblem(doubt)  # which column is the prompt is not ours to guess
@@ -345,7 +378,7 @@ def to_example(raw: RawRow, fmt: str) -> Example:
     elif fmt in PREFERENCE_FORMATS:
         pair = to_pair(raw.row, value, fmt)
         return Example(raw.row, messages=pair.chosen_conversation(), rejected=pair.rejected,
-                       learned_from=len(pair.prompt))
+                       learned_from=len(pair.prompt), tools=tools_field(value))
     else:
         raise AssertionError(f"unknown format {fmt}")
     desirable = _desirable(value)

@@ -74,5 +74,15 @@ def split_rows(options: TrainOptions, dataset: Dataset, preset: Any, progress: C
     if not train_idx:
         raise DataError(f"{dataset.path.name}: no rows left for training after the evaluation split.",
                         "Lower --eval-split or add more rows.")
+    if not eval_idx:
+        return Split(train_idx, eval_idx, None, _why_none(dataset.rows, fraction, fraction_source), fraction)
     capped = f", at most {MAX_EVAL_ROWS:,} rows" if len(eval_idx) == MAX_EVAL_ROWS else ""
     return Split(train_idx, eval_idx, None, f"{fraction:.0%} split{capped}, seed {seed}, {fraction_source}", fraction)
+
+
+def _why_none(rows: int, fraction: float, fraction_source: str) -> str:
+    """Why a split holds no row out, in words for the data report."""
+    if fraction <= 0:
+        return f"eval split 0, {fraction_source}"
+    return (f"{rows} row cannot be split into training and held-out rows: nothing measures how well the model "
+            "generalises, and early stopping is off; add rows, or pass --eval-data FILE")

@@ -9,6 +9,9 @@ train on, found by a few general detectors over each row's text.
   echo_reply   a reply identical to the prompt before it (whitespace aside)
   blank_reply  a reply of nothing but whitespace or invisible characters, or
                of one character or one word repeated
+  template_markup  a plain text row that already holds a chat template's
+               special tokens (<|im_start|>, [INST], <start_of_turn>, ...):
+               a conversation written out, which a messages row says better
 
 Code and markup hold braces and angle brackets that are no placeholders
 (`{x: 1}`, f"{name}", JSX, a Jinja template the row teaches, `<YOUR_API_KEY>`
@@ -38,7 +41,7 @@ from llmcustoms.data.data_files import RawRow
 from llmcustoms.data.row_formats import Example, Message
 from llmcustoms.errors import DataError
 
-PLACEHOLDER, MEDIA, ECHO, BLANK = "placeholder", "media", "echo_reply", "blank_reply"
+PLACEHOLDER, MEDIA, ECHO, BLANK, MARKUP = "placeholder", "media", "echo_reply", "blank_reply", "template_markup"
 # kind: (what was found, what to do). Shown after a count of rows and their first locations.
 FINDINGS = {
     PLACEHOLDER: ("template placeholders never filled in",
@@ -46,9 +49,16 @@ FINDINGS = {
     ECHO: ("replies identical to their prompt", "fix or remove those rows; they teach the model to repeat the prompt"),
     BLANK: ("replies of only whitespace or invisible characters, or one character or word repeated",
             "fix or remove those rows; they teach the model to say nothing useful"),
+    MARKUP: ("text rows that hold a chat template's special tokens",
+             "write each conversation as a messages row ({\"messages\": [{\"role\": \"user\", \"content\": ...}, "
+             "{\"role\": \"assistant\", \"content\": ...}]}): the model's own template then writes its tokens, "
+             "and only the replies are learned; as text, every token is learned, prompts and markup too"),
     MEDIA: ("rows for a vision or audio model (images, video or audio)",
             "vision and audio models are not supported: keep text rows only"),
 }
+# The turn markers of the common chat templates (ChatML, Llama 2 and 3, Gemma, Phi, Zephyr).
+TEMPLATE_MARKERS = ("<|im_start|>", "<|im_end|>", "[INST]", "[/INST]", "<start_of_turn>", "<end_of_turn>",
+                    "<|start_header_id|>", "<|eot_id|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
 # How many locations of each finding are named.
 LOCATIONS_SHOWN = 3
 
@@ -131,6 +141,9 @@ class SuspiciousRows:
             self._add(ECHO, raw)
         if any(blank(reply) for reply in replies):
             self._add(BLANK, raw)
+        markers = [m for m in TEMPLATE_MARKERS if m in example.completion] if not (example.is_chat or example.prompt) else []
+        if markers:
+            self._add(MARKUP, raw, markers)
         if not styles:
             return None
         return f"a template placeholder ({', '.join(styles)}) in {'a reply' if in_reply else 'the prompt'}, never filled in"

@@ -9,6 +9,7 @@ module's quoting out of step. Nothing here shows a row's content. No torch.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -76,15 +77,36 @@ def _decoded_lines(path: Path, f: IO[bytes]) -> Iterator[str]:
                             "Save the file as UTF-8 (most editors offer this under 'Save as' / 'Encoding').") from None
 
 
+class _LoneCarriageReturns(io.RawIOBase):
+    """A file whose lines end in a lone "\r" (as old Macs and some exports
+    write), read with "\n" line ends: it has no "\n" to keep apart."""
+
+    def __init__(self, raw: IO[bytes]):
+        self.raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read(len(buffer)).replace(b"\r", b"\n")
+        buffer[:len(data)] = data
+        return len(data)
+
+
 def read_csv(path: Path) -> Iterator[RawRow]:
     # The csv module refuses cells over 128 KiB by default; long documents are normal here.
     csv.field_size_limit(rawrows.MAX_ROW_BYTES)
     with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        f.seek(0)
+        lines: IO[bytes] = f
+        if b"\r" in head and b"\n" not in head:  # every line ends in a lone "\r"
+            lines = io.BufferedReader(_LoneCarriageReturns(f))
         # csv.reader, not DictReader: DictReader skips blank lines without saying
         # so, and the line numbers of every later row would be off.
         # strict: a stray quote is an error at its line, not a cell that
         # silently swallows every row after it.
-        yield from _csv_rows(path, csv.reader(_decoded_lines(path, f), strict=True))
+        yield from _csv_rows(path, csv.reader(_decoded_lines(path, lines), strict=True))
 
 
 def read_arrow_rows(path: Path, rows: Iterator[dict]) -> Iterator[RawRow]:
@@ -112,8 +134,52 @@ def read_parquet(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path.name}: not a readable Parquet file ({type(exc).__name__}).",
                         "Check that the file was written completely.") from None
 
+    json_fields = [(field.name, *path) for field in parquet.schema_arrow for path in _json_paths(field.type)]
+
     def rows() -> Iterator[dict]:
         for batch in parquet.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+            for value in batch.to_pylist():
+                yield _with_json_decoded(value, json_fields)
 
     yield from read_arrow_rows(path, rows())
+
+
+def _json_paths(kind: Any) -> list[tuple[str, ...]]:
+    """Where JSON-typed values lie inside an Arrow type, as paths of field names
+    ("" for a list's items): `datasets` writes a column of mixed types, such as
+    turns whose content is text in some rows and a list of parts in others
+    (`on_mixed_types="use_json"`), as Arrow's JSON type, which reads back as
+    the JSON text."""
+    import pyarrow as pa
+
+    if getattr(kind, "extension_name", None) == "arrow.json":
+        return [()]
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return [("", *path) for path in _json_paths(kind.value_type)]
+    if pa.types.is_struct(kind):
+        return [(kind.field(i).name, *path) for i in range(kind.num_fields) for path in _json_paths(kind.field(i).type)]
+    return []
+
+
+def _with_json_decoded(value: Any, paths: list[tuple[str, ...]]) -> Any:
+    """`value` with the JSON text at each of `paths` parsed (text that is not
+    JSON stays as it is: the row's check names it)."""
+    for path in paths:
+        value = _decode_at(value, path)
+    return value
+
+
+def _decode_at(value: Any, path: tuple[str, ...]) -> Any:
+    if not path:
+        if isinstance(value, str):
+            try:
+                return parse_json(value)
+            except (json.JSONDecodeError, BeyondLimits):
+                return value
+        return value
+    head, rest = path[0], path[1:]
+    if head == "" and isinstance(value, list):
+        return [_decode_at(item, rest) for item in value]
+    if isinstance(value, dict) and head in value:
+        return {**value, head: _decode_at(value[head], rest)}
+    return value

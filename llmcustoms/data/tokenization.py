@@ -5,6 +5,9 @@ reply or unlearned reply (a turn marked `weight: 0`). Each piece is tokenized
 on its own, so labels are -100 on exactly the prompt pieces (unless
 --train-on-prompt) and the unlearned replies (always).
 
+A special token's text in a chat row (a reply that writes "<|im_end|>") is
+tokenized as text, never as the token (`literal_tokens.py`).
+
 Every sequence ends with a token the model stops on: a reply whose template
 ends with an end-of-turn token followed by whitespace (ChatML's
 "<|im_end|>\\n") is cut after that token; one with no stop token gets EOS.
@@ -21,6 +24,7 @@ from llmcustoms.data.chat_templates import (PROMPT, REPLY, Segments, chat_segmen
                                              supports_tools, template_refused, tool_support_error)
 from llmcustoms.data.chat_templates import has_own_template as template_is_own
 from llmcustoms.errors import ModelError
+from llmcustoms.data.literal_tokens import LiteralTokens
 from llmcustoms.data.row_formats import Example
 
 IGNORE_INDEX = -100
@@ -68,6 +72,8 @@ class Tokenizer:
         self.tools_supported: bool | None = None  # probed at the first row that uses tools
         # Reasoning parts reach a template that reads them; others never see them.
         self.shows_reasoning = supports_reasoning(hf_tokenizer)
+        # A special token's text in a row rendered through the template is learned as text.
+        self.literal = LiteralTokens(hf_tokenizer)
 
     def segments(self, example: Example) -> Segments:
         """The row as (text, PROMPT | REPLY | UNLEARNED) pieces, in order."""
@@ -79,10 +85,11 @@ class Tokenizer:
                 raise tool_support_error(example)
         try:
             if example.is_chat:
+                example = self.literal.hide(example)
                 return chat_segments(self.hf, example.messages, example.tool_schemas(), example.learned_from,
                                      self.shows_reasoning)
             if example.prompt and self.templated_prompts:
-                return chat_segments(self.hf, example.as_conversation().messages)
+                return chat_segments(self.hf, self.literal.hide(example).as_conversation().messages)
         except TemplateError as error:
             # What it refused, never the template's text: that may quote the row.
             raise template_refused(f"row {example.row}", error,
@@ -111,7 +118,7 @@ class Tokenizer:
         """(token ids, learned mask) of each example, not truncated. All pieces
         go to the tokenizer in one call: fast tokenizers spread a batch over the cores."""
         segments = [[(text, kind) for text, kind in self.segments(e) if text] for e in examples]
-        pieces = self.hf([text for row in segments for text, _ in row], add_special_tokens=False)["input_ids"]
+        pieces = self.literal.encode_pieces([text for row in segments for text, _ in row])
         out, k = [], 0
         for row in segments:
             out.append(self._assemble(row, pieces[k:k + len(row)]))

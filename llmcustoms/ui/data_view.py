@@ -52,7 +52,7 @@ def show_prepared(prepared: Any, data_path: str) -> None:
     """What was found in the data, before the plan."""
     dataset = prepared.dataset
     line = (f"Data: [bold]{escape(data_path)}[/] - detected format [bold]{escape(dataset.format_description)}[/], "
-            f"{dataset.rows:,} rows")
+            f"{dataset.rows:,} row{'s' if dataset.rows != 1 else ''}")
     console.print(line)
     if dataset.skipped:
         why = "--skip-bad-rows" if dataset.policy == "skip" else "a small share; --strict stops at the first"
@@ -65,6 +65,8 @@ def show_prepared(prepared: Any, data_path: str) -> None:
         console.print(f"{rows} marked undesirable (label: false) left out: those replies are never learned.")
     if prepared.plan.eval_rows:
         console.print(f"Evaluation: {prepared.plan.eval_rows:,} row{'s' if prepared.plan.eval_rows != 1 else ''} held out ({escape(prepared.eval_source)})")
+    else:  # never a silent "no evaluation": why there is none (`splits.split_rows`)
+        console.print(f"[yellow]Evaluation: none[/] ({escape(prepared.eval_source)})")
     if prepared.templated_prompts:
         console.print("prompt/completion rows go through the model's chat template as a user turn and an assistant "
                       "turn (--raw-prompts joins them as they are).")

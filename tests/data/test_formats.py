@@ -546,7 +546,7 @@ def test_the_file_with_a_bad_weight_skips_that_row_and_names_the_field():
 
 
 @pytest.mark.parametrize("weight, found", [(2, "another number"), (0.5, "another number"), ("0", "text"),
-                                           (True, "true or false"), (None, "null"), ([1], "list"), ({"w": 1}, "dict")])
+                                           (True, "true or false"), ([1], "list"), ({"w": 1}, "dict")])
 def test_a_weight_that_is_not_0_or_1_is_a_bad_row_naming_the_field_and_the_turn(weight, found):
     turns = [{"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET},
              {"role": "user", "content": SECRET}, {"role": "assistant", "content": SECRET, "weight": weight}]
