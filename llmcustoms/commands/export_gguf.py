@@ -50,7 +50,8 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
                       waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
     """Write model.gguf and the Modelfile into `partial`; what the checks found
     (a line each) and, when one failed, why."""
-    from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata, llama_cpp_check
+    from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata
+    from llmcustoms.models.llama_cpp_run import llama_cpp_check
     from llmcustoms.models.gguf_writing import check_exportable, write_gguf
     from llmcustoms.commands.merging import common_system_prompt
 

@@ -8,9 +8,9 @@ Read back through transformers' GGUF reader, the file must give:
   - the same next-token predictions: at f16 and bf16 the greedy replies to the
     sample prompts are identical; at q8_0 and q4_0 the logits stay within the
     tolerance below (quantization moves them; how far is reported).
-When llama-cpp-python is installed, the file is also run in llama.cpp itself:
-its tokens for the prompts must equal the model's, and a reply must end at
-the end-of-turn token (`llama_cpp_check`).
+When llama-cpp-python is installed, the file is also run in llama.cpp itself
+(`models/llama_cpp_run.py`): its tokens for the prompts must equal the
+model's, and a reply must end at the end-of-turn token.
 
 Tolerances, on the sample prompts' next-token distributions at every
 position: the mean KL divergence from the model's distribution to the GGUF's
@@ -147,35 +147,3 @@ def _greedy(model: Any, batch: Any, stop_ids: list[int]) -> list[int]:
         out = model.generate(batch, max_new_tokens=REPLY_TOKENS, do_sample=False, eos_token_id=stop_ids,
                              pad_token_id=stop_ids[0] if stop_ids else None)
     return out[0, batch.shape[1]:].tolist()
-
-
-def llama_cpp_check(path: Path, tokenizer: Any, prompts: list[list[dict[str, str]]], stopped: list[bool]) -> str | None:
-    """Run the GGUF in llama.cpp (llama-cpp-python), when installed: its tokens
-    for each prompt must be the model's, and where the model's own greedy reply
-    stopped (`stopped`), llama.cpp's must stop at an end token too (the
-    "never stops in Ollama" fault). A line saying what it found; None when not
-    installed. Problems come back as a line starting with "failed:"."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    from llmcustoms.models.gguf_reading import metadata
-
-    found = metadata(path)
-    context = found.get(f"{found.get('general.architecture')}.context_length") or 1024
-    llm = Llama(model_path=str(path), n_ctx=min(1024, int(context)), verbose=False, seed=0)
-    same_ids = stops = 0
-    try:
-        for messages in prompts:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            same_ids += llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) == ids
-            llm.reset()
-            reply = llm.create_completion(ids, max_tokens=REPLY_TOKENS * 4, temperature=0.0)
-            stops += reply["choices"][0]["finish_reason"] == "stop"
-    finally:
-        llm.close()  # now, not at interpreter exit, where llama.cpp's teardown fails noisily
-    line = (f"llama.cpp: token ids equal for {same_ids}/{len(prompts)} prompts, replies stopped at an end token "
-            f"{stops}/{len(prompts)} (the model's own: {sum(stopped)}/{len(prompts)})")
-    never_stops = any(stopped) and stops == 0
-    return line if same_ids == len(prompts) and not never_stops else f"failed: {line}"

@@ -140,3 +140,17 @@ def test_busy_machine_plans_beside_a_hog(tiny_models):
     for result in summary["runs"]:
         assert result["threads"] >= 1 and result["estimate_s"] > 0
         assert result["threads_reason"].startswith(f"threads {result['threads']}: ")
+
+
+def test_turn_cost_counts_every_reply_against_a_sequence_per_reply(tmp_path, family_models):
+    out = tmp_path / "cost.json"
+    text = run_text("turn_cost.py", str(Path(__file__).parent.parent / "fixtures" / "shapes" /
+                                        "multi_turn_reasoning_tools.jsonl"),
+                    "--tokenizer", str(family_models["qwen3"]), "--template", "qwen3", "--template", "qwen2_5",
+                    "--json", str(out))
+    assert "qwen3" in text and "qwen2_5" in text
+    results = json.loads(out.read_text())["results"]
+    for template in ("qwen3", "qwen2_5"):
+        found = results[template]
+        assert (found["rows"], found["replies"], found["llmcustoms_learned"], found["last_reply_learned"]) == (2, 7, 7, 2)
+        assert found["per_reply_tokens"] > found["llmcustoms_tokens"] >= found["last_reply_tokens"]
