@@ -276,7 +276,10 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
         # With --train-on-prompt a row is one run of learned tokens; a pair's replies are counted by DPO.
         from llmcustoms.data.reply_counts import unlearned_replies
 
-        end_tokens = {**end_tokens, **unlearned_replies(train_full, prepared.dataset.replies)}
+        from llmcustoms.data.token_store import MAX_ROW_CHARS
+
+        dataset = prepared.dataset
+        end_tokens = {**end_tokens, **unlearned_replies(train_full, dataset.replies, dataset.total_chars > MAX_ROW_CHARS)}
     plan = replace(plan, data_report=_facts(prepared.dataset, train_full.full_lengths, "tokenizer", plan, train_cut,
                                             train_dropped, supports_reasoning(hf), end_tokens),
                    tokens_key=tokenized.key)

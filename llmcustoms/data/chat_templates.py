@@ -204,17 +204,19 @@ def _after_turn(tokenizer, messages: tuple[Message, ...], turn: int, prefix: str
     return cut, prefix[at + len(end):]
 
 
-# turn_end_text's answers, by template and special tokens: it is asked for every row.
+# turn_end_text's answers: it is asked for every row.
 _turn_ends: dict[tuple, str | None] = {}
 
 
 def turn_end_text(tokenizer) -> str | None:
     """The first special token the chat template writes after an assistant
     reply (ChatML's <|im_end|>, Phi's <|end|>, Gemma's <end_of_turn>), or None."""
-    specials = tuple(tokenizer.all_special_tokens) + tuple(
-        str(a) for a in tokenizer.added_tokens_decoder.values() if a.special)
-    key = (str(getattr(tokenizer, "chat_template", None)), specials)
+    # Keyed by the tokenizer object and what the answer depends on, cheap to
+    # take: a tokenizer of thousands of special tokens is asked for every row.
+    key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)), len(tokenizer))
     if key not in _turn_ends:
+        specials = tuple(tokenizer.all_special_tokens) + tuple(
+            str(a) for a in tokenizer.added_tokens_decoder.values() if a.special)
         _turn_ends[key] = _probe_turn_end(tokenizer, specials)
     return _turn_ends[key]
 

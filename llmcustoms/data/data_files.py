@@ -155,8 +155,8 @@ TEXT_PIECE_CHARS = 8192
 
 
 def _pieces(paragraph: RawRow) -> list[RawRow]:
-    """A long row split into pieces of at most TEXT_PIECE_CHARS, at line
-    breaks where it has them, else at spaces, else anywhere."""
+    """A long row split into pieces of at most TEXT_PIECE_CHARS, at a line
+    break in a piece's second half, else at a space, else anywhere."""
     text = (paragraph.value or {}).get("text", "")
     if len(text) <= TEXT_PIECE_CHARS:
         return [paragraph]
@@ -164,7 +164,8 @@ def _pieces(paragraph: RawRow) -> list[RawRow]:
     while start < len(text):
         end = min(len(text), start + TEXT_PIECE_CHARS)
         if end < len(text):
-            cut = max(text.rfind("\n", start, end), text.rfind(" ", start, end))
+            cut = text.rfind("\n", start + TEXT_PIECE_CHARS // 2, end)
+            cut = cut if cut >= 0 else text.rfind(" ", start, end)
             end = cut + 1 if cut > start else end
         pieces.append(replace(paragraph, value={"text": text[start:end].strip("\n")}))
         start = end

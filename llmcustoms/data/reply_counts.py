@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from llmcustoms.data.token_store import TokenRows
+from llmcustoms.data.token_store import MAX_ROW_TOKENS, TokenRows
 
 # Tokens scanned at a time: a few tens of MB of temporary arrays, whatever the data's size.
 BLOCK_TOKENS = 1 << 22
@@ -43,15 +43,19 @@ def learned_runs(arrays: Any) -> np.ndarray:
     return runs
 
 
-def unlearned_replies(rows: TokenRows, replies: np.ndarray) -> dict[str, Any]:
+def unlearned_replies(rows: TokenRows, replies: np.ndarray, clipped: np.ndarray) -> dict[str, Any]:
     """For the data report: the replies of `rows` (positions in the data's
     usable rows, one store row each) that are not learned, given how many
-    each row has (`replies`, `Dataset.replies`); empty when all are.
-    Only for chat rows without --train-on-prompt, whose replies are runs."""
+    each row has (`replies`, `Dataset.replies`); empty when all are. Rows
+    `clipped` before tokenizing (over MAX_ROW_CHARS characters), or cut at
+    MAX_ROW_TOKENS, lose their later replies to their length, not to the
+    template: the truncation lines say that. Without --train-on-prompt only,
+    whose replies are runs."""
     expected = np.asarray(replies)[rows.index]
     learned = np.minimum(learned_runs(rows.arrays)[rows.index], expected)
-    short = learned < expected
+    whole = ~np.asarray(clipped)[rows.index] & (rows.full_lengths < MAX_ROW_TOKENS)
+    short = (learned < expected) & whole
     if not short.any():
         return {}
-    return {"replies_not_learned": {"replies": int((expected - learned).sum()), "of": int(expected.sum()),
+    return {"replies_not_learned": {"replies": int((expected - learned)[short].sum()), "of": int(expected.sum()),
                                     "rows": int(short.sum())}}

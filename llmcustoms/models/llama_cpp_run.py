@@ -19,6 +19,8 @@ from typing import Any
 
 from llmcustoms.models.gguf_check import REPLY_TOKENS
 
+# The child's time for the sample prompts, at most.
+CHILD_TIMEOUT_S = 600
 # The child: reads {"path", "prompts": [[text, ids], ...]} and prints {"same_ids", "stops"}.
 _CHILD = r"""
 import json, sys
@@ -59,12 +61,19 @@ def llama_cpp_check(path: Path, tokenizer: Any, prompts: list[list[dict[str, str
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         jobs.append([text, tokenizer(text, add_special_tokens=False)["input_ids"]])
     job = json.dumps({"path": str(path), "prompts": jobs, "reply_tokens": REPLY_TOKENS * 4})
-    done = subprocess.run([sys.executable, "-c", _CHILD], input=job, capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD], input=job, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # a big model on a slow CPU: says nothing against the file
+        return f"llama.cpp: not run to the end (over {CHILD_TIMEOUT_S // 60} minutes)"
     if done.returncode != 0:
         how = (f"crashed ({signal.Signals(-done.returncode).name})" if done.returncode < 0
                else f"stopped with exit code {done.returncode}")
         return f"failed: llama.cpp {how} running the file"
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return "failed: llama.cpp ran the file but gave no answer"
     line = (f"llama.cpp: token ids equal for {found['same_ids']}/{len(prompts)} prompts, replies stopped at an end "
             f"token {found['stops']}/{len(prompts)} (the model's own: {sum(stopped)}/{len(prompts)})")
     never_stops = any(stopped) and found["stops"] == 0

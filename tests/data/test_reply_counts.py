@@ -31,7 +31,7 @@ def test_replies_a_template_cannot_cut_are_counted_by_row():
     assert dataset.replies.tolist() == [3, 4]
     rows = tokenized("qwen3_5_nothink")
     assert learned_runs(rows.arrays).tolist() == [1, 1]  # the last reply of each
-    found = unlearned_replies(rows, dataset.replies)
+    found = unlearned_replies(rows, dataset.replies, np.zeros(2, bool))
     assert found == {"replies_not_learned": {"replies": 5, "of": 7, "rows": 2}}
     [line] = [line for line in advice({"rows": 2, **found}, [10, 10], 512, 0, 0, 100, 1.0) if "not learned" in line]
     assert line.startswith("5 of 7 replies are not learned, in 2 rows: this model's chat template shows earlier turns")
@@ -41,7 +41,9 @@ def test_replies_a_template_cannot_cut_are_counted_by_row():
 def test_a_template_that_cuts_every_reply_reports_nothing():
     rows = tokenized("qwen3_5_think")
     assert learned_runs(rows.arrays).tolist() == [3, 4]
-    assert unlearned_replies(rows, read_dataset(REASONING_AND_TOOLS).replies) == {}
+    assert unlearned_replies(rows, read_dataset(REASONING_AND_TOOLS).replies, np.zeros(2, bool)) == {}
     # A selection counts only its own rows.
-    assert unlearned_replies(tokenized("qwen3_5_nothink").select([1]), np.array([3, 4])) == \
+    assert unlearned_replies(tokenized("qwen3_5_nothink").select([1]), np.array([3, 4]), np.zeros(2, bool)) == \
         {"replies_not_learned": {"replies": 3, "of": 4, "rows": 1}}
+    # A row clipped for its length loses later replies to that, which its own line says.
+    assert unlearned_replies(tokenized("qwen3_5_nothink"), np.array([3, 4]), np.array([True, True])) == {}
