@@ -241,7 +241,12 @@ class ResourceUse:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak = _peak_resident_bytes() if self.kernel_peak else None
-            used = peak if peak is not None else _resident_bytes()
+            resident = _resident_bytes()
+            used = peak if peak is not None else resident
+            # Memory the process held before training and freed since (a long-lived
+            # process, as a test's, collecting garbage): the training's is counted
+            # from the lowest point, or a small run would measure no peak at all.
+            self.baseline = min(self.baseline, resident)
             values["memory_bytes"] = max(0, used - self.baseline)
             if self.kernel_peak:
                 _reset_peak_resident()
