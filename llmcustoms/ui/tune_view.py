@@ -118,6 +118,9 @@ class TrialsDisplay:
         self.doing: Callable[[float], str] | None = _since("preparing the study", time.monotonic())
         self.live = Live(get_renderable=self.render, console=console, refresh_per_second=4, transient=False)
         self.live.__enter__()
+        # Drawn now: Live with a renderable function first draws at its first tick, a quarter
+        # second on (later on a busy machine), after a quick study's preparation is over.
+        self.live.refresh()
         return self
 
     def render(self) -> Any:
