@@ -88,6 +88,22 @@ TUNE_DEFAULT_NAME = ["tune", "data/rows.jsonl", "--model", "model", "--output-di
 TUNE = TUNE_DEFAULT_NAME[:6] + ["--study-name", "s", "--max-steps", "1", "--eval-split", "0.2"]
 
 
+# A .env as people write them: quotes, a backslash path, comments, an export, a multi-line value.
+USERS_ENV = ("# my settings\nWANDB_NOTES='said \"hello\" there'\nexport WINDOWS=C:\\\\support  # the share\n"
+             "MULTI=\"line one\nline two\"\nLLMCUSTOMS_SAVE_EVERY=25\n")
+
+
+def env_kept(w: World) -> list[str]:
+    """What `setup` lost of the user's .env: a variable that reads back otherwise, or a comment."""
+    from dotenv import dotenv_values
+
+    before, after = dotenv_values(stream=__import__("io").StringIO(USERS_ENV)), dotenv_values(w.path("my.env"))
+    lost = [f"{k} reads back as {after.get(k)!r}" for k, v in before.items() if after.get(k) != v]
+    text = w.path("my.env").read_text()
+    lost += [f"comment {c!r} dropped" for c in ("# my settings", "# the share") if c not in text]
+    return lost + ([] if after.get("LLMCUSTOMS_MODEL") else ["the answers were not written"])
+
+
 # ------------------------------------------------------------ what the cases prepare
 
 def export(output: str) -> Callable[[World], list[str]]:
@@ -331,6 +347,10 @@ CASES: list[Case] = [
     Case("setup writing into a file", 21,
          lambda w: ["setup", "--data", "data/rows.jsonl", "--env-file", w.write("afile", "mine") + "/x.env"],
          says="Cannot write the settings file", keep=EVERYTHING + ("afile",)),
+    # Issue 46, 1: setup keeps every variable, comment and quote of the user's .env.
+    Case("setup over a .env with quotes, backslashes and comments", 46,
+         lambda w: ["setup", "--data", "data/rows.jsonl", "--env-file", w.write("my.env", USERS_ENV)],
+         exits=(0,), stdin="\n\nmodel\n\n\ny\n", reduced=True, check=env_kept),
     # 22. a long model folder name.
     Case("train on a model folder with a long name", 22,
          lambda w: ["train", "data/rows.jsonl", "--model", long_model_folder(w), "--output-dir", "runs2", *TRAIN],

@@ -17,8 +17,6 @@ file `train` would refuse.
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -29,6 +27,7 @@ from llmcustoms.models import hub_access as hubaccess
 from llmcustoms.commands import example_data
 from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S, human_duration
+from llmcustoms.commands.env_writing import check_writable, write_env
 from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
 from llmcustoms.planning.fitting import fitting_models
 from llmcustoms.planning.hardware import Hardware
@@ -378,58 +377,3 @@ def ask_save_every() -> str:
         why = "A whole number above 0, or auto."
         refuse(question, why)
     return "auto"
-
-
-def _unwritable(path: Path, error: OSError) -> ConfigError:
-    return ConfigError(f"Cannot write the settings file {path}: {error.strerror or type(error).__name__}.",
-                       "Pass --env-file with a path in a directory you can write to (not on a read-only disk); "
-                       "nothing was written.")
-
-
-def check_writable(path: Path) -> None:
-    """Refuse an env file that cannot be written, by writing its temporary
-    file and removing it (on a read-only file system or directory, or a path
-    under a file); `os.access` says yes to root on a read-only directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.unlink(missing_ok=True)
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        tmp.unlink()
-    except OSError as error:
-        raise _unwritable(path, error) from None
-
-
-def write_env(path: Path, values: dict[str, str]) -> None:
-    """Merge `values` into the env file atomically: other variables stay."""
-    try:
-        _write_env(path, values)
-    except OSError as error:
-        try:  # a temporary file written halfway goes; the old env file was never touched
-            path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise _unwritable(path, error) from None
-
-
-def _write_env(path: Path, values: dict[str, str]) -> None:
-    kept = {}
-    if path.exists():
-        kept = {k: v for k, (v, _) in read_env_file(path).items() if k not in values and not k.startswith(PREFIX)}
-    lines = ["# Written by `llmcustoms setup`. `llmcustoms settings --example` prints every variable, explained.", ""]
-    lines += [f"{k}={_quote(v)}" for k, v in values.items()]
-    if kept:
-        lines += ["", "# Kept from the previous file"] + [f"{k}={_quote(v)}" for k, v in kept.items()]
-    # It may hold HF_TOKEN: a new file is the owner's alone (0600); an existing one
-    # keeps the mode its owner gave it. The temporary file never has a wider one.
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        file.write("\n".join(lines) + "\n")
-        os.fchmod(file.fileno(), mode)
-    os.replace(tmp, path)
-
-
-def _quote(value: str) -> str:
-    return f'"{value}"' if any(c in value for c in " #'\"") else value

@@ -1,0 +1,55 @@
+"""`setup` changes only what it asks about in a user's .env: every other
+variable reads back byte for byte (python-dotenv's quoting), comments and
+order stay, a symlink is written through (issue 46, item 1)."""
+
+from __future__ import annotations
+
+import os
+
+from dotenv import dotenv_values
+
+from llmcustoms.commands.env_writing import env_text, write_env
+
+USERS = """# my settings
+HF_TOKEN=hf_keepme
+WANDB_NOTES='said "hello" there'
+export WINDOWS=C:\\\\Users\\\\me   # a comment after it
+LLMCUSTOMS_PRESET=quality
+LLMCUSTOMS_SAVE_EVERY=25
+MULTI="line one
+line two"
+"""
+
+
+def test_the_answers_are_set_and_everything_else_reads_back_as_it_was(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text(USERS)
+    before = dotenv_values(env)
+    answers = {"LLMCUSTOMS_PRESET": "bestaccuracy", "LLMCUSTOMS_DATA": 'my "best" data [1].json',
+               "LLMCUSTOMS_OUTPUT_DIR": "C:\\runs\\it's"}
+    write_env(env, answers)
+    after = dotenv_values(env)
+    assert after == {**before, **answers}
+    text = env.read_text()
+    assert text.startswith("# my settings\nHF_TOKEN=hf_keepme\nWANDB_NOTES='said \"hello\" there'\n")
+    assert "# a comment after it" in text and text.index("LLMCUSTOMS_PRESET=bestaccuracy") < text.index("MULTI=")
+    assert text.count("LLMCUSTOMS_PRESET") == 1
+
+
+def test_a_symlinked_env_file_is_written_through_to_its_target(tmp_path):
+    target = tmp_path / "shared" / "real.env"
+    target.parent.mkdir()
+    target.write_text("A=1\n")
+    os.chmod(target, 0o640)
+    link = tmp_path / ".env"
+    link.symlink_to(target)
+    write_env(link, {"LLMCUSTOMS_PRESET": "quality"})
+    assert link.is_symlink() and link.resolve() == target
+    assert dotenv_values(target) == {"A": "1", "LLMCUSTOMS_PRESET": "quality"}
+    assert oct(target.stat().st_mode & 0o777) == "0o640"
+
+
+def test_a_new_file_has_a_header_and_a_duplicate_keeps_one_line():
+    assert env_text("", {"LLMCUSTOMS_PRESET": "quality"}).startswith("# Written by `llmcustoms setup`.")
+    assert env_text("X=1\nX=2\n", {"X": "3"}) == "X=3\n"  # python-dotenv keeps the last: one line only
+    assert env_text("A=1", {"B": "2"}) == "A=1\n\nB=2\n"
