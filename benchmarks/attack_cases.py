@@ -301,6 +301,10 @@ CASES: list[Case] = [
     Case("tune never shows a storage password", 12,
          lambda w: [*TUNE, "--trials", "1", "--storage", f"postgresql://tuner:{PASSWORD}@127.0.0.1:9/study"],
          says="Cannot open the study storage", reduced=True),
+    # Issue 46, 3: a password holding "@" is hidden whole, with the user's name.
+    Case("tune with a storage password holding @", 46,
+         lambda w: [*TUNE, "--trials", "1", "--storage", f"postgresql://tuner:p@{PASSWORD}@127.0.0.1:9/study"],
+         says="postgresql://***@127.0.0.1:9/study", reduced=True),
     Case("tune on a full disk", 13, lambda w: [*TUNE, "--trials", "3"], env={"LLMCUSTOMS_FAULT_INJECT": "diskfull@2"},
          says="disk is full", timeout=600),
     Case("tune with a study name that climbs out", 14,

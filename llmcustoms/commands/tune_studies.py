@@ -46,7 +46,8 @@ STALE_AFTER_S = 300
 SQLITE_BUSY_S = 60
 # SQLite's words for a full disk (SQLITE_FULL), as sqlite3 and SQLAlchemy repeat them.
 SQLITE_FULL = "database or disk is full"
-PASSWORD_IN_URL = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^@\s]*@")
+# A URL's whole user part, up to the last "@" of its host part: a password may hold "@" itself.
+USER_IN_URL = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 PASSWORD_IN_QUERY = re.compile(r"(?i)(?P<head>password=)[^&\s]*")
 HIDDEN = "***"
 
@@ -96,8 +97,9 @@ def shown_storage(url: str | None, study_path: Path) -> str:
 
 
 def redact_storage(text: str, url: str | None) -> str:
-    """`text` with the storage URL's password (in its user part or its query) hidden."""
-    text = PASSWORD_IN_QUERY.sub(lambda m: m["head"] + HIDDEN, PASSWORD_IN_URL.sub(lambda m: m["head"] + HIDDEN + "@", text))
+    """`text` with the storage URL's user part (name and password, whatever
+    they hold) and a password in its query hidden."""
+    text = PASSWORD_IN_QUERY.sub(lambda m: m["head"] + HIDDEN, USER_IN_URL.sub(lambda m: m["head"] + HIDDEN + "@", text))
     try:
         password = urlsplit(url or "").password
     except ValueError:

@@ -124,7 +124,7 @@ def test_a_storage_password_is_never_shown(tmp_path, tiny_models, clean_environm
     result = run_cli(*tune_args(tmp_path, tiny_models["llama"], "--trials", "1", "--storage", url))
     assert result.returncode == 2
     assert PASSWORD not in result.stdout + result.stderr
-    assert "Cannot open the study storage postgresql://tuner:***@127.0.0.1:9/study" in said(result)
+    assert "Cannot open the study storage postgresql://***@127.0.0.1:9/study" in said(result)
     no_traceback(result)
     # A SQLite URL has no password: shown as it is.
     sqlite = f"sqlite:///{tmp_path}/no/such/dir/study.db"
