@@ -4,7 +4,7 @@ the exit code and phrase it must end with, and what must come out of it unchange
 The world (attack.build_world): `model/` (a two-layer Llama and its tokenizer), `data/rows.jsonl`
 (48 instruction rows), `runs/done` and `runs/sibling` (finished two-step runs). Paths are
 relative to it; a case's `prepare` may add files (a symlink, a damaged copy) and returns the
-arguments after `llmcustoms`. `problem` is the number of the problem in issue 32.
+arguments after `llmcustoms`. `problem` is the number of the problem in issue 32, or 46 for issue 46's.
 """
 
 from __future__ import annotations
@@ -102,6 +102,26 @@ def env_kept(w: World) -> list[str]:
     text = w.path("my.env").read_text()
     lost += [f"comment {c!r} dropped" for c in ("# my settings", "# the share") if c not in text]
     return lost + ([] if after.get("LLMCUSTOMS_MODEL") else ["the answers were not written"])
+
+
+SYSTEM_PROMPT = 'You are "Ava", the C:\\support bot.'
+
+
+def system_prompt_run(w: World) -> list[str]:
+    """A run trained on rows that all start with SYSTEM_PROMPT; its GGUF export."""
+    rows = [{"system": SYSTEM_PROMPT, "instruction": f"Question {i}?", "output": f"Answer {i}."} for i in range(8)]
+    w.write("data/system.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    w.cli("train", "data/system.jsonl", "--model", "model", "--max-steps", "1", "--eval-split", "0",
+          "--output-dir", "runs", "--run-name", "ava", "--yes", "--quiet")
+    return ["export", "runs/ava", "--format", "gguf", "--quant", "f16", "--output", "exports/ava"]
+
+
+def system_as_written(w: World) -> list[str]:
+    """The SYSTEM value as Ollama's parser reads a triple-quoted one: no escapes."""
+    text = w.path("exports/ava/Modelfile").read_text()
+    start = text.index('SYSTEM """') + len('SYSTEM """')
+    value = text[start:text.index('"""', start)]
+    return [] if value == SYSTEM_PROMPT else [f"Ollama would read the system prompt as {value!r}"]
 
 
 # ------------------------------------------------------------ what the cases prepare
@@ -355,6 +375,10 @@ CASES: list[Case] = [
     Case("setup over a .env with quotes, backslashes and comments", 46,
          lambda w: ["setup", "--data", "data/rows.jsonl", "--env-file", w.write("my.env", USERS_ENV)],
          exits=(0,), stdin="\n\nmodel\n\n\ny\n", reduced=True, check=env_kept),
+    # Issue 46, 2: the Modelfile's SYSTEM reaches Ollama as the data wrote it.
+    Case("export a run whose system prompt has quotes and a backslash", 46, system_prompt_run,
+         exits=(0,), says="Exported a GGUF model", keep=("data", "model"), reduced=True, timeout=600,
+         check=system_as_written),
     # 22. a long model folder name.
     Case("train on a model folder with a long name", 22,
          lambda w: ["train", "data/rows.jsonl", "--model", long_model_folder(w), "--output-dir", "runs2", *TRAIN],

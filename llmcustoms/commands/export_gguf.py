@@ -60,6 +60,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
         merged = load_merged(plan, trained, dtype, say, allowed)
     architecture = check_exportable(merged.model.config)
     pieces, stops, end_of_turn = _chat_shape(merged)
+    modelfile = ollama.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan))  # refused before the writing
     weights = sum(p.numel() for p in merged.model.parameters())
     check_export_space(partial, int(weights * BYTES_PER_WEIGHT[options.quant]) + 8 * 2**20, "the GGUF file",
                        options.quant)
@@ -67,7 +68,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     with waiting(f"Writing {GGUF_NAME} ({options.quant})") as say:
         written = write_gguf(merged.model, merged.tokenizer, path, options.quant, _general_name(run.path.name),
                              end_of_turn, lambda done, total: say(f"Writing {GGUF_NAME}: tensor {done}/{total}"))
-    (partial / "Modelfile").write_text(ollama.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan)))
+    (partial / "Modelfile").write_text(modelfile)
     lines = [f"{GGUF_NAME}: {written.bytes / 2**20:.1f} MiB, {written.architecture}, {written.tensors} tensors, "
              f"{options.quant}",
              "Modelfile: " + ("TEMPLATE matches the run's chat template on every probe conversation"

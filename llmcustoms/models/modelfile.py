@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from llmcustoms.errors import ConfigError
+
 # A chat template as a function: (messages, add_generation_prompt) -> text.
 Render = Callable[[list[dict[str, str]], bool], str]
 MARKERS = {"system": "\x01SYSTEM\x01", "user": "\x01USER1\x01", "assistant": "\x01ASSISTANT\x01",
@@ -136,9 +138,21 @@ def modelfile(gguf_name: str, pieces: Pieces | None, stops: list[str], system: s
         lines += [f'TEMPLATE """{go_template(pieces)}"""', ""]
     system = system if system is not None else (pieces.default_system if pieces else None)
     if system:
-        lines += [f'SYSTEM """{_quoted(system)}"""', ""]
+        lines += [f'SYSTEM """{_raw(system)}"""', ""]
     lines += [f'PARAMETER stop "{_quoted(stop)}"' for stop in stops]
     return "\n".join(lines) + "\n"
+
+
+def _raw(text: str) -> str:
+    """Text inside a Modelfile's triple quotes, as it is: Ollama's parser reads
+    everything up to the next three quotes with no escapes, so a backslash
+    written there would reach the model. Text that would end them early is refused."""
+    if '"""' in text or text.endswith('"'):
+        raise ConfigError('The system prompt holds three double quotes in a row (or ends with one), which an Ollama '
+                          'Modelfile cannot hold inside SYSTEM """...""".',
+                          "Change those quotes in the training rows' system turn, or export with --format hf and write "
+                          "the Modelfile's SYSTEM line yourself.")
+    return text
 
 
 def _quoted(text: str) -> str:

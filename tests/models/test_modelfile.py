@@ -4,7 +4,10 @@ TEMPLATE at all where Go cannot mirror the template."""
 
 from __future__ import annotations
 
+import pytest
 from jinja2 import Template
+
+from llmcustoms.errors import ConfigError
 
 from llmcustoms.models.modelfile import PROBES, go_template, mismatches, modelfile, render_pieces, template_pieces
 from tiny_models import CHATML_TEMPLATE, ZEPHYR_TEMPLATE
@@ -73,10 +76,24 @@ def test_a_template_go_cannot_mirror_gets_no_template_line():
     assert "TEMPLATE" not in text and text.startswith("FROM ./model.gguf") and 'PARAMETER stop "</s>"' in text
 
 
-def test_stop_lines_and_quotes_are_written_safely():
-    text = modelfile("model.gguf", None, ["<|im_end|>", "</s>"], 'Say "hi" first.')
+def ollama_triple_quoted(text: str, command: str) -> str:
+    """A command's value as Ollama's parser/parser.go reads a triple-quoted one:
+    everything up to the next three quotes, no escape processing."""
+    start = text.index(f'{command} """') + len(command) + 4
+    return text[start:text.index('"""', start)]
+
+
+def test_stop_lines_and_the_system_prompt_reach_ollama_as_written():
+    system = 'You are "Ava", the C:\\support bot.'
+    text = modelfile("model.gguf", None, ["<|im_end|>", "</s>"], system)
     assert 'PARAMETER stop "<|im_end|>"' in text and 'PARAMETER stop "</s>"' in text
-    assert 'SYSTEM """Say \\"hi\\" first."""' in text
+    assert ollama_triple_quoted(text, "SYSTEM") == system  # no backslash added before a quote or a backslash
+
+
+def test_a_system_prompt_ollama_cannot_hold_is_refused_by_name():
+    for system in ('Three """ quotes.', 'Ends with a "quote"'):
+        with pytest.raises(ConfigError, match="three double quotes"):
+            modelfile("model.gguf", None, ["</s>"], system)
 
 
 def test_literal_braces_in_a_template_are_escaped_for_go():
