@@ -311,9 +311,10 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
 
         written = export_run(run, output, merge, dtype, overwrite, ui().waiting, allowed,
                              gguf_options(format, quant, verify))
-        ui().console.print(f"Exported {written.what} to {written.path}")
+        # Paths and the checks' lines are text, never markup: `out[/]x`, "llmcustoms[llama-cpp]".
+        ui().console.print(f"Exported {written.what} to {ui().escape(str(written.path))}")
         for line in written.checks:
-            ui().console.print(f"  {line}")
+            ui().console.print(f"  {ui().escape(line)}")
         if written.failed:
             from llmcustoms.errors import CheckFailed
 

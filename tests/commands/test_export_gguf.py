@@ -58,7 +58,8 @@ def test_a_gguf_export_writes_a_checked_model_and_a_modelfile(trained, tmp_path)
     found = gguf_reading.metadata(out / "model.gguf")
     assert found["general.architecture"] == "qwen2" and found["general.file_type"] == 7  # q8_0
     assert found["tokenizer.chat_template"].startswith("{% for message in messages %}<|im_start|>")
-    assert "llama.cpp: not installed" in result.stdout  # hidden here (`without_llama_cpp`); its own test runs it
+    # Hidden here (`without_llama_cpp`); its own test runs it. The hint keeps its brackets (no Rich markup).
+    assert "llama.cpp: not installed (pip install 'llmcustoms[llama-cpp]' runs the file in it too)" in result.stdout
 
 
 def test_at_f16_every_greedy_reply_is_the_trained_models(trained, tmp_path):
@@ -118,3 +119,10 @@ def test_llama_cpp_runs_the_gguf_and_its_replies_stop(trained, tmp_path):
     same_ids, llama_cpp_stops, model_stops = map(int, found.groups())
     # The trained tiny model ends its replies with <|im_end|>; at f16 llama.cpp answers as it does and stops there too.
     assert same_ids == 4 and model_stops >= 1 and llama_cpp_stops == model_stops
+
+
+def test_an_output_path_with_brackets_is_shown_as_written(trained, tmp_path):
+    out = tmp_path / "out[/]x"  # a folder "out[" holding "]x": Rich would read "[/]" as a closing tag
+    result = export(str(trained), "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert f"to {out}" in " ".join(result.stdout.split()) and (out / "adapter_model.safetensors").is_file()
