@@ -70,18 +70,12 @@ def trl_template(name: str) -> str:
 
 def build_family_tokenizer(family: str):
     """A small BPE tokenizer with `family`'s special tokens and original chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     template, special, added, bos_first = TEMPLATE_FAMILIES[family]
     bos, eos, pad = special[:3]
-    tokens = ["<unk>"] + list(dict.fromkeys(t for t in special if t))
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_corpus(), trainer)
+    backend = _trained_bpe(["<unk>"] + list(dict.fromkeys(t for t in special if t)))
     if bos_first:
         bos_id = backend.token_to_id(bos)
         backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
@@ -99,16 +93,24 @@ def _corpus() -> list[str]:
     return texts * 4
 
 
-def build_tokenizer(style: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def _trained_bpe(special_tokens: list[str]):
+    """A byte-level BPE backend of 512 tokens trained on the fixture texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(_corpus(), trainer)
+    return backend
+
+
+def build_tokenizer(style: str):
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = _trained_bpe(SPECIAL_TOKENS)
     if style == "zephyr":
         bos_id = backend.token_to_id("<s>")
         backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)])
