@@ -137,14 +137,14 @@ def main() -> None:
             results.append(result)
             if not args.json:
                 mark = "ok  " if result["passed"] else "FAIL"
-                print(f"{mark} #{case.problem:<3} {case.name:52} {result['seconds']:5.1f} s"
+                print(f"{mark} #{case.problem!s:<5} {case.name:52} {result['seconds']:5.1f} s"
                       + ("" if result["passed"] else f"  {'; '.join(result['problems'])}"), flush=True)
     finally:
         if not args.keep_work:
             shutil.rmtree(scratch, ignore_errors=True)
     failed = [r for r in results if not r["passed"]]
     summary = {"cases": len(results), "passed": len(results) - len(failed), "failed": len(failed),
-               "problems_covered": sorted({r["problem"] for r in results}), "results": results}
+               "problems_covered": sorted({r["problem"] for r in results}, key=str), "results": results}
     print(json.dumps(summary) if args.json else f"{summary['passed']} passed, {summary['failed']} failed")
     raise SystemExit(1 if failed else 0)
 

@@ -4,7 +4,7 @@ the exit code and phrase it must end with, and what must come out of it unchange
 The world (attack.build_world): `model/` (a two-layer Llama and its tokenizer), `data/rows.jsonl`
 (48 instruction rows), `runs/done` and `runs/sibling` (finished two-step runs). Paths are
 relative to it; a case's `prepare` may add files (a symlink, a damaged copy) and returns the
-arguments after `llmcustoms`. `problem` is the number of the problem in issue 32, or 46 for issue 46's.
+arguments after `llmcustoms`. `problem` is the number of the problem in issue 32; issue 46's cases are in attack_cases_fourth.py.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class World:
 @dataclass(frozen=True)
 class Case:
     name: str
-    problem: int
+    problem: int | str  # 7: issue 32's seventh problem; "46.7": issue 46's
     prepare: Callable[[World], list[str]]
     exits: tuple[int, ...] = (2,)
     says: str = ""
@@ -86,42 +86,6 @@ TRAIN = ["--yes", "--quiet", "--max-steps", "1"]
 TUNE_DEFAULT_NAME = ["tune", "data/rows.jsonl", "--model", "model", "--output-dir", "tunes", "--max-steps", "1",
                      "--eval-split", "0.2", "--trials", "1"]
 TUNE = TUNE_DEFAULT_NAME[:6] + ["--study-name", "s", "--max-steps", "1", "--eval-split", "0.2"]
-
-
-# A .env as people write them: quotes, a backslash path, comments, an export, a multi-line value.
-USERS_ENV = ("# my settings\nWANDB_NOTES='said \"hello\" there'\nexport WINDOWS=C:\\\\support  # the share\n"
-             "MULTI=\"line one\nline two\"\nLLMCUSTOMS_SAVE_EVERY=25\n")
-
-
-def env_kept(w: World) -> list[str]:
-    """What `setup` lost of the user's .env: a variable that reads back otherwise, or a comment."""
-    from dotenv import dotenv_values
-
-    before, after = dotenv_values(stream=__import__("io").StringIO(USERS_ENV)), dotenv_values(w.path("my.env"))
-    lost = [f"{k} reads back as {after.get(k)!r}" for k, v in before.items() if after.get(k) != v]
-    text = w.path("my.env").read_text()
-    lost += [f"comment {c!r} dropped" for c in ("# my settings", "# the share") if c not in text]
-    return lost + ([] if after.get("LLMCUSTOMS_MODEL") else ["the answers were not written"])
-
-
-SYSTEM_PROMPT = 'You are "Ava", the C:\\support bot.'
-
-
-def system_prompt_run(w: World) -> list[str]:
-    """A run trained on rows that all start with SYSTEM_PROMPT; its GGUF export."""
-    rows = [{"system": SYSTEM_PROMPT, "instruction": f"Question {i}?", "output": f"Answer {i}."} for i in range(8)]
-    w.write("data/system.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    w.cli("train", "data/system.jsonl", "--model", "model", "--max-steps", "1", "--eval-split", "0",
-          "--output-dir", "runs", "--run-name", "ava", "--yes", "--quiet")
-    return ["export", "runs/ava", "--format", "gguf", "--quant", "f16", "--output", "exports/ava"]
-
-
-def system_as_written(w: World) -> list[str]:
-    """The SYSTEM value as Ollama's parser reads a triple-quoted one: no escapes."""
-    text = w.path("exports/ava/Modelfile").read_text()
-    start = text.index('SYSTEM """') + len('SYSTEM """')
-    value = text[start:text.index('"""', start)]
-    return [] if value == SYSTEM_PROMPT else [f"Ollama would read the system prompt as {value!r}"]
 
 
 # ------------------------------------------------------------ what the cases prepare
@@ -321,10 +285,6 @@ CASES: list[Case] = [
     Case("tune never shows a storage password", 12,
          lambda w: [*TUNE, "--trials", "1", "--storage", f"postgresql://tuner:{PASSWORD}@127.0.0.1:9/study"],
          says="Cannot open the study storage", reduced=True),
-    # Issue 46, 3: a password holding "@" is hidden whole, with the user's name.
-    Case("tune with a storage password holding @", 46,
-         lambda w: [*TUNE, "--trials", "1", "--storage", f"postgresql://tuner:p@{PASSWORD}@127.0.0.1:9/study"],
-         says="postgresql://***@127.0.0.1:9/study", reduced=True),
     Case("tune on a full disk", 13, lambda w: [*TUNE, "--trials", "3"], env={"LLMCUSTOMS_FAULT_INJECT": "diskfull@2"},
          says="disk is full", timeout=600),
     Case("tune with a study name that climbs out", 14,
@@ -371,16 +331,12 @@ CASES: list[Case] = [
     Case("setup writing into a file", 21,
          lambda w: ["setup", "--data", "data/rows.jsonl", "--env-file", w.write("afile", "mine") + "/x.env"],
          says="Cannot write the settings file", keep=EVERYTHING + ("afile",)),
-    # Issue 46, 1: setup keeps every variable, comment and quote of the user's .env.
-    Case("setup over a .env with quotes, backslashes and comments", 46,
-         lambda w: ["setup", "--data", "data/rows.jsonl", "--env-file", w.write("my.env", USERS_ENV)],
-         exits=(0,), stdin="\n\nmodel\n\n\ny\n", reduced=True, check=env_kept),
-    # Issue 46, 2: the Modelfile's SYSTEM reaches Ollama as the data wrote it.
-    Case("export a run whose system prompt has quotes and a backslash", 46, system_prompt_run,
-         exits=(0,), says="Exported a GGUF model", keep=("data", "model"), reduced=True, timeout=600,
-         check=system_as_written),
     # 22. a long model folder name.
     Case("train on a model folder with a long name", 22,
          lambda w: ["train", "data/rows.jsonl", "--model", long_model_folder(w), "--output-dir", "runs2", *TRAIN],
          exits=(0,), never_says=("--run-name",)),
 ]
+
+from attack_cases_fourth import FOURTH_CASES  # noqa: E402  (issue 46's; they use what is above)
+
+CASES += FOURTH_CASES
