@@ -62,8 +62,9 @@ def run_cli(cwd: Path, argv: list[str], env: dict[str, str] | None = None, timeo
     full = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_") and k != "HF_TOKEN"}
     full.update({"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(cwd / ".hf"),
                  "LLMCUSTOMS_CACHE_DIR": str(cwd / ".cache"), **(env or {})})
+    # surrogateescape: a case's stdin may stand for bytes that are not UTF-8 ("caf\udce9" is b"caf\xe9").
     return subprocess.run([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=full, capture_output=True,
-                          text=True, timeout=timeout, input=stdin if stdin is not None else "")
+                          text=True, errors="surrogateescape", timeout=timeout, input=stdin if stdin is not None else "")
 
 
 def snapshot(paths: list[Path]) -> dict[str, str]:
@@ -100,6 +101,8 @@ def run_case(case: Case, template: Path, scratch: Path) -> dict:
     except subprocess.TimeoutExpired as expired:
         code, output = None, f"timed out after {case.timeout} s: {expired}"
     after = snapshot(kept)
+    if case.undo is not None:
+        case.undo(world)
     problems = []
     if code not in case.exits:
         problems.append(f"exit {code}, expected {' or '.join(map(str, case.exits))}")

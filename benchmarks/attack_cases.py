@@ -80,6 +80,8 @@ class Case:
     timeout: int = 300
     reduced: bool = False
     check: Callable[[World], list[str]] | None = field(default=None, repr=False)
+    # Puts back, after the command, what `prepare` did that would outlive the case (a folder made read-only).
+    undo: Callable[[World], None] | None = field(default=None, repr=False)
 
 
 TRAIN = ["--yes", "--quiet", "--max-steps", "1"]

@@ -9,13 +9,14 @@ The options that set values come from the table in `planning/options.py` (throug
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from llmcustoms import __version__, flags
-from llmcustoms.endings import ending, quiet_libraries, ui
+from llmcustoms.endings import ending, guarded_output, quiet_libraries, tolerant, ui
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.flags import takes_options
 
@@ -215,7 +216,7 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
             raise typer.Exit(130) from None
     if command:
         ui().console.print("Next, train with:")
-        ui().console.print("  " + " ".join(command), soft_wrap=True)
+        ui().console.print("  " + ui().escape(" ".join(command)), soft_wrap=True)
 
 
 @app.command(cls=flags.Command)
@@ -260,7 +261,7 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
         directory = RunDirectory.existing(run)
         ui().show_report(analyse(directory))
         if plot:
-            ui().console.print(f"Wrote {draw(directory)}")
+            ui().console.print(f"Wrote {ui().escape(str(draw(directory)))}")
 
 
 @app.command(cls=flags.Command)
@@ -324,8 +325,10 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
 
 
 def main() -> None:
+    tolerant(sys.stdout), tolerant(sys.stderr)  # a file name of another encoding is echoed, not a traceback
     try:
-        app()
+        with guarded_output():
+            app()
     except KeyboardInterrupt:
         ui().print_notice("Stopped (Ctrl-C).", None)
         raise SystemExit(130) from None

@@ -109,6 +109,19 @@ def _finite(minimum: float, maximum: float = float("inf")) -> Callable[[str], fl
     return parse
 
 
+def _utf8(what: str) -> Callable[[str], str]:
+    """The parser of free text: bytes a terminal sent in another encoding (Latin-1) reach
+    Python as lone surrogates, which no tokenizer takes."""
+    def parse(text: str) -> str:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise typer.BadParameter(f"{what} is not UTF-8 text: set your terminal to UTF-8 (LANG=C.UTF-8, "
+                                     "for example), then give it again.") from None
+        return text
+    return parse
+
+
 def _annotation(option: Option) -> Any:
     kind: Any = _choice_type(option) if option.choices else option.kind
     return Annotated[Optional[kind], _typer_info(option)]
@@ -218,10 +231,10 @@ Example = Annotated[bool, typer.Option("--example", help="Print an example .env 
 # After training.
 RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="A run directory, e.g. runs/my-run.")]
 Plot = Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")]
-PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", show_default=False, help="What to ask the model (or --prompt).")]
-Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="What to ask the model.")]
+PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", show_default=False, parser=_utf8("the prompt"), help="What to ask the model (or --prompt).")]
+Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", parser=_utf8("the prompt"), help="What to ask the model.")]
 Checkpoint = Annotated[Optional[str], typer.Option("--checkpoint", metavar="latest|best|step-N", help="Load a checkpoint instead of the finished run's adapter: latest (the newest), best (the best evaluation's weights) or step-N. For a run that has not finished, or to compare steps.")]
-System = Annotated[Optional[str], typer.Option("--system", help="A system message for the whole conversation.")]
+System = Annotated[Optional[str], typer.Option("--system", parser=_utf8("the system message"), help="A system message for the whole conversation.")]
 ExportOutput = Annotated[Path, typer.Option("--output", help="Directory to write the exported model into.")]
 Merge = Annotated[bool, typer.Option("--merge", help="Merge the adapter into a standalone model, in --dtype.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Weights of the merged model: auto (the base's own), bfloat16, float16, float32.")]

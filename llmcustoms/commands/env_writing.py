@@ -22,7 +22,17 @@ def _unwritable(path: Path, error: OSError) -> ConfigError:
 def check_writable(path: Path) -> None:
     """Refuse an env file that cannot be written, by writing its temporary
     file and removing it (on a read-only file system or directory, or a path
-    under a file); `os.access` says yes to root on a read-only directory."""
+    under a file); `os.access` says yes to root on a read-only directory.
+    What exists must be a regular file (through a link): reading a named pipe
+    would wait forever for a writer, and a folder or a device is no env file."""
+    try:
+        kind = stat.S_IFMT(path.stat().st_mode)
+    except OSError:  # absent (written new), or under a file: the write below says which
+        kind = stat.S_IFREG
+    if kind != stat.S_IFREG:
+        what = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket"}
+        raise ConfigError(f"The settings file {path} is {what.get(kind, 'a device')}, not a regular file.",
+                          "Pass --env-file with the path of a file (or of one to create); nothing was written.")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.unlink(missing_ok=True)

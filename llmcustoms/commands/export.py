@@ -15,7 +15,12 @@ when whole: a crash or a kill mid-export leaves the old DIR as it was (once a
 kill left only config.json, and --overwrite had deleted the old export). DIR
 must be new, empty, or (with --overwrite) an export this command wrote, which
 it recognises by the marker it writes first (`overwriting`): --overwrite once
-deleted whatever DIR was, the run itself or the folder of every run.
+deleted whatever DIR was, the run itself or the folder of every run. One
+export writes to a DIR at a time (`run_lock.exporting`): a second is refused
+at once, where it used to clear the first's partial folder as a killed
+export's leftover. A disk that fills up all the same (the space check counts
+the weights, not the card or the Modelfile) ends in one message, exit 2: the
+partial folder removed, an earlier export in DIR untouched.
 
 A merge is checked (`merging.load_merged`: the merged model's greedy replies
 against the adapter's, the chat template carried over unchanged), and so is a
@@ -32,16 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs import overwriting
-from llmcustoms.commands.export_gguf import GgufOptions, check_gguf_options, write_gguf_export
+from llmcustoms.runs import overwriting, run_lock as runlock
+from llmcustoms.commands.export_gguf import (GgufOptions, check_gguf_options, check_vocabulary, write_gguf_export,
+                                             write_small_file)
 from llmcustoms.commands.merging import load_merged
 from llmcustoms.commands.model_card import model_card
-from llmcustoms.planning.disk_space import TOKENIZER_BYTES
+from llmcustoms.planning.disk_space import TOKENIZER_BYTES, size
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.models.generation import Say, Waiting
 from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
-from llmcustoms.training.preflight import bytes_under, check_export_space
+from llmcustoms.recovery import faults
+from llmcustoms.runs.disk_writes import disk_full_code
+from llmcustoms.training.preflight import bytes_under, check_export_space, free_space, mount_point
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import model_name, trained_output
 
@@ -80,36 +88,72 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
         allowed.check(plan)
         check_weight_files(plan.model, allowed.pickle_weights)
         adapter_weights(trained)
+    if gguf is not None:
+        check_vocabulary(plan, trained, allowed)  # before the merge's minutes
     given = {"the run being exported": run.path, "the run's trained weights": trained, "the training data": plan.data,
              "the base model": plan.model}
-    _clear_leftovers(output)
-    _check_output(output, overwrite, {what: Path(given_path) for what, given_path in given.items() if given_path})
     if trained.resolve() in output.absolute().resolve().parents:  # it would be copied into itself
         raise ConfigError(f"--output {output} is inside the run's trained weights ({trained}).",
                           "Choose a --output folder outside the run directory.")
-    partial = _start_partial(output)
-    checks: tuple[str, ...] = ()
-    failed = None
-    try:
-        if gguf is not None:
-            checks, failed = write_gguf_export(run, plan, trained, partial, dtype, gguf, waiting, allowed)
-            what = f"a GGUF model ({gguf.quant}) and an Ollama Modelfile"
-        elif not merge or plan.method == "full":
-            check_export_space(partial, bytes_under(trained), f"a copy of {trained}")
-            shutil.copytree(trained, partial, dirs_exist_ok=True)
-            make_readable(partial)  # runs trained before the weights were written readable
-            what = "the model" if plan.method == "full" else "the adapter"
-        else:
-            with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
-                written_dtype, checks = _merge(plan, trained, partial, dtype, say, allowed)
-            what = f"a merged model ({written_dtype} weights)"
-        (partial / "README.md").write_text(model_card(run, plan, merged=(merge or gguf is not None)
-                                                      and plan.method != "full", gguf=gguf is not None))
-        _put_in_place(partial, output)
-    except BaseException:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    with runlock.exporting(output):  # another export to `output` would clear this one's partial folder
+        _clear_leftovers(output)
+        _check_output(output, overwrite, {what: Path(given_path) for what, given_path in given.items() if given_path})
+        partial = _start_partial(output)
+        faults.hold_export_if_due()
+        try:
+            what, checks, failed = _write(run, plan, trained, partial, merge, dtype, waiting, allowed, gguf)
+            write_small_file(partial / "README.md", model_card(run, plan, merged=(merge or gguf is not None)
+                                                               and plan.method != "full", gguf=gguf is not None))
+            _put_in_place(partial, output)
+        except BaseException as error:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
+            shutil.rmtree(partial, ignore_errors=True)
+            full = _disk_full(error, output, partial)
+            if full is not None:
+                raise full from None
+            raise
     return Exported(output, what, checks, failed)
+
+
+def _write(run: RunDirectory, plan: Any, trained: Path, partial: Path, merge: bool, dtype: str, waiting: Waiting,
+           allowed: Allowed, gguf: GgufOptions | None) -> tuple[str, tuple[str, ...], str | None]:
+    """The export's weights and tokenizer, into `partial`: what was written, what its checks found, why one failed."""
+    if gguf is not None:
+        checks, failed = write_gguf_export(run, plan, trained, partial, dtype, gguf, waiting, allowed)
+        return f"a GGUF model ({gguf.quant}) and an Ollama Modelfile", checks, failed
+    if not merge or plan.method == "full":
+        check_export_space(partial, bytes_under(trained), f"a copy of {trained}")
+        shutil.copytree(trained, partial, dirs_exist_ok=True)
+        make_readable(partial)  # runs trained before the weights were written readable
+        return ("the model" if plan.method == "full" else "the adapter"), (), None
+    with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
+        written_dtype, checks = _merge(plan, trained, partial, dtype, say, allowed)
+    return f"a merged model ({written_dtype} weights)", checks, None
+
+
+def _disk_full(error: BaseException, output: Path, partial: Path) -> ConfigError | None:
+    """A full disk (or quota) met while the export was written, as one message;
+    None for any other error. The partial folder is gone already, and an earlier
+    export in `output` was never touched: it is replaced only once the new one is whole."""
+    code = disk_full_code(error)
+    if code is None:
+        return None
+    names = [Path(os.fsdecode(e.filename)) for e in _chain(error) if isinstance(e, OSError) and e.filename]
+    inside = [name.name for name in names if name.absolute().parent == partial.absolute()]
+    earlier = f"; the earlier export in {output} is as it was" if output.exists() else ""
+    return ConfigError(f"The disk is full ({os.strerror(code)}): the export to {output} stopped while writing "
+                       f"{inside[0] if inside else 'its files'}, and what it had written was removed{earlier}.",
+                       f"Free some space on {mount_point(output)} ({size(free_space(output))} free now), "
+                       "then run the export again.")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it came from."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and not any(current is seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def gguf_options(format: str, quant: str, verify: bool) -> GgufOptions | None:

@@ -23,6 +23,7 @@ from llmcustoms.models import modelfile as ollama
 from llmcustoms.models.generation import Waiting
 from llmcustoms.models.gguf_writing import QUANTS
 from llmcustoms.models.loading import Allowed
+from llmcustoms.recovery import faults
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import model_name
 from llmcustoms.training.preflight import check_export_space
@@ -46,12 +47,38 @@ def check_gguf_options(options: GgufOptions) -> None:
                           "nearly always the same).")
 
 
+def write_small_file(path: Path, text: str) -> None:
+    """One of the export's small files (the Modelfile, README.md), written after
+    the space check counted only the weights: a full disk can still stop it
+    (`diskfull_export` makes it so, for tests)."""
+    faults.fail_export_write_if_due(path)
+    path.write_text(text)
+
+
+def check_vocabulary(plan: Any, trained: Path, allowed: Allowed) -> None:
+    """Before anything loads or is written (a merge takes minutes): a tokenizer
+    whose tokens past the model's embedding rows the GGUF cannot leave out is
+    refused (`gguf_vocab.tokens_past_rows`), read off the tokenizer and config alone."""
+    from transformers import AutoTokenizer
+
+    from llmcustoms.data import stop_tokens
+    from llmcustoms.models import loading as modeling
+    from llmcustoms.models.gguf_vocab import tokens_past_rows
+
+    trust = plan.trust_remote_code and allowed.remote_code
+    tokenizer = modeling.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
+    config = modeling.load_config(str(trained) if plan.method == "full" else plan.model, trust)
+    end_of_turn = stop_tokens.end_of_turn(tokenizer, templated=bool(tokenizer.chat_template)).token_id
+    tokens_past_rows(tokenizer, config.vocab_size, end_of_turn)
+
+
 def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path, dtype: str, options: GgufOptions,
                       waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
     """Write model.gguf and the Modelfile into `partial`; what the checks found
     (a line each) and, when one failed, why."""
     from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata
     from llmcustoms.models.llama_cpp_run import llama_cpp_check
+    from llmcustoms.models.gguf_vocab import tokens_past_rows
     from llmcustoms.models.gguf_writing import check_exportable, write_gguf
     from llmcustoms.commands.merging import common_system_prompt
 
@@ -61,6 +88,8 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     architecture = check_exportable(merged.model.config)
     pieces, stops, end_of_turn = _chat_shape(merged)
     modelfile = ollama.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan))  # refused before the writing
+    rows = merged.model.config.vocab_size
+    past = tokens_past_rows(merged.tokenizer, rows, end_of_turn)
     weights = sum(p.numel() for p in merged.model.parameters())
     check_export_space(partial, int(weights * BYTES_PER_WEIGHT[options.quant]) + 8 * 2**20, "the GGUF file",
                        options.quant)
@@ -68,12 +97,16 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     with waiting(f"Writing {GGUF_NAME} ({options.quant})") as say:
         written = write_gguf(merged.model, merged.tokenizer, path, options.quant, _general_name(run.path.name),
                              end_of_turn, lambda done, total: say(f"Writing {GGUF_NAME}: tensor {done}/{total}"))
-    (partial / "Modelfile").write_text(modelfile)
+    write_small_file(partial / "Modelfile", modelfile)
     lines = [f"{GGUF_NAME}: {written.bytes / 2**20:.1f} MiB, {written.architecture}, {written.tensors} tensors, "
              f"{options.quant}",
              "Modelfile: " + ("TEMPLATE matches the run's chat template on every probe conversation"
                               if pieces else "no TEMPLATE (Ollama reads the chat template stored in the GGUF)")
              + f"; stops at {', '.join(stops)}"]
+    if past:
+        lines.append(f"tokenizer: {len(past)} token{'s' * (len(past) > 1)} past the model's {rows} embedding rows "
+                     f"left out (id {', '.join(map(str, past[:3]))}{', ...' * (len(past) > 3)}): the model has no "
+                     f"weights for {'them' if len(past) > 1 else 'it'}")
     if merged.replies_equal is not None:
         lines.append(f"merged model's greedy replies equal the adapter's for {merged.replies_equal}/"
                      f"{len(merged.prompts)} check prompts")

@@ -34,7 +34,7 @@ from llmcustoms.data.row_formats import is_preference
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.runs.speeds import with_measured_speeds
-from llmcustoms.data.splits import MAX_EVAL_ROWS, split_rows
+from llmcustoms.data.splits import MAX_EVAL_ROWS, overlap_warning, rows_also_trained, split_rows
 from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
 from llmcustoms.data.token_cache import cache_dir, stored_rows, tokenization_cache_key
 from llmcustoms.data.token_store import TokenRows
@@ -262,6 +262,8 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     evaluation, eval_cut, eval_dropped = evaluation_full.truncated(plan.max_seq_len)
     if plan.eval_rows != len(evaluation):
         plan = plan.with_changes(eval_rows=len(evaluation))
+    if overlap := rows_also_trained(train, evaluation):  # never presented as held out
+        plan = replace(plan, eval_overlap_rows=overlap).with_warning(overlap_warning(overlap, len(evaluation)))
     if not len(train):
         raise ConfigError(f"No training row keeps a response token within {plan.max_seq_len} tokens.",
                           "Raise --max-seq-len.")

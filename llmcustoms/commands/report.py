@@ -29,6 +29,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.runs.forgetting import forgetting_findings
 from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.runs.preference_report import preference_findings
+from llmcustoms.runs.read_only import check_writable
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.speeds import run_tokens_per_s
 from llmcustoms.runs.stop_rates import stop_findings
@@ -78,6 +79,7 @@ class RunReport:
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[str] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)  # samples.side_by_side entries
+    sample_prompts: str = "held-out prompts"  # where the samples' prompts came from, for their title
     # What each recommendation changes ("lower lr"): two verdicts that ask for the
     # same change (the loss rose at the end, the rate looks too high) say it once.
     recommended: set[str] = field(default_factory=set, repr=False)
@@ -122,7 +124,8 @@ def analyse(run: RunDirectory) -> RunReport:
     train = [r for r in rows if "loss" in r]
     evals = _Evaluations.of(rows)
     report = RunReport(name=run.path.name, status=status.get("status", "unknown"), steps=len(train),
-                       total_steps=plan.total_steps, samples=side_by_side(run.read_samples()))
+                       total_steps=plan.total_steps, samples=side_by_side(run.read_samples()),
+                       sample_prompts="prompts of rows it trained on" if plan.evaluates_training_rows else "held-out prompts")
     if plan.objective == "dpo":  # perplexity means nothing for DPO's loss: its rewards tell
         findings, advice = preference_findings(plan, rows, status.get("best_eval_step"))
         report.findings += [Finding(*finding) for finding in findings]
@@ -175,7 +178,7 @@ def _quality(report: RunReport, plan: Any, status: dict[str, Any], evals: _Evalu
         best, step = evals.best["eval_loss"], evals.best["step"]
     base = status.get("base_eval_loss")
     base = evals.base if base is None else base
-    held_out = f"{plan.eval_rows} held-out rows" if plan.eval_rows else "the held-out rows"
+    held_out = _evaluation_rows(plan)
     if best is None:
         if base is not None:  # stopped before its first evaluation after training began
             report.findings.append(Finding("quality", "not measured yet",
@@ -191,6 +194,15 @@ def _quality(report: RunReport, plan: Any, status: dict[str, Any], evals: _Evalu
     if change is not None and change <= 0:
         report.recommend("quality", "training did not lower perplexity below the base model's: check that the "
                                     "data teaches something the model cannot already do, or try --lr lower")
+
+
+def _evaluation_rows(plan: Any) -> str:
+    """The rows the evaluations measured, in words: held out, or (`--eval-data` naming
+    the training file) training rows, which no verdict may pass off as held out."""
+    if plan.evaluates_training_rows:
+        return (f"{plan.eval_rows} evaluation rows, {plan.eval_overlap_rows} of them training rows too, so not a "
+                "held-out measure")
+    return f"{plan.eval_rows} held-out rows" if plan.eval_rows else "the held-out rows"
 
 
 def _withheld(report: RunReport, steps: int, withheld: dict[str, int]) -> None:
@@ -251,6 +263,11 @@ def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: _Eval
         return
     last = evals.after[-1]
     gap = last["eval_loss"] - losses[-1]
+    if plan.evaluates_training_rows:  # a falling eval loss on trained rows says nothing of overfitting
+        report.findings.append(Finding("overfitting", "unknown", f"the evaluations measured {_evaluation_rows(plan)} "
+                                       f"(eval loss {last['eval_loss']:.3f} at step {last['step']}): hold out rows "
+                                       "the run does not train on to judge it"))
+        return
     if last["step"] > best["step"] and last["eval_loss"] > best["eval_loss"] * (1 + OVERFIT_RISE):
         report.findings.append(Finding("overfitting", "yes",
                                        f"eval loss rose from {best['eval_loss']:.3f} at step {best['step']} to "
@@ -362,6 +379,7 @@ def plot(run: RunDirectory) -> Path:
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed.",
                           'Install it with: pip install "llmcustoms[plot]"') from None
+    check_writable(run.path, "so --plot cannot save loss.png there", ("loss.png",))
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 

@@ -26,6 +26,7 @@ from llmcustoms.ui import dialog
 from llmcustoms.models import hub_access as hubaccess
 from llmcustoms.commands import example_data
 from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
+from llmcustoms.planning.access_tokens import hide_tokens, looks_like_token
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S, human_duration
 from llmcustoms.commands.env_writing import check_writable, write_env
 from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
@@ -322,6 +323,9 @@ def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | Non
     """(what to write, why the answer cannot be used or None)."""
     if not answer:
         return answer, "No model was given."
+    if looks_like_token(answer) and not Path(answer).expanduser().exists():
+        return hide_tokens(answer), ("That looks like an access token, not a model; it was not used. Give a Hugging "
+                                     "Face token as HF_TOKEN (or `hf auth login`).")
     if answer.isdigit():
         if not 1 <= int(answer) <= len(offers):
             return answer, f"There is no model {answer} in the list (1 to {len(offers)})."

@@ -23,8 +23,8 @@ from llmcustoms.planning.options import Given
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.training import launching
 
-from llmcustoms.runs import overwriting, run_lock as runlock
-from llmcustoms.runs.checkpoints import ResumeFrom, step_named
+from llmcustoms.runs import overwriting, read_only, run_lock as runlock
+from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.models.loading import Allowed
 from llmcustoms.planning.settings import Settings, load_settings
@@ -80,7 +80,7 @@ class Session:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.settings.get("output_dir") or "runs")
+        return runlock.folder_for_runs(Path(self.settings.get("output_dir") or "runs"))
 
     def tracker(self) -> str:
         """The metrics tracker asked for; an error now if its package is missing."""
@@ -206,7 +206,6 @@ def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int
 def _resumable(run_dir: Path | None, session: Session) -> Any:
     """The run to continue, refused if finished (unless its length changes) or
     being trained right now, or if --from, --epochs or --max-steps cannot be done."""
-    from llmcustoms.runs.checkpoints import CheckpointManager
     from llmcustoms.runs.run_directory import RunDirectory, find_unfinished_run
 
     directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
@@ -216,6 +215,7 @@ def _resumable(run_dir: Path | None, session: Session) -> Any:
         raise LlmcustomsError(f"{directory.path} has already completed; there is nothing to resume.",
                               "Start a new run with `llmcustoms train`, extend this one with `llmcustoms resume "
                               "RUN --epochs N` (or --max-steps N), or use it (`report`, `chat`, `export`).")
+    read_only.check_writable(directory.path, "so it cannot be resumed")  # before the model loads: it writes everywhere
     start.planned(plan, status.get("step", 0))  # an error now, before the data is read, if it cannot be
     if start.step is not None:
         CheckpointManager(directory.checkpoints_path, keep=1).verified(start.step)
@@ -267,7 +267,7 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
     if not quiet:
         at = session.start.step if session.start.step is not None else directory.read_status().get("step", 0)
         ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
-                         f"({plan.model}, step {at} of {prepared.plan.total_steps})")
+                         f"({ui.escape(plan.model)}, step {at} of {prepared.plan.total_steps})")
     return run_training(prepared, directory, quiet, resume=session.start, tracker=session.tracker(),
                         faults_spent_through=restart["step"] if restart else 0,
                         cache=session.settings.get("cache_dir"))
@@ -321,6 +321,8 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
                                                      tracker if main else "none", run_dir, prepared.plan),
                                run_dir.log_path if main and run_dir.writable else None)
     reporter.log.write("info", ("resuming: " if resume else "starting: ") + plan_line(prepared.plan))
+    for warning in () if resume else prepared.plan.warnings:  # the plan table's, in train.log (and said, if quiet)
+        reporter.message(warning, warning=True) if quiet else reporter.log.write("warning", warning)
     samples = run_samples(prepared, run_dir, warn=lambda text: reporter.message(text, warning=True))
     tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
                       faults=FaultInjector.from_env(spent_through=faults_spent_through), samples=samples)

@@ -109,6 +109,19 @@ def redact_storage(text: str, url: str | None) -> str:
     return text
 
 
+@contextmanager
+def _experimental_quiet() -> Iterator[None]:
+    """Without Optuna's ExperimentalWarning: the heartbeat (and, before Optuna 4.x, the
+    journal) are features chosen here on purpose, and its warning is nothing the user can act on."""
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        yield
+
+
 def open_storage(url: str | None, path: Path, full_disk: Any = None) -> Any:
     """An Optuna storage: the SQLite file in the study directory by default, any
     RDB URL, or `journal:PATH` for a journal file several processes can share.
@@ -117,7 +130,16 @@ def open_storage(url: str | None, path: Path, full_disk: Any = None) -> Any:
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
-        return JournalStorage(JournalFileBackend(url[len("journal:"):]))
+        journal = Path(url[len("journal:"):])
+        if not journal.parent.is_dir():  # Optuna would create the file, not the folders above it
+            raise ConfigError(f"Cannot open the study storage {url}: the folder {journal.parent} does not exist.",
+                              "Create it first, or name a journal file in a folder that exists.")
+        try:
+            with _experimental_quiet():
+                return JournalStorage(JournalFileBackend(str(journal)))
+        except OSError as exc:
+            raise ConfigError(f"Cannot open the study storage {url}: {exc.strerror or exc}.",
+                              "Name a journal file you can write (journal:FILE), or leave --storage out.") from None
     from optuna.storages import RDBStorage
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -127,7 +149,7 @@ def open_storage(url: str | None, path: Path, full_disk: Any = None) -> Any:
     # without a heartbeat thread writing to it.
     beats = {} if sqlite else {"heartbeat_interval": HEARTBEAT_S, "grace_period": STALE_AFTER_S}
     try:
-        with _one_creator(target):
+        with _one_creator(target), _experimental_quiet():
             storage = RDBStorage(target, engine_kwargs={"connect_args": {"timeout": SQLITE_BUSY_S}} if sqlite else None,
                                  **beats)
     except ImportError:

@@ -49,6 +49,12 @@ _LINE_BREAK = re.compile("\r\n|\r|\n")
 JSON_HINT = "A .json file must hold one JSON array of objects, or one object per line."
 
 
+def not_json(msg: str, column: int) -> str:
+    """The problem of text the json module refused. Some of its messages end in
+    "at" ("Invalid control character at"), which would read "at at column"."""
+    return f"not valid JSON ({msg.removesuffix(' at')} at column {column})"
+
+
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
     row = 0
     with open(path, "rb") as f:
@@ -70,7 +76,7 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
             try:
                 yield RawRow(row, line_no, value=parse_json(text))
             except json.JSONDecodeError as exc:
-                yield RawRow(row, line_no, problem=f"not valid JSON ({exc.msg} at column {exc.colno})")
+                yield RawRow(row, line_no, problem=not_json(exc.msg, exc.colno))
             except BeyondLimits as exc:
                 yield RawRow(row, line_no, problem=str(exc))
 
@@ -227,7 +233,7 @@ class _TextStream:
         line = self.line + self.buffer.count("\n", self.pos, at)
         newline = self.buffer.rfind("\n", 0, at)
         col = at - newline if newline >= 0 else self.column0 + at + 1
-        return DataError(f"{self.path.name}, line {line}: not valid JSON ({msg} at column {col}).",
+        return DataError(f"{self.path.name}, line {line}: {not_json(msg, col)}.",
                          "Check the file with a JSON validator; a missing comma or quote is the usual cause.")
 
 
@@ -322,7 +328,7 @@ def _single_object(text: _TextStream) -> dict:
     try:
         value = parse_json(text.buffer)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{name}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}).",
+        raise DataError(f"{name}, line {exc.lineno}: {not_json(exc.msg, exc.colno)}.",
                         JSON_HINT) from None
     except BeyondLimits as exc:
         raise DataError(f"{name}, the JSON object: {exc}.", JSON_HINT) from None

@@ -17,6 +17,7 @@ import numpy as np
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.planning.options import Overrides
 from llmcustoms.data.dataset import Dataset, read_dataset
+from llmcustoms.data.pair_rows import PairRows
 from llmcustoms.errors import DataError
 from llmcustoms.planning.presets import TrainingPreset
 
@@ -86,3 +87,42 @@ def _why_none(rows: int, fraction: float, fraction_source: str) -> str:
         return f"eval split 0, {fraction_source}"
     return (f"{rows} row cannot be split into training and held-out rows: nothing measures how well the model "
             "generalises, and early stopping is off; add rows, or pass --eval-data FILE")
+
+
+def rows_also_trained(train: Any, evaluation: Any) -> int:
+    """How many evaluation rows (pairs, for preference data) have exactly the tokens
+    of a training row: all of them when --eval-data names the training file, some
+    when a row is written twice and the split puts one copy on each side."""
+    if not len(train) or not len(evaluation):
+        return 0
+    group = 2 if isinstance(evaluation, PairRows) else 1
+    held_shapes = _shapes(evaluation, group)
+    held = _token_keys(evaluation, group, np.ones(len(held_shapes), bool))
+    trained = set(_token_keys(train, group, np.isin(_shapes(train, group), held_shapes)))
+    return sum(key in trained for key in held)
+
+
+def _shapes(rows: Any, group: int) -> np.ndarray:
+    """Each row's length (a pair's two lengths as one number): only rows of a shape the
+    other side has can be equal, so only those are compared token by token."""
+    halves = rows.rows if group == 2 else rows
+    lengths = np.diff(halves.arrays.offsets)[halves.index]
+    return lengths if group == 1 else lengths[0::2] * (1 << 32) + lengths[1::2]
+
+
+def _token_keys(rows: Any, group: int, chosen: np.ndarray) -> list[bytes]:
+    halves = rows.rows if group == 2 else rows
+    offsets, ids = halves.arrays.offsets, halves.arrays.ids
+    keys = []
+    for row in np.flatnonzero(chosen):
+        parts = halves.index[row * group:(row + 1) * group]
+        keys.append(b"|".join(ids[offsets[k]:offsets[k + 1]].tobytes() for k in parts))
+    return keys
+
+
+def overlap_warning(overlap: int, rows: int) -> str:
+    """What `rows_also_trained` found, for the plan's warnings (shown by train, kept in train.log)."""
+    which = f"all {rows:,} evaluation rows are" if overlap == rows else f"{overlap:,} of the {rows:,} evaluation rows are"
+    return (f"{which} training rows too (the same tokens): eval loss on them measures what the model remembers, "
+            "not how it does on text it never saw, and early stopping and the weights kept follow it. Hold out rows "
+            "the run does not train on: --eval-split, or an --eval-data file of other rows")

@@ -19,6 +19,7 @@ from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.planning.options import Overrides
 from llmcustoms.errors import ConfigError
 from llmcustoms.models.loading import adapter_weights
+from llmcustoms.runs.adapter_files import adapter_problem
 from llmcustoms.runs.run_directory import RunDirectory
 
 
@@ -57,6 +58,10 @@ def starting_point(path: str, trusted: bool = False) -> StartingPoint:
                              f"starts from {run.path.name}'s fully fine-tuned model ({weights})")
     assert plan.lora is not None
     adapter_weights(weights)  # safetensors only, refused now rather than once the model is loaded
+    damaged = adapter_problem(weights)
+    if damaged is not None:
+        raise ConfigError(f"--from-run {path}: its adapter is damaged ({damaged}).",
+                          "Train that run again, or put back its adapter/ from a copy; then start from it.")
     shape = {"lora_r": (plan.lora.r, "from-run"), "lora_alpha": (plan.lora.alpha, "from-run"),
              "lora_dropout": (plan.lora.dropout, "from-run")}
     return StartingPoint(plan.model, str(weights.resolve()), plan.method, shape,

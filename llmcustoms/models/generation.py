@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from llmcustoms.data.chat_templates import prompts_use_template, template_refused
 from llmcustoms.data.stop_tokens import stop_ids
-from llmcustoms.errors import ModelError
+from llmcustoms.errors import ConfigError, LlmcustomsError, ModelError
+from llmcustoms.runs import run_lock as runlock
 from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import Weights, choose_weights
@@ -58,8 +59,7 @@ def open_trained(run: Path, checkpoint: str | None, waiting: Waiting, warn: Say,
     """The model of the run at `run`, loaded while `waiting` shows it. A run
     without the weights asked for, or whose model runs code `allowed` does not
     allow, is refused before torch is even imported."""
-    weights = choose_weights(RunDirectory.existing(run), checkpoint, warn)
-    check_loadable(weights, allowed)
+    weights = _loadable_weights(run, checkpoint, warn, allowed)
     from llmcustoms.models.loading import quiet_libraries
 
     with waiting(f"Loading {weights.describe()}") as say:
@@ -70,6 +70,26 @@ def open_trained(run: Path, checkpoint: str | None, waiting: Waiting, warn: Say,
 
         set_seed(seed)
     return trained
+
+
+def _loadable_weights(run: Path, checkpoint: str | None, warn: Say, allowed: Allowed) -> Weights:
+    """The weights asked for, checked. While another command holds the run (a
+    `train --overwrite` deleting and writing it again, a `resume`), what is
+    missing or half written is so for now: that is said, not the advice for a
+    damaged run (converting a pickle adapter, training again)."""
+    try:
+        weights = choose_weights(RunDirectory.existing(run), checkpoint, warn)
+        check_loadable(weights, allowed)
+        return weights
+    except LlmcustomsError as error:
+        pid = runlock.holder(Path(run))
+        if pid is None:
+            raise
+        raise ConfigError(f"{run} is being trained or rewritten right now by another llmcustoms command "
+                          f"({f'process {pid}' if pid else 'another process'}), so its weights cannot be loaded "
+                          f"yet ({error.message.rstrip('.')}).",
+                          "Wait for it to finish (`llmcustoms runs` shows how it stands), then run this again; "
+                          "--checkpoint latest tries the newest checkpoint it has saved.") from None
 
 
 def load_trained(weights: Weights, say: Say = lambda text: None, allowed: Allowed = Allowed()) -> Trained:

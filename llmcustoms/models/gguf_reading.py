@@ -9,6 +9,11 @@ transformers rebuilds a byte-level tokenizer's pre-tokenizer from
 `tokenizer.ggml.pre` only for the names it knows; for "smollm" (each digit
 alone, then GPT-2's split) it falls back to GPT-2's, which joins digits: the
 pre-tokenizer is set here, so "2024" gets the ids llama.cpp gives it.
+
+A file whose general.architecture is not what its tensors are (edited, or
+written wrong) is refused with what does not fit: transformers raised on some
+(a size mismatch), and on others silently started the weights the file lacks
+from random values, or dropped the tensors it had no place for.
 """
 
 from __future__ import annotations
@@ -59,19 +64,29 @@ def load_model(path: Path, dtype: Any) -> Any:
     that saves like any other); one clear refusal for what transformers cannot read."""
     from functools import partial
 
+    import torch
     import transformers.modeling_gguf_pytorch_utils as reader
     from transformers import AutoModelForCausalLM
 
     bar = reader.tqdm
     reader.tqdm = partial(bar, disable=True)  # its own progress bar, drawn over our display
     try:
-        read = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        # Mismatched sizes are read to be reported below, with the weights missing, rather than as transformers' error.
+        read, loading = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
+                                                             output_loading_info=True, ignore_mismatched_sizes=True)
+    except torch.OutOfMemoryError:
+        raise
     except (ValueError, NotImplementedError, KeyError) as exc:
-        raise GgufRefused(f"transformers cannot read {path.name}: {str(exc).splitlines()[0][:200]}",
+        raise GgufRefused(f"transformers cannot read {path.name}: {_first_line(exc)}",
                           "Use a GGUF of a Llama, Mistral, Qwen2 or Phi-3 model, or the model's own "
                           "Hugging Face folder or name.") from None
+    except (RuntimeError, AttributeError, TypeError, IndexError) as exc:  # a config it cannot set, say
+        raise _not_its_architecture(path, f"transformers stopped reading it ({_first_line(exc)})") from None
     finally:
         reader.tqdm = bar
+    problems = _misread(path, read, loading)
+    if problems:
+        raise _not_its_architecture(path, "; ".join(problems))
     # The weights are dequantized already, but the model still counts as "quantized with gguf",
     # which save_pretrained refuses: the same weights in a plain model of the same config.
     config = read.config
@@ -81,3 +96,67 @@ def load_model(path: Path, dtype: Any) -> Any:
     plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plain.load_state_dict(read.state_dict())
     return plain.eval()
+
+
+def _misread(path: Path, model: Any, loading: dict[str, Any]) -> list[str]:
+    """What shows the file is not the architecture it says, as transformers
+    read it: weights it would start from random values (missing, or of another
+    size), and tensors of the file it had no place for and dropped (the biases
+    of a Qwen2 file labelled llama). All silent in transformers."""
+    missing = sorted({_weight_kind(name) for name in loading["missing_keys"]})
+    sizes = {_weight_kind(name): (tuple(found), tuple(wanted)) for name, found, wanted in loading["mismatched_keys"]}
+    dropped = _unplaced(path, model)
+    return (([f"it has no {_some(missing)}, which such a model has"] if missing else [])
+            + [f"its {name} is {_shape(found)} where such a model's is {_shape(wanted)}"
+               for name, (found, wanted) in sorted(sizes.items())[:2]]
+            + ([f"it has {_some(dropped)}, which such a model has no place for"] if dropped else []))
+
+
+def _unplaced(path: Path, model: Any) -> list[str]:
+    """The file's tensors (by llama.cpp's names, without their layer) that none
+    of the model's weights is read from; none when gguf cannot name every
+    weight of the model (nothing to compare with). Rotary factors
+    (rope_freqs, rope_factors_long) are computed, not loaded, by transformers."""
+    import gguf
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    found, tensors = read_gguf_metadata(str(path), ())
+    architecture = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(found.get("general.architecture"))
+    if architecture is None:
+        return []
+    names = gguf.get_tensor_name_map(architecture, model.config.num_hidden_layers)
+    placed = {names.get_name(name, try_suffixes=(".weight", ".bias")) for name, _ in model.named_parameters()}
+    if None in placed:
+        return []
+    return sorted({_weight_kind(tensor) for tensor in tensors if tensor not in placed and not tensor.startswith("rope_")})
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
+def _weight_kind(name: str) -> str:
+    """A weight's name without its layer ("model.layers.3.self_attn.q_proj.bias" -> "self_attn.q_proj.bias")."""
+    parts = name.split(".")
+    layer = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[layer + 1:]) if layer is not None and layer + 1 < len(parts) else name
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(size) for size in shape)
+
+
+def _not_its_architecture(path: Path, why: str) -> GgufRefused:
+    """A file whose general.architecture is not what its tensors are (edited, or written wrong)."""
+    try:
+        architecture = metadata(path).get("general.architecture") or "not given"
+    except Exception:  # noqa: BLE001 - the message must not fail on the file it is about
+        architecture = "not readable"
+    return GgufRefused(f"{path.name} says its architecture is {architecture}, but its tensors cannot be read as a "
+                       f"{architecture} model's: {why}.",
+                       "The file's general.architecture does not match its weights (it was edited or written "
+                       "wrong): use the GGUF as it was published, or the model's own Hugging Face folder or name.")

@@ -74,10 +74,33 @@ class GgufVocab:
             writer.add_chat_template(self.chat_template)
 
 
+def tokens_past_rows(tokenizer: Any, rows: int, end_of_turn: int | None) -> list[int]:
+    """The ids of the tokenizer's tokens the model has no embedding row for
+    (`rows`: its vocab_size). A GGUF holds one token per row (llama.cpp's
+    converter refuses a tokenizer larger than the model), and the model can
+    neither read nor write these, so they are left out of it: transformers'
+    GGUF reader adds <|endoftext|> past the rows of a byte-level file that has
+    none (a GGUF-in, GGUF-out round trip), and a token added to a tokenizer
+    without resizing the model is past them too. Refused when the file must
+    name one of them: BOS, EOS, the token a reply ends with."""
+    past = sorted(index for index in tokenizer.get_vocab().values() if index >= rows)
+    named = {"BOS": getattr(tokenizer, "bos_token_id", None), "EOS": getattr(tokenizer, "eos_token_id", None),
+             "end-of-turn": end_of_turn}
+    needed = [f"its {kind} token (id {index})" for kind, index in named.items() if index is not None and index >= rows]
+    if needed:
+        raise GgufRefused(f"The tokenizer has {len(tokenizer)} tokens but the model only {rows} embedding rows, and "
+                          f"{needed[0]} is one without a row: no GGUF of it could read or end a reply.",
+                          "Give the model a row for every token of its tokenizer (in Python: model."
+                          "resize_token_embeddings(len(tokenizer)), then save_pretrained both to a folder to pass as "
+                          "--model) and train again, or train with the tokenizer the model came with.")
+    return past
+
+
 def gguf_vocab(tokenizer: Any, vocab_size: int, end_of_turn: int | None) -> GgufVocab:
-    """The GGUF form of a transformers fast tokenizer, padded to the model's
-    `vocab_size` rows (unused rows get `[PAD<id>]`, as llama.cpp's converter
-    writes them). `end_of_turn`: the token a reply ends with, when it is not eos."""
+    """The GGUF form of a transformers fast tokenizer, one token per row of the
+    model's `vocab_size`: unused rows get `[PAD<id>]`, as llama.cpp's converter
+    writes them, and tokens past the rows are left out (`tokens_past_rows`).
+    `end_of_turn`: the token a reply ends with, when it is not eos."""
     if not getattr(tokenizer, "is_fast", False):
         raise GgufRefused("GGUF export needs the model's fast tokenizer (tokenizer.json), and this run has none.",
                           "Export with --merge instead; llama.cpp's own convert_hf_to_gguf.py can convert that folder.")
@@ -93,9 +116,9 @@ def gguf_vocab(tokenizer: Any, vocab_size: int, end_of_turn: int | None) -> Gguf
                           "Export with --merge instead and convert that folder with llama.cpp's convert_hf_to_gguf.py.")
     by_id = {index: token for token, index in tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).items()}
     added = {token["id"]: token for token in spec.get("added_tokens", [])}
-    size = max(vocab_size, max(by_id) + 1)
+    tokens_past_rows(tokenizer, vocab_size, end_of_turn)  # refused when one left out is needed
     tokens, scores, types = [], [], []
-    for index in range(size):
+    for index in range(vocab_size):
         token = by_id.get(index)
         if token is None:
             tokens.append(f"[PAD{index}]"), scores.append(-1000.0), types.append(UNUSED)
@@ -106,7 +129,7 @@ def gguf_vocab(tokenizer: Any, vocab_size: int, end_of_turn: int | None) -> Gguf
     merges = [" ".join(pair) if isinstance(pair, list) else pair for pair in model.get("merges", [])]
     return GgufVocab(model="gpt2" if byte_level else "llama", pre=_pre_tokenizer(spec) if byte_level else None,
                      tokens=tokens, scores=scores, types=types, merges=merges,
-                     special_ids=_special_ids(tokenizer, end_of_turn), add_bos=_adds(tokenizer, "bos"),
+                     special_ids=_special_ids(tokenizer, end_of_turn, vocab_size), add_bos=_adds(tokenizer, "bos"),
                      add_eos=_adds(tokenizer, "eos"), chat_template=_template_text(tokenizer))
 
 
@@ -152,9 +175,11 @@ def _token_type(token: str, added: dict[str, Any] | None, byte_level: bool, unk:
     return NORMAL
 
 
-def _special_ids(tokenizer: Any, end_of_turn: int | None) -> dict[str, int]:
+def _special_ids(tokenizer: Any, end_of_turn: int | None, rows: int) -> dict[str, int]:
     ids = {kind: getattr(tokenizer, f"{kind}_token_id", None) for kind in ("bos", "eos", "unk", "pad")}
-    if end_of_turn is not None and end_of_turn != ids["eos"]:
+    # An unknown or padding token left out with the tokens past the rows goes unnamed: llama.cpp needs neither.
+    ids = {kind: token_id for kind, token_id in ids.items() if token_id is None or token_id < rows}
+    if end_of_turn is not None and end_of_turn != ids.get("eos"):
         # llama.cpp and Ollama stop at the end-of-turn token as well as eos: a chat
         # template that ends a reply with its own token (<|im_end|>, <|end|>) needs it named.
         ids["eot"] = end_of_turn

@@ -188,8 +188,12 @@ def adapter_weights(directory: Path | str) -> Path:
     adapter_model.safetensors (peft would read adapter_model.bin with pickle)."""
     if not (Path(directory) / ADAPTER_WEIGHTS).is_file():
         found = [p.name for p in Path(directory).glob("adapter_model.*")]
-        raise ModelError(f"The adapter in {directory} has no {ADAPTER_WEIGHTS}"
-                         + (f" (only {found[0]}, a pickle file that can run code when loaded)." if found else "."),
+        if not found:  # no pickle to convert: cut short, or being written (a `train --overwrite` under way)
+            raise ModelError(f"The adapter in {directory} has no {ADAPTER_WEIGHTS}: its weights are missing.",
+                             "If another llmcustoms command is writing it right now (`train --overwrite`), wait "
+                             "for it to finish; otherwise put the file back from a copy, or train the run again.")
+        raise ModelError(f"The adapter in {directory} has no {ADAPTER_WEIGHTS} (only {found[0]}, a pickle file "
+                         "that can run code when loaded).",
                          "llmcustoms loads adapters from safetensors only; the adapters it writes are. Convert it "
                          "once if you trust it: PeftModel.from_pretrained(base, DIR).save_pretrained(DIR).")
     return Path(directory)

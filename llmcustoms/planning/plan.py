@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.planning.plan_values import PlanDamaged, plan_problem
 from llmcustoms.planning.presets import ModelSpec
 
 # Older plan.json files kept warnings among the reasons with this prefix.
@@ -141,6 +142,9 @@ class Plan:
     row_max_len: int = 0
     eval_data: str | None = None
     eval_split: float = 0.0
+    # Evaluation rows whose tokens are a training row's (--eval-data naming the training
+    # file, or duplicates across the split): counted, so no verdict calls them held out.
+    eval_overlap_rows: int = 0
     skip_bad_rows: bool = False
     # "default" (skip up to 5% of rows), "strict" or "skip"; and what reading found.
     bad_row_policy: str = "default"
@@ -179,10 +183,15 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Plan":
+        """The plan plan.json holds; `PlanDamaged` names the first field that is
+        missing, of the wrong type or out of range (`plan_values`)."""
+        problem = plan_problem(cls, data)
+        if problem is not None:
+            raise PlanDamaged(problem)
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         if values.get("lora") is not None:
-            lora = dict(values["lora"])
+            lora = {f.name: values["lora"][f.name] for f in fields(LoraSettings)}  # a newer version's keys left out
             lora["target_modules"] = tuple(lora["target_modules"])
             values["lora"] = LoraSettings(**lora)
         reasons = list(values.get("reasons", ()))
@@ -206,6 +215,12 @@ class Plan:
 
     def with_warning(self, warning: str) -> "Plan":
         return replace(self, warnings=self.warnings + (warning,))
+
+    @property
+    def evaluates_training_rows(self) -> bool:
+        """Half the evaluation rows or more are training rows too: eval loss then says
+        what the model remembers, not how it does on text it never saw."""
+        return bool(self.eval_rows) and 2 * self.eval_overlap_rows >= self.eval_rows
 
     @property
     def epochs_planned(self) -> float:

@@ -326,14 +326,22 @@ def _overrides_by_size(data: dict[str, Any], key: str, names: tuple[str, ...], s
     return kept
 
 
+# What a YAML value that is not text is, in the words of a preset's author.
+_YAML_KINDS = {int: "a number", float: "a number", bool: "true or false", dict: "a mapping", list: "a list",
+               type(None): "empty"}
+
+
 def _model_list_problems(data: dict[str, Any], key: str, source: str, known_models: set[str]) -> list[str]:
     """`models` and `cpu_models`: hub ids that a family file describes."""
     models = data.get(key)
     if not isinstance(models, list):
         return []
     problems = [f"{source}: '{key}' must list at least one model"] if not models else []
+    # A number or a mapping (`- {name: x}`) is a YAML slip, said as one, not looked up.
+    problems += [f"{source}: {key} item {i} is {_YAML_KINDS.get(type(m), 'not text')}, not a model id such as "
+                 "Qwen/Qwen3-4B" for i, m in enumerate(models, 1) if not isinstance(m, str)]
     return problems + [f"{source}: {key} lists '{m}', which is not in any family file (presets/families/)"
-                       for m in models if m not in known_models]
+                       for m in models if isinstance(m, str) and m not in known_models]
 
 
 def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> TrainingPreset:

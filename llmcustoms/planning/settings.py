@@ -69,7 +69,9 @@ def load_settings(env_file: Path | None = None) -> Settings:
     variables to this process, and return the LLMCUSTOMS_* values."""
     path = env_file if env_file is not None else Path(".env")
     if env_file is not None and not path.is_file():
-        raise ConfigError(f"Env file not found: {path}", "Check the path, or run `llmcustoms setup` to write one.")
+        # A named pipe or a folder is there, but is no file to read (a pipe would wait for a writer).
+        raise ConfigError(f"Env file {path} is not a regular file." if path.exists() else f"Env file not found: {path}",
+                          "Check the path, or run `llmcustoms setup` to write one.")
     from_file = read_env_file(path) if path.is_file() else {}
     for name, (value, _) in from_file.items():
         if not name.startswith(PREFIX):

@@ -10,9 +10,11 @@ None means "not given": the plan decides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.planning.access_tokens import hide_tokens, looks_like_token
 from llmcustoms.planning.options import BY_NAME, Given, Overrides
 from llmcustoms.planning.settings import Settings
 
@@ -70,7 +72,14 @@ def train_options(settings: Settings) -> TrainOptions:
     def source(name: str, default: str) -> str:
         return chosen[name][1] if name in chosen else default
 
-    return TrainOptions(data=str(value("data")), model=value("model"), preset=value("preset"),
+    model = value("model")
+    if model and looks_like_token(model) and not Path(model).expanduser().exists():
+        # Sent to the Hub as a model id, and repeated by every message that names the model.
+        raise ConfigError(f"The model {hide_tokens(model)!r} looks like an access token, not a model; it was not used.",
+                          "Give a Hugging Face token as HF_TOKEN (or `hf auth login`), and --model a Hub id "
+                          "(organisation/name) or a model folder.")
+
+    return TrainOptions(data=str(value("data")), model=model, preset=value("preset"),
                         eval_data=value("eval_data"), skip_bad_rows=bool(value("skip_bad_rows", False)),
                         strict=bool(value("strict", False)), overrides=overrides,
                         model_source=source("model", "flag"), preset_source=source("preset", "default"),

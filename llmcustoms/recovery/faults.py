@@ -38,6 +38,14 @@ Two act on preparing the data, not on a step (`data/token_cache.py`), in `plan` 
     kill_tokenizing@1 SIGKILL once 1 row (or more) of a file has been
                       tokenized: a temporary store left behind
 
+Two act on `export` (`commands/export.py`, `commands/export_gguf.py`):
+
+    slow_export@20     the export waits 20 seconds once its partial folder is
+                       started: a second export to the same --output meets it
+    diskfull_export@1  the first small file the export writes after its
+                       weights (a GGUF export's Modelfile, then README.md) and
+                       every one after it fail as on a full disk
+
 An optional `:rank=R` suffix limits a fault to one process of a distributed run.
 A fault fires once per run: processes restarted after a failure at step N
 (see launching.relaunch) do not fire the faults of steps up to N again.
@@ -45,6 +53,7 @@ A fault fires once per run: processes restarted after a failure at step N
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -57,7 +66,7 @@ from llmcustoms.errors import ConfigError
 
 ENV_VAR = "LLMCUSTOMS_FAULT_INJECT"
 KINDS = ("oom", "eval_oom", "nan", "spike", "bug", "sigint", "sigterm", "sigkill", "slow", "slow_eval", "diskfull",
-         "kill_saving", "kill_pruning", "edit_data", "kill_tokenizing")
+         "kill_saving", "kill_pruning", "edit_data", "kill_tokenizing", "slow_export", "diskfull_export")
 # kill_saving@N kills at one of the first KILL_POINTS points from the start of step N's checkpoint write, chosen at
 # random (CheckpointManager's `point`: 7 in a write, then one per checkpoint the pruning after it deletes).
 KILL_POINTS = 8
@@ -69,6 +78,8 @@ SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 # The data faults fired in this process (each fires once).
 _fired_data_faults: set[str] = set()
+# The small files an export of this process has written (`diskfull_export` counts them).
+_export_files = {"written": 0}
 
 
 @dataclass
@@ -178,3 +189,21 @@ def kill_tokenizing_if_due(rows_done: int) -> None:
     rows = _first_step("kill_tokenizing")
     if rows is not None and rows_done >= rows:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_export_if_due() -> None:
+    """`slow_export@N`: the export waits N seconds, its partial folder started."""
+    seconds = _first_step("slow_export")
+    if seconds:
+        time.sleep(seconds)
+
+
+def fail_export_write_if_due(path: Path) -> None:
+    """`diskfull_export@N`: the Nth small file an export writes, and every later
+    one, fails as the disk would when full (ENOSPC, naming the file)."""
+    first = _first_step("diskfull_export")
+    if first is None:
+        return
+    _export_files["written"] += 1
+    if _export_files["written"] >= first:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -96,13 +96,15 @@ class BestWeights:
     FSDP); only the main process reads and writes files, and what it finds
     there it tells the others (`main_decides`), so every rank takes the same path."""
 
-    def __init__(self, run_dir: Any, checkpoints: CheckpointManager, processes: Any, full: bool,
+    def __init__(self, run_dir: Any, checkpoints: CheckpointManager, processes: Any, plan: Any,
                  warn: Callable[[str], None]):
         self.run_dir = run_dir
         self.files = BestWeightFiles(run_dir.best_path)
         self.checkpoints = checkpoints
         self.processes = processes
-        self.full = full  # full fine-tuning: the best weights are a checkpoint of their step
+        self.full = plan.method == "full"  # full fine-tuning: the best weights are a checkpoint of their step
+        # Evaluation rows that are training rows too: the choice is said to rest on them (`Plan.evaluates_training_rows`).
+        self.on_training_rows = plan.evaluates_training_rows
         self.warn = warn
 
     def keep_if_best(self, model: Any, position: Any) -> bool:
@@ -141,15 +143,21 @@ class BestWeights:
             self.processes.save_trained(model, tokenizer, output)
             if self.processes.is_main:  # one left by the run before `resume --epochs` extended it: stale now
                 shutil.rmtree(last, ignore_errors=True)
-            return {"kept_step": position.step, "kept": _why_last(position, best), "last_output": None}
+            return self._account(position.step, _why_last(position, best), None)
         self.processes.save_trained(model, tokenizer, last)
         if self.processes.is_main or self.processes.fsdp:  # elsewhere nothing is written from the model again
             self.processes.load_trainable(model, weights)
         self.processes.save_trained(model, tokenizer, output)
         last_eval = f", eval loss {position.last_eval:.4f}" if position.last_eval is not None else ""
-        return {"kept_step": best, "last_output": last.name,
-                "kept": f"the best evaluation's: eval loss {position.best_eval:.4f} at step {best} "
-                        f"(the last step, {position.step}{last_eval}, is in {last.name}/)"}
+        return self._account(best, f"the best evaluation's: eval loss {position.best_eval:.4f} at step {best} "
+                                   f"(the last step, {position.step}{last_eval}, is in {last.name}/)", last.name)
+
+    def _account(self, step: int, why: str, last_output: str | None) -> dict[str, Any]:
+        """status.json's `kept_step`, `kept` and `last_output`, and whether the choice rested on training rows."""
+        if self.on_training_rows and "eval loss" in why:
+            return {"kept_step": step, "kept": f"{why}; measured on rows it also trained on, not held-out ones",
+                    "last_output": last_output, "eval_on_training_rows": True}
+        return {"kept_step": step, "kept": why, "last_output": last_output}
 
     def _load(self, step: int, model: Any) -> dict[str, Any] | None:
         """The kept weights of `step` on the main process (None if they cannot be

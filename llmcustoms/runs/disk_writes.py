@@ -85,7 +85,8 @@ def append_lines(path: Path, lines: list[str]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         for line in lines:
-            end, data = os.fstat(fd).st_size, line.encode("utf-8")
+            # A path of another encoding (lone surrogates) is written \udce9: the file stays UTF-8 for its readers.
+            end, data = os.fstat(fd).st_size, line.encode("utf-8", "backslashreplace")
             try:
                 while data:
                     data = data[os.write(fd, data):]

@@ -38,6 +38,7 @@ from llmcustoms.runs import overwriting, run_lock as runlock, run_records as run
 from llmcustoms.runs.disk_writes import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.plan import Plan
+from llmcustoms.planning.plan_values import PlanDamaged, plan_problem
 
 STATUSES = ("running", "completed", "failed", "interrupted")
 # What status.json keeps when a full disk leaves room for no more: how the run stands and why.
@@ -151,10 +152,11 @@ class RunDirectory:
         return cls(Path(path))
 
     def check_no_file_in_the_way(self) -> None:
-        for parent in [self.path, *self.path.parents]:
-            if parent.exists() and not parent.is_dir():
-                raise ConfigError(f"{parent} is a file, so the run directory {self.path} cannot be made there.",
-                                  "Choose another --output-dir or --run-name.")
+        found = runlock.file_in_the_way(self.path)
+        if found is not None:
+            where = "it cannot be the run directory" if found == self.path else \
+                f"the run directory {self.path} cannot be made under it"
+            raise ConfigError(f"{found} is a file, not a folder, so {where}.", "Choose another --output-dir or --run-name.")
 
     def check_available(self, overwrite: bool = False, keep: dict[str, Path] | None = None) -> None:
         """Refuse a path where a file is in the way, a folder that holds a run
@@ -192,14 +194,20 @@ class RunDirectory:
         write_json_atomic(self.plan_path, plan.to_json())
 
     def read_plan(self) -> Plan:
+        """The run's plan; a plan.json that cannot be read, is not JSON or holds a
+        field that is missing, of the wrong type or out of range (edited by hand,
+        cut short) is refused, naming the field (`plan_values`)."""
         try:
-            data = json.loads(self.plan_path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("plan.json does not hold an object")
-            return Plan.from_json(data)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ConfigError(f"{self.path} is not a readable llmcustoms run ({type(exc).__name__} reading plan.json).",
-                              "Pass a directory made by `llmcustoms train`.") from None
+            return Plan.from_json(json.loads(self.plan_path.read_bytes().decode("utf-8")))
+        except OSError as exc:
+            problem = f"it cannot be read ({exc.strerror or exc})"
+        except PlanDamaged as exc:
+            problem = str(exc)
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            problem = "it is not valid JSON (cut short, or edited by hand)"
+        raise ConfigError(f"The plan.json of the run {self.path} is damaged: {problem}.",
+                          "Put back what `llmcustoms train` wrote there (from a copy of the run, or by hand), or "
+                          "train the run again; nothing was changed.")
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         self._append(self.metrics_path, [row])
@@ -371,20 +379,18 @@ class RunSummary:
 
 
 def list_runs(output_dir: Path) -> list[RunSummary]:
-    """Every run under `output_dir`, by name; directories whose plan.json cannot be read are left out."""
+    """Every run under `output_dir`, by name. One whose plan.json or status.json
+    is damaged is listed as `damaged` (it was left out: the run seemed gone)."""
     runs = []
     for plan_path in sorted(Path(output_dir).glob("*/plan.json")):
         run = RunDirectory(plan_path.parent)
-        try:
-            plan = json.loads(plan_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(plan, dict):
-            continue
+        plan = _listed_plan(plan_path)
         try:
             status = run.read_status()
         except ConfigError:  # not JSON: the run is listed with what plan.json says
             status = {"status": "damaged"}
+        if plan is None:  # what status.json says of its steps and losses is still shown
+            plan, status = {"model": "?", "method": "?"}, {**status, "status": "damaged"}
         memory, current = status.get("memory") or {}, _current_status(run, status)
         runs.append(RunSummary(run.path.name, str(plan.get("model", "")), plan.get("method", ""),
                                current, status.get("step", 0), plan.get("total_steps"),
@@ -393,6 +399,16 @@ def list_runs(output_dir: Path) -> list[RunSummary]:
                                trainingtime.training_seconds(status, running=current == "running"),
                                plan.get("objective", "sft"), memory.get("peak_bytes"), memory.get("ratio")))
     return runs
+
+
+def _listed_plan(path: Path) -> dict[str, Any] | None:
+    """plan.json's fields as far as they are there and right (a listing reads
+    plans of every version, and hand-written ones), or None if damaged."""
+    try:
+        plan = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return plan if plan_problem(Plan, plan, complete=False) is None else None
 
 
 def _current_status(run: RunDirectory, status: dict[str, Any]) -> str:

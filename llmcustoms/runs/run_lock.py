@@ -16,6 +16,11 @@ so two owners cannot both hold "the" lock.
 Within one process the lock is re-entrant (a tuning study runs many trials,
 tests run many commands in one interpreter): flock would refuse a second
 description of the same file even to its own process.
+
+An export's --output has a lock of the same kind (`exporting`),
+`.NAME.export-lock` beside it: a second export to the same folder once
+cleared the first's partial folder as a killed export's leftover, and the
+first failed half-way (FileNotFoundError).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from llmcustoms.errors import ConfigError
 
@@ -32,10 +38,30 @@ from llmcustoms.errors import ConfigError
 _held: dict[Path, tuple[int, int]] = {}
 
 
-def lock_path(run_dir: Path) -> Path:
+def lock_path(run_dir: Path, kind: str = "lock") -> Path:
     # Resolved: through a link (or "..") the same run must find the same lock, or two `resume`s train it at once.
     run_dir = Path(run_dir).resolve()
-    return run_dir.parent / f".{run_dir.name}.lock"
+    return run_dir.parent / f".{run_dir.name}.{kind}"
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of `path` and the folders above it that is there but is no
+    folder: nothing can be made in it (a run directory, a lock beside one)."""
+    for parent in [Path(path), *Path(path).parents]:
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return None
+
+
+def folder_for_runs(output_dir: Path) -> Path:
+    """`output_dir`, refused when a file stands where it or a folder above it
+    would be: said so at once, not as the lock's "File exists" or a traceback."""
+    found = file_in_the_way(output_dir)
+    if found is not None:
+        where = "" if found == Path(output_dir) else f", so the output directory {output_dir} cannot be made under it"
+        raise ConfigError(f"{found} is a file, not a folder{where}: the runs cannot go there.",
+                          "Choose another --output-dir (or LLMCUSTOMS_OUTPUT_DIR).")
+    return Path(output_dir)
 
 
 def holder(run_dir: Path) -> int | None:
@@ -63,14 +89,36 @@ def owning(run_dir: Path, doing: str) -> Iterator[None]:
     refused at once (exit 2), before anything is read or written. `doing` says
     what this command was about to do, for the message."""
     path = lock_path(run_dir)
-    _take(path, run_dir, doing)
+    _take(path, lambda who: ConfigError(f"{run_dir} is in use by another llmcustoms command ({who}); not {doing}.",
+                                        "Wait for it to finish, or stop it (Ctrl-C) and run this again; "
+                                        "or choose another --run-name."),
+          lambda why: ConfigError(f"Cannot lock the run directory {run_dir}: {why}.",
+                                  "Check that you can write to its parent directory (--output-dir)."))
     try:
         yield
     finally:
         _release(path)
 
 
-def _take(path: Path, run_dir: Path, doing: str) -> None:
+@contextmanager
+def exporting(output: Path) -> Iterator[None]:
+    """Hold the lock of an export's --output for the block: a second export to
+    the same folder is refused at once (exit 2), before it clears anything."""
+    path = lock_path(output, "export-lock")
+    _take(path, lambda who: ConfigError(f"Another export is writing {output} ({who}); this one did not start.",
+                                        "Wait for it to finish, or stop it (Ctrl-C) and run this again; "
+                                        "or choose another --output."),
+          lambda why: ConfigError(f"Cannot write the export beside {output}: {why}.",
+                                  "Check that you can write to that folder, or choose another --output."))
+    try:
+        yield
+    finally:
+        _release(path)
+
+
+def _take(path: Path, busy: Callable[[str], ConfigError], unlockable: Callable[[str], ConfigError]) -> None:
+    """Lock `path`; `busy(who)` is raised when another process holds it,
+    `unlockable(why)` when the lock file cannot be made."""
     if path in _held:
         fd, holds = _held[path]
         _held[path] = (fd, holds + 1)
@@ -79,20 +127,17 @@ def _take(path: Path, run_dir: Path, doing: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise ConfigError(f"Cannot lock the run directory {run_dir}: {exc.strerror} ({path}).",
-                          "Check that you can write to its parent directory (--output-dir).") from None
+        found = file_in_the_way(path.parent)
+        raise unlockable(f"{found} is a file, not a folder" if found else f"{exc.strerror} ({path})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pid = _pid_in(fd)
         os.close(fd)
-        who = f"process {pid}" if pid else "another process"
-        raise ConfigError(f"{run_dir} is in use by another llmcustoms command ({who}); not {doing}.",
-                          "Wait for it to finish, or stop it (Ctrl-C) and run this again; "
-                          "or choose another --run-name.") from None
+        raise busy(f"process {pid}" if pid else "another process") from None
     if not _still_named(path, fd):  # its owner deleted it as we opened it: lock the new one
         os.close(fd)
-        return _take(path, run_dir, doing)
+        return _take(path, busy, unlockable)
     _write_pid(fd)
     _held[path] = (fd, 1)
 

@@ -114,7 +114,8 @@ def completed_text(result: Any) -> str:
     if result.final_loss is not None:
         lines.append(f"final train loss {result.final_loss:.4f}")
     if result.best_eval_loss is not None:
-        lines.append(f"best eval loss {result.best_eval_loss:.4f} at step {result.best_eval_step}")
+        on_training_rows = " (on rows it also trained on, not held out)" if result.eval_on_training_rows else ""
+        lines.append(f"best eval loss {result.best_eval_loss:.4f} at step {result.best_eval_step}{on_training_rows}")
     if memory := memory_line(result.memory or {}):
         lines.append(f"memory: {memory}")
     if result.stop_reason:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.runs.adapter_files import adapter_problem
 from llmcustoms.runs.best_weights import BestWeightFiles
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager
 from llmcustoms.errors import ConfigError
@@ -65,7 +66,7 @@ def trained_output(run: RunDirectory) -> tuple[Any, Path]:
     kept = _kept(run, plan)
     if kept is None or kept.directory is None:
         raise _unfinished(run, plan, can_pick=False)
-    return plan, kept.directory
+    return plan, _whole(run, plan, kept, can_pick=False).directory
 
 
 def choose_weights(run: RunDirectory, checkpoint: str | None,
@@ -76,11 +77,11 @@ def choose_weights(run: RunDirectory, checkpoint: str | None,
     kept = _kept(run, plan)
     which = None if checkpoint is None else checkpoint.strip().lower()
     if which is None and kept is not None:
-        return kept
+        return _whole(run, plan, kept, can_pick=True)
     if which is None:
         raise _unfinished(run, plan, can_pick=True)
     if which == "best":
-        return kept or _best_so_far(run, plan)
+        return _whole(run, plan, kept, can_pick=True) if kept else _best_so_far(run, plan)
     manager = CheckpointManager(run.checkpoints_path, keep=1, warn=warn)
     if which == "latest":
         newest = manager.latest()
@@ -106,6 +107,22 @@ def _kept(run: RunDirectory, plan: Any) -> Weights | None:
     if not (output / ("config.json" if plan.method == "full" else "adapter_config.json")).is_file():
         return None
     return Weights(plan, f"{output.name}/" if plan.method == "full" else "the adapter", directory=output)
+
+
+def _whole(run: RunDirectory, plan: Any, kept: Weights, can_pick: bool) -> Weights:
+    """`kept`, refused if it is an adapter whose files are damaged (`adapter_files`):
+    what the user can do instead, `generate` and `chat` (`can_pick`) a checkpoint."""
+    problem = None if plan.method == "full" or kept.directory is None else adapter_problem(kept.directory)
+    if problem is None:
+        return kept
+    holds = _holds(run, plan)
+    retrain = "train the run again (`llmcustoms train` with --overwrite), or put back adapter/ from a copy of the run"
+    if holds and can_pick:
+        hint = f"{holds} Try one with --checkpoint latest (or step-N), or {retrain}."
+    else:
+        hint = (f"{retrain[0].upper()}{retrain[1:]}."
+                + (f" {holds} `generate` and `chat` can try them with --checkpoint latest." if holds else ""))
+    raise ConfigError(f"The run's adapter is damaged ({problem}): {kept.directory}.", hint)
 
 
 def _from_checkpoint(plan: Any, checkpoint: Checkpoint, label: str | None = None) -> Weights:

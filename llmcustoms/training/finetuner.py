@@ -134,7 +134,7 @@ class FineTuner:
         if not self.processes.is_main:
             self.run_dir = RunDirectory(self.run_dir.path, writable=False)
             self.reporter = SilentReporter()  # one progress display, from the main process
-        self.best = BestWeights(self.run_dir, self.checkpoints, self.processes, self.plan.method == "full",
+        self.best = BestWeights(self.run_dir, self.checkpoints, self.processes, self.plan,
                                 lambda text: self.reporter.message(text, warning=True))
 
     def _setup_training(self) -> None:

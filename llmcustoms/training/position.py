@@ -119,6 +119,7 @@ class TrainResult:
     held_out: dict[str, float] = field(default_factory=dict)  # the loss's `held_out`: DPO's best evaluation row
     memory: dict[str, Any] = field(default_factory=dict)  # measured peak against the plan's (`resource_use.compare`)
     general: dict[str, Any] = field(default_factory=dict)  # status.json's general_knowledge (`runs/forgetting.py`)
+    eval_on_training_rows: bool = False  # the evaluation rows are training rows too (`Plan.evaluates_training_rows`)
 
     @classmethod
     def finished(cls, position: Position, stop: StopReason | None, pace: RunPace, output_path: Path,
@@ -129,7 +130,8 @@ class TrainResult:
                    best_eval_loss=position.best_eval, best_eval_step=position.best_step, seconds=pace.seconds,
                    tokens_per_s=pace.tokens_per_s, output_path=output_path, stop=stop,
                    base_eval_loss=position.base_eval, kept=kept.get("kept"), last_output=kept.get("last_output"),
-                   samples=samples, held_out=held_out, memory=memory)
+                   samples=samples, held_out=held_out, memory=memory,
+                   eval_on_training_rows=bool(kept.get("eval_on_training_rows")))
 
     @property
     def stop_reason(self) -> str | None:

@@ -25,6 +25,7 @@ from rich.text import Text
 from llmcustoms.runs import measures
 from llmcustoms.ui.layout import Parts, WideOrNarrow
 from llmcustoms.runs.memory_use import memory_line
+from llmcustoms.planning.access_tokens import hide_tokens
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.runs.preference_report import held_out_line
 from llmcustoms.runs.forgetting import general_line
@@ -37,13 +38,14 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def print_warning(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {escape(message)}")
+    err_console.print(f"[yellow]warning:[/] {escape(hide_tokens(message))}")
 
 
 def print_error(message: str, hint: str | None) -> None:
-    text = f"[bold red]Error:[/] {escape(message)}"
+    """A token pasted as an argument (`--model hf_...`) is hidden wherever a message repeats it."""
+    text = f"[bold red]Error:[/] {escape(hide_tokens(message))}"
     if hint:
-        text += f"\n{escape(hint)}"
+        text += f"\n{escape(hide_tokens(hint))}"
     err_console.print(text)
 
 
@@ -162,17 +164,18 @@ def show_summary(result: Any) -> None:
     if result.held_out:  # DPO: perplexity means nothing; how often the chosen reply wins does
         table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (DPO loss; 0.6931 before training; step "
                                         f"{result.best_eval_step})")
-        table.add_row("preference", held_out_line(result.held_out))
+        table.add_row("preference", escape(held_out_line(result.held_out)))
     elif result.base_eval_loss is not None:
         table.add_row("base model eval loss", f"{result.base_eval_loss:.4f} (perplexity "
                                               f"{measures.perplexity(result.base_eval_loss):.2f})")
     if result.best_eval_loss is not None and not result.held_out:
-        table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step})")
-        table.add_row("quality", measures.describe(result.base_eval_loss, result.best_eval_loss))
+        on_training_rows = "; on rows it also trained on, not held out" if result.eval_on_training_rows else ""
+        table.add_row("best eval loss", f"{result.best_eval_loss:.4f} (step {result.best_eval_step}{on_training_rows})")
+        table.add_row("quality", escape(measures.describe(result.base_eval_loss, result.best_eval_loss)))
     if stops := stop_rate_line(result.samples):  # how many sample replies ended with the end-of-turn token
-        table.add_row("replies that stop", stops)
+        table.add_row("replies that stop", escape(stops))  # the stop token's text may be "[/INST]"
     if general := general_line(result.general):  # the forgetting check: general questions answered right
-        table.add_row("general questions", general)
+        table.add_row("general questions", escape(general))
     table.add_row("time", _duration(result.seconds))  # the whole run's, resumes included, as `runs` says
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f} (input tokens over the time in training steps)")
     if result.memory.get("peak_bytes"):
@@ -183,7 +186,7 @@ def show_summary(result: Any) -> None:
     if result.kept:
         table.add_row("weights kept", escape(result.kept))
     console.print(table)
-    show_samples(result.samples)
+    show_samples(result.samples, "prompts of rows it trained on" if result.eval_on_training_rows else "held-out prompts")
 
 
 def memory_text(memory: dict[str, Any]) -> str:
@@ -198,7 +201,7 @@ def memory_text(memory: dict[str, Any]) -> str:
 SAMPLE_CHARS = 240
 
 
-def show_samples(entries: list[dict[str, str]]) -> None:
+def show_samples(entries: list[dict[str, str]], prompts: str = "held-out prompts") -> None:
     """Sample replies side by side: the prompt, the data's reply, the base model's, the trained model's."""
     if not entries:
         return
@@ -212,7 +215,7 @@ def show_samples(entries: list[dict[str, str]]) -> None:
         if entry["trained"]:
             lines.append(f"[green]trained[/]    {cut(entry['trained'])}")
         blocks.append("\n".join(lines))
-    console.print(Panel("\n\n".join(blocks), title="Sample replies (held-out prompts, greedy)", expand=False))
+    console.print(Panel("\n\n".join(blocks), title=f"Sample replies ({prompts}, greedy)", expand=False))
 
 
 def _duration(seconds: float) -> str:
@@ -236,11 +239,11 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
         table.add_column(column, no_wrap=True)
     table.add_column("what for")
     for p in presets:
-        table.add_row(f"[bold]{p.name}", str(p.lora_r), f"{p.epochs:g}", f"{p.lr:.0e}", str(p.effective_batch_size),
+        table.add_row(Text(p.name, style="bold"), str(p.lora_r), f"{p.epochs:g}", f"{p.lr:.0e}", str(p.effective_batch_size),
                       str(p.max_seq_len), escape(p.description))
     console.print(table)
     for p in presets:
-        console.print(f"[bold]{p.name}[/] uses the first that fits a GPU: "
+        console.print(f"[bold]{escape(p.name)}[/] uses the first that fits a GPU: "
                       + escape(", ".join(m.split("/")[-1] for m in p.models))
                       + ("; without a GPU, the first expected to finish in "
                          f"{CPU_TIME_LIMIT_S // 60:.0f} minutes: " + escape(", ".join(m.split("/")[-1] for m in p.cpu_models))
@@ -257,7 +260,7 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
     for family in families.values():
         models = "\n".join(f"{m.hub_id.split('/')[-1]} ({m.params / 1e9:.1f}B)" for m in family.models)
         targets = "\n".join(f"{mt}: {' '.join(t)}" for mt, t in family.lora_target_modules.items())
-        table.add_row(f"[bold]{family.name}", escape(models), escape(targets))
+        table.add_row(Text(family.name, style="bold"), escape(models), escape(targets))
     console.print(table)
 
 
@@ -322,15 +325,15 @@ def _run_values(run: Any) -> tuple[str, str, str, str, str]:
 
 
 def show_report(report: Any) -> None:
-    table = Table(title=f"Report: {escape(report.name)} ({report.status}, {report.steps}/{report.total_steps} steps)",
+    table = Table(title=f"Report: {escape(report.name)} ({escape(report.status)}, {report.steps}/{report.total_steps} steps)",
                   show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(no_wrap=True)
     table.add_column()
     for finding in report.findings:
-        table.add_row(finding.topic, finding.verdict, escape(finding.detail))
+        table.add_row(escape(finding.topic), escape(finding.verdict), escape(finding.detail))
     console.print(table)
-    show_samples(report.samples)
+    show_samples(report.samples, report.sample_prompts)
     console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
                         expand=False))
 

@@ -63,8 +63,13 @@ def show_prepared(prepared: Any, data_path: str) -> None:
     if dataset.unlearned:
         rows = "1 row" if dataset.unlearned == 1 else f"{dataset.unlearned:,} rows"
         console.print(f"{rows} marked undesirable (label: false) left out: those replies are never learned.")
-    if prepared.plan.eval_rows:
-        console.print(f"Evaluation: {prepared.plan.eval_rows:,} row{'s' if prepared.plan.eval_rows != 1 else ''} held out ({escape(prepared.eval_source)})")
+    plan = prepared.plan
+    if plan.eval_rows and plan.eval_overlap_rows:  # `splits.rows_also_trained`: not held out, whatever the flag said
+        which = "all of them" if plan.eval_overlap_rows == plan.eval_rows else f"{plan.eval_overlap_rows:,} of them"
+        console.print(f"[yellow]Evaluation: {plan.eval_rows:,} row{'s' if plan.eval_rows != 1 else ''} "
+                      f"({escape(prepared.eval_source)}), {which} training rows too[/]: not held out")
+    elif plan.eval_rows:
+        console.print(f"Evaluation: {plan.eval_rows:,} row{'s' if plan.eval_rows != 1 else ''} held out ({escape(prepared.eval_source)})")
     else:  # never a silent "no evaluation": why there is none (`splits.split_rows`)
         console.print(f"[yellow]Evaluation: none[/] ({escape(prepared.eval_source)})")
     if prepared.templated_prompts:

@@ -17,8 +17,10 @@ from typing import Any, Callable, Iterator
 from rich.cells import cell_len  # the columns text takes: a wide (CJK) character takes two
 from rich.prompt import Prompt
 from rich.table import Table
+from rich.text import Text
 
 from llmcustoms.ui.console import console, escape
+from llmcustoms.planning.access_tokens import hide_tokens
 from llmcustoms.planning.hardware import GIB
 
 Messages = list[dict[str, str]]
@@ -26,6 +28,9 @@ Messages = list[dict[str, str]]
 
 # Set once an answer found no input left; every later answer is its default.
 _input_ended = False
+# Bytes a terminal in another encoding (Latin-1) sends: a strict UTF-8 standard input refuses them.
+NOT_UTF8 = "what you typed is not UTF-8 text"
+SET_UTF8 = "set your terminal to UTF-8 (LANG=C.UTF-8, for example) and type it again"
 
 
 def ask(question: str, default: str | None = None, choices: list[str] | None = None) -> str:
@@ -35,13 +40,17 @@ def ask(question: str, default: str | None = None, choices: list[str] | None = N
         if sys.stdin is None:  # started with stdin closed: as if piped input had run out
             console.print(f"{escape(question)}:", end=" ")
             raise EOFError
-        answer = Prompt.ask(question, default=default, choices=choices, console=console, show_choices=bool(choices))
+        # Text: a question quoting a path with [brackets] is shown as written, not as markup.
+        answer = Prompt.ask(Text(question), default=default, choices=choices, console=console, show_choices=bool(choices))
     except EOFError:
         _input_ended = True
         answer = default
+    except UnicodeDecodeError:
+        console.print(f"[yellow]{NOT_UTF8[:1].upper()}{NOT_UTF8[1:]}: {SET_UTF8}.[/]")
+        return ask(question, default, choices)
     answer = (answer or "").strip()
     if sys.stdin is None or not sys.stdin.isatty():
-        console.print(answer)  # piped input is not echoed; keep the transcript readable
+        console.print(Text(hide_tokens(answer)))  # piped input is not echoed; keep the transcript readable
     return answer
 
 
@@ -214,10 +223,8 @@ def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Me
                   "/exit or Ctrl-D to quit, /reset to start over, Ctrl-C stops a reply.")
     messages = list(start)
     while True:
-        try:
-            text = console.input("[bold green]you>[/] ")
-        except (EOFError, KeyboardInterrupt):
-            console.print()
+        text = _typed()
+        if text is None:
             break
         if text.strip() in ("/exit", "/quit"):
             break
@@ -231,6 +238,21 @@ def chat_loop(reply: Callable[[Messages, Callable[[str], None]], str], start: Me
         answer = _answer(reply, asked)
         if answer is not None:
             messages = [*asked, {"role": "assistant", "content": answer}]
+
+
+def _typed() -> str | None:
+    """The next message typed; None when the chat ends (Ctrl-D, Ctrl-C), "" when it was
+    not UTF-8 text (a Latin-1 terminal), which no tokenizer takes: said, and asked again."""
+    try:
+        text = console.input("[bold green]you>[/] ")
+        text.encode("utf-8")  # lone surrogates: bytes of another encoding, read with surrogateescape
+        return text
+    except (EOFError, KeyboardInterrupt):
+        console.print()
+        return None
+    except (UnicodeDecodeError, UnicodeEncodeError):  # the first from a strict UTF-8 standard input
+        console.print(f"[yellow]({NOT_UTF8}, so it was not sent: {SET_UTF8})[/]")
+        return ""
 
 
 @contextmanager

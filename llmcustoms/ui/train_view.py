@@ -32,7 +32,7 @@ class QuietReporter:
 
     def message(self, text: str, warning: bool = False) -> None:
         if warning:
-            self.console.print(f"[yellow]warning:[/] {text}")
+            self.console.print(warning_text(text))
 
     def activity(self, text: str | None) -> None:
         pass  # scripts want the result, not the waits
@@ -65,7 +65,7 @@ class RichReporter:
         self.countdown: Countdown | None = None  # the counted wait going on, if any
 
     def message(self, text: str, warning: bool = False) -> None:
-        self.console.print(f"[yellow]warning:[/] {text}" if warning else text)
+        self.console.print(warning_text(text) if warning else Text(text))
 
     def activity(self, text: str | None) -> None:
         self.countdown = None
@@ -134,12 +134,18 @@ def spinner(console: Console, text: str | Callable[[float], str]) -> Live:
 
     def render() -> Spinner:
         now = time.monotonic()
-        spin.update(text=text(now) if callable(text) else f"{text} ({clock(now - started)})")
+        spin.update(text=Text(text(now) if callable(text) else f"{text} ({clock(now - started)})"))  # never markup
         return spin
 
     live = Live(get_renderable=render, console=console, refresh_per_second=4, transient=True)
     live.start()
     return live
+
+
+def warning_text(text: str) -> Text:
+    """A warning as the user reads it: `text` as written (a path with [brackets], a token such
+    as [/INST]), never taken for Rich markup."""
+    return Text.assemble(("warning:", "yellow"), " ", text)
 
 
 def make_reporter(quiet: bool, console: Console, err_console: Console) -> Reporter:

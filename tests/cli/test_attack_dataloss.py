@@ -123,7 +123,9 @@ def test_export_overwrite_replaces_its_own_export_whole_and_a_kill_mid_export_le
                                 "--merge", "--overwrite"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while merging.poll() is None and time.time() < deadline:
-        if any(p.name.startswith(".exported.") for p in tmp_path.iterdir()) or not (out / "README.md").exists():
+        # Its partial or old folder (not its lock, taken just before): it has started writing.
+        if any(p.name.startswith(".exported.") and p.name.endswith("-export") for p in tmp_path.iterdir()) \
+                or not (out / "README.md").exists():
             merging.kill()
             break
         time.sleep(0.005)

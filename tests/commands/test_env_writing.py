@@ -5,6 +5,7 @@ order stay, a symlink is written through (issue 46, item 1)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from dotenv import dotenv_values
 
@@ -53,3 +54,24 @@ def test_a_new_file_has_a_header_and_a_duplicate_keeps_one_line():
     assert env_text("", {"LLMCUSTOMS_PRESET": "quality"}).startswith("# Written by `llmcustoms setup`.")
     assert env_text("X=1\nX=2\n", {"X": "3"}) == "X=3\n"  # python-dotenv keeps the last: one line only
     assert env_text("A=1", {"B": "2"}) == "A=1\n\nB=2\n"
+
+
+def test_an_env_file_that_is_a_pipe_a_folder_or_a_device_is_refused_before_any_question(tmp_path):
+    """Reading a named pipe waited forever for a writer (issue 46, 17); a link to a regular file,
+    or a path not there yet, is fine."""
+    import pytest
+
+    from llmcustoms.commands.env_writing import check_writable
+    from llmcustoms.errors import ConfigError
+    from llmcustoms.planning.settings import load_settings
+
+    os.mkfifo(tmp_path / "pipe")
+    for path, what in ((tmp_path / "pipe", r"a named pipe \(FIFO\)"), (tmp_path, "a folder"), (Path("/dev/null"), "a device")):
+        with pytest.raises(ConfigError, match=f"is {what}, not a regular file"):
+            check_writable(path)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_settings(tmp_path / "pipe")  # the other commands' --env-file: not "not found", and no wait
+    (tmp_path / "real.env").write_text("A=1\n")
+    os.symlink(tmp_path / "real.env", tmp_path / "link.env")
+    check_writable(tmp_path / "link.env")
+    check_writable(tmp_path / "new.env")

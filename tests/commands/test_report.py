@@ -195,3 +195,19 @@ def test_the_summary_withholds_the_ranking_of_too_few_pairs_too(tmp_path, capsys
     shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "preference withheld: 2 held-out pairs are too few to judge the ranking" in shown
     assert "ranked right (chance" not in shown
+
+
+def test_evaluations_on_training_rows_are_never_called_held_out(tmp_path):
+    """--eval-data naming the training file: the same rising eval loss that is overfitting on
+    held-out rows is no verdict at all on rows the run trained on, and quality says which rows."""
+    losses, evals = [3.0 - 0.05 * s for s in range(30)], {0: 3.0, 5: 2.0, 10: 1.8, 15: 1.9, 20: 2.2, 25: 2.4, 30: 2.6}
+    held_out = analyse(make_run(tmp_path / "held", plan_of(30, eval_every=5), losses, evals))
+    assert next(f for f in held_out.findings if f.topic == "overfitting").verdict == "yes"
+    plan = replace(plan_of(30, eval_every=5), eval_overlap_rows=50)
+    report = analyse(make_run(tmp_path / "trained", plan, losses, evals, best_eval_loss=1.8, best_eval_step=10,
+                              base_eval_loss=3.0))
+    overfitting = next(f for f in report.findings if f.topic == "overfitting")
+    assert overfitting.verdict == "unknown" and "50 of them training rows too" in overfitting.detail
+    quality = next(f for f in report.findings if f.topic == "quality")
+    assert "not a held-out measure" in quality.detail and "50 held-out rows" not in quality.detail
+    assert report.sample_prompts == "prompts of rows it trained on"

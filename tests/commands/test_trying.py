@@ -156,6 +156,51 @@ def test_a_finished_run_still_loads_its_adapter_by_default(finished):
     assert choose_weights(RunDirectory(finished), "best").directory == finished / "adapter"
 
 
+def test_a_damaged_adapter_is_refused_offering_the_checkpoints(finished, tmp_path):
+    """adapter_config.json's rank is not the weights' (issue 46, item 7): peft's size-mismatch
+    traceback before; now one message, and generate can still try the checkpoints."""
+    run = tmp_path / "damaged-adapter"
+    shutil.copytree(finished, run)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "r": config["r"] * 2}))
+    with pytest.raises(ConfigError) as refused:
+        choose_weights(RunDirectory(run), None)
+    assert refused.value.message.startswith("The run's adapter is damaged (adapter_config.json says rank")
+    assert "step-8" in refused.value.hint and "--checkpoint latest" in refused.value.hint
+    assert choose_weights(RunDirectory(run), "latest").label == "checkpoint step-8"
+    result = runner.invoke(app, ["export", str(run), "--output", str(tmp_path / "out")], env={"COLUMNS": WIDE})
+    assert result.exit_code == 2 and "adapter is damaged" in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_run_being_rewritten_says_so_not_to_convert_a_pickle(finished, tmp_path):
+    """`generate` while `train --overwrite` rewrites the run: its adapter is missing for now.
+    It advised converting a pickle adapter there was none of (issue 46, 19a)."""
+    from llmcustoms.errors import LlmcustomsError
+    from llmcustoms.models.generation import open_trained
+    from llmcustoms.runs import run_lock as runlock
+
+    run = tmp_path / "rewritten"
+    shutil.copytree(finished, run)
+    (run / "adapter" / "adapter_model.safetensors").unlink()
+    waiting = lambda what: pytest.fail("nothing is loaded")  # noqa: E731
+    with pytest.raises(LlmcustomsError) as missing:
+        open_trained(run, None, waiting, print)
+    assert "its weights are missing" in missing.value.message and "Convert" not in missing.value.hint
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom llmcustoms.runs import run_lock\n"
+                               "with run_lock.owning(sys.argv[1], 'training it'):\n    print(flush=True)\n"
+                               "    time.sleep(60)", str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # it holds the lock now
+        with pytest.raises(ConfigError) as busy:
+            open_trained(run, None, waiting, print)
+        assert "is being trained or rewritten right now" in busy.value.message
+        assert busy.value.hint.startswith("Wait for it to finish") and "Convert" not in busy.value.hint
+    finally:
+        holder.kill()
+        holder.wait()
+    assert runlock.holder(run) is None
+
+
 # ------------------------------------------------------------ the chat loop
 
 def typed(monkeypatch, *lines: str) -> None:
@@ -214,6 +259,52 @@ def test_ctrl_c_before_any_word_drops_the_unanswered_message(monkeypatch, capsys
     chat(model, [{"role": "system", "content": "Be brief."}])
     assert model.seen[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And wasps?"}]
     assert "(stopped; your message is left out of the conversation)" in capsys.readouterr().out
+
+
+def test_a_message_that_is_not_utf8_is_said_and_not_sent(monkeypatch, capsys):
+    """A Latin-1 terminal's b"caf\\xe9": lone surrogates (surrogateescape), or a strict UTF-8 stdin's
+    UnicodeDecodeError; either is said, never sent, and the chat goes on (issue 46, 11)."""
+    lines = iter(["caf\udce9", UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid"), PROMPT, "/exit"])
+
+    def read(prompt: str = "") -> str:
+        line = next(lines)
+        if isinstance(line, Exception):
+            raise line
+        return line
+
+    monkeypatch.setattr(dialog.console, "input", read)
+    model = Model(["Honey."], stop_after={})
+    chat(model)
+    assert model.seen == [[{"role": "user", "content": PROMPT}]]
+    assert flat(capsys.readouterr().out).count("is not UTF-8 text, so it was not sent: set your terminal to UTF-8") == 2
+
+
+def test_a_setup_answer_a_strict_stdin_cannot_decode_is_asked_again(monkeypatch, capsys):
+    answers = iter([UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid"), "runs"])
+
+    def prompt(*args, **kwargs) -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(dialog.Prompt, "ask", prompt)
+    assert dialog.ask("Where to put runs", "runs") == "runs"
+    assert "What you typed is not UTF-8 text: set your terminal to UTF-8" in flat(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("argv", [["hi", "--system", "caf\udce9"], ["caf\udce9"], ["--prompt", "caf\udce9"]])
+def test_a_prompt_that_is_not_utf8_is_refused_before_anything_loads(argv, tmp_path):
+    """`generate runs/x $'caf\\xe9'`: the argument reaches Python as lone surrogates (issue 46, 11)."""
+    command = "chat" if "--system" in argv else "generate"
+    result = runner.invoke(app, [command, str(tmp_path), *[a for a in argv if command == "generate" or a != "hi"]],
+                           env={"COLUMNS": WIDE})
+    assert result.exit_code == 2 and "is not UTF-8 text: set your terminal to UTF-8" in flat(result.output), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
 
 
 def test_reset_says_so_and_ctrl_c_at_the_prompt_ends_the_chat(monkeypatch, capsys):

@@ -586,6 +586,19 @@ def test_a_mistake_early_in_a_json_array_fails_before_reading_the_rest(tmp_path,
     assert sum(reads) < 1000  # the 40 KB after the mistake were never read
 
 
+def test_json_errors_read_at_column_once(tmp_path):
+    """The json module's messages ending in "at" ("Invalid control character at") are
+    not followed by a second "at" (issue 46, 19b): in a JSON Lines row, an array, an object."""
+    from llmcustoms.data.data_files import read_rows
+
+    lines = write(tmp_path, "lines.jsonl", jsonl({"text": "a"}) + b'{"text": "b\tc"}\n')
+    assert [r.problem for r in read_rows(lines)][1] == "not valid JSON (Invalid control character at column 12)"
+    array = bad_input(write(tmp_path, "array.json", b'[{"text": "a"}, {"text": "b\x01"}]'))
+    assert array.message == "array.json, line 1: not valid JSON (Invalid control character at column 28)."
+    single = bad_input(write(tmp_path, "single.json", b'{"text": "never closed}'))
+    assert single.message == "single.json, line 1: not valid JSON (Unterminated string starting at column 10)."
+
+
 @pytest.mark.parametrize("data", [b'[{"text": "a"}]\xe9', b'[{"text": "\xe2\x82'])
 def test_a_file_cut_in_the_middle_of_a_character_is_a_clear_error(tmp_path, data):
     assert "not valid UTF-8 text" in bad_input(write(tmp_path, "cut.json", data)).message

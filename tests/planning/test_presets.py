@@ -191,3 +191,18 @@ def test_invalid_yaml_names_the_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_preset(str(path))
     assert "line" in info.value.message
+
+
+def test_a_models_item_that_is_not_text_is_named_not_looked_up(tmp_path):
+    """A YAML slip (`- 42`, `- {name: x}`) is said for what it is, with its place in the list."""
+    data = yaml.safe_load((presets_dir() / "quality.yaml").read_text())
+    data["models"] = [data["models"][0], 42, {"name": "x"}]
+    data["cpu_models"] = [None]
+    path = tmp_path / "slip.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_preset(str(path))
+    message = info.value.message
+    for fragment in ("models item 2 is a number, not a model id", "models item 3 is a mapping, not a model id",
+                     "cpu_models item 1 is empty, not a model id"):
+        assert fragment in message

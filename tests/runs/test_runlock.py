@@ -61,6 +61,21 @@ def test_the_lock_is_reentrant_in_a_process_and_lives_beside_the_run(tmp_path):
     assert not runlock.lock_path(run).exists()  # and leaves nothing behind
 
 
+def test_a_file_where_the_runs_would_go_is_named_not_reported_as_a_lock_error(tmp_path):
+    """`train --output-dir data/rows.jsonl` said "Cannot lock the run directory ...: File exists" (issue 46, 17)."""
+    afile = tmp_path / "rows.jsonl"
+    afile.write_text("{}\n")
+    for output_dir in (afile, afile / "deeper"):
+        with pytest.raises(ConfigError, match="rows.jsonl is a file, not a folder") as refused:
+            runlock.folder_for_runs(output_dir)
+        assert "--output-dir" in refused.value.hint
+    assert runlock.folder_for_runs(tmp_path / "new" / "runs") == tmp_path / "new" / "runs"
+    with pytest.raises(ConfigError, match="rows.jsonl is a file, not a folder") as refused:
+        with runlock.owning(afile / "run", "starting another run in it"):
+            pass
+    assert "File exists" not in refused.value.message and "Not a directory" not in refused.value.message
+
+
 def train_args(model: Path, output: Path, name: str, *extra: str) -> list[str]:
     return ["train", str(DATA_FILES["alpaca"]), "--model", str(model), "--max-steps", "40", "--save-every", "2",
             "--batch-size", "2", "--grad-accum", "1", "--output-dir", str(output), "--run-name", name, "--yes",

@@ -42,10 +42,12 @@ def test_runs_are_listed_from_the_run_directories(tmp_path):
     done.write_status("completed", step=12, best_eval_loss=1.5)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "plan.json").write_text("{cut")
-    [run] = list_runs(tmp_path)
+    [broken, run] = list_runs(tmp_path)
     assert (run.name, run.model, run.method, run.status, run.step, run.total_steps) == \
         ("done", "/models/tiny", "lora", "completed", 12, 12)
     assert run.best_eval_loss == 1.5 and run.seconds == 0 and run.started_at
+    # A plan.json cut short does not make its run vanish (issue 46, item 8): it is listed as damaged.
+    assert (broken.name, broken.status, broken.total_steps) == ("broken", "damaged", None)
 
 
 def test_a_restart_request_names_the_launch_it_is_given(tmp_path):
