@@ -185,8 +185,9 @@ def intro() -> str:
         "- 1 epoch: the planner's rough estimate of one pass with its evaluations, before any speed is measured "
         f"here: the model's FLOPs per token at {GPU_MFU:.0%} of the card's nominal bf16 tensor-core peak "
         f"({QLORA_SLOWDOWN:g}x for QLoRA), or {GPU_SECONDS_PER_LAYER_PASS * 1000:g} ms per layer per micro-batch "
-        "when that is longer (a small model's step is bound by kernel launches: measured on an H200); loading "
-        "the model and the data is not counted.",
+        "when that is longer (a small model's step is bound by kernel launches: measured on an H200); with "
+        "what the command does besides (loading, the sample replies and general questions, saving), as "
+        "the plan's estimated duration counts it.",
     ])
 
 

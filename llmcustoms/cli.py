@@ -221,7 +221,7 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 
 @app.command(cls=flags.Command)
 def settings(example: flags.Example = False, env_file: flags.EnvFile = None) -> None:
-    """Show the LLMCUSTOMS_ settings in effect and where each comes from.
+    """Show the LLMCUSTOMS_ settings in effect and where each is from.
 
     From the environment, then ./.env (or --env-file); --example prints every variable."""
     with ending():
@@ -240,7 +240,9 @@ def settings(example: flags.Example = False, env_file: flags.EnvFile = None) -> 
 @app.command(cls=flags.Command)
 @takes_options("runs")
 def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
-    """List the runs: model, method, status, steps, best eval loss, training time."""
+    """List the runs: model, status, steps, perplexity, time, memory.
+
+    The best eval perplexity and its change from the base model's (DPO: the eval loss)."""
     with ending():
         from llmcustoms.runs.run_directory import list_runs
 
@@ -249,7 +251,7 @@ def runs(env_file: flags.EnvFile = None, **values: Any) -> None:
 
 
 @app.command(cls=flags.Command)
-def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
+def report(run: flags.RunArg, plot: flags.Plot = False, details: flags.Details = False) -> None:
     """Analyse a run and say what to change.
 
     Convergence, overfitting, learning rate, throughput and recoveries."""
@@ -259,9 +261,9 @@ def report(run: flags.RunArg, plot: flags.Plot = False) -> None:
         from llmcustoms.runs.run_directory import RunDirectory
 
         directory = RunDirectory.existing(run)
-        ui().show_report(analyse(directory))
+        ui().show_report(analyse(directory), details)
         if plot:
-            ui().console.print(f"Wrote {ui().escape(str(draw(directory)))}")
+            ui().print_path("Wrote", draw(directory))
 
 
 @app.command(cls=flags.Command)
@@ -306,7 +308,7 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
 def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = False, dtype: flags.Dtype = "auto",
            format: flags.ExportFormat = "hf", quant: flags.Quant = "q8_0", verify: flags.Verify = True,
            overwrite: flags.ExportOverwrite = False, allowed: Any = None) -> None:
-    """Copy the adapter, merge it into a standalone model, or write a GGUF for Ollama and llama.cpp."""
+    """Copy the adapter, merge it, or write a GGUF (Ollama, llama.cpp)."""
     with ending():
         from llmcustoms.commands.export import export_run, gguf_options
 

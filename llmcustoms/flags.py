@@ -231,6 +231,7 @@ Example = Annotated[bool, typer.Option("--example", help="Print an example .env 
 # After training.
 RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="A run directory, e.g. runs/my-run.")]
 Plot = Annotated[bool, typer.Option("--plot", help="Also write loss.png (train/eval loss and learning rate) into the run.")]
+Details = Annotated[bool, typer.Option("--details", help="Each verdict's reasons, and the sample replies.")]
 PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", show_default=False, parser=_utf8("the prompt"), help="What to ask the model (or --prompt).")]
 Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", parser=_utf8("the prompt"), help="What to ask the model.")]
 Checkpoint = Annotated[Optional[str], typer.Option("--checkpoint", metavar="latest|best|step-N", help="Load a checkpoint instead of the finished run's adapter: latest (the newest), best (the best evaluation's weights) or step-N. For a run that has not finished, or to compare steps.")]

@@ -131,3 +131,38 @@ def test_every_page_starts_with_a_title_and_a_sentence():
     for path in sorted(DOCS.glob("*.md")):
         lines = path.read_text(encoding="utf-8").splitlines()
         assert lines[0].startswith("# ") and not lines[1].strip() and lines[2].strip(), path.name
+
+
+def test_the_readmes_test_counts_are_the_suites():
+    # Written by benchmarks/suite_counts.py from one collection (no test runs): a README that said
+    # 1,180 tests in one place and 1,178 in another, hand-counted, is what this stops.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_counts.py"), "--check"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, (f"{out.stdout}{out.stderr[-2000:]}\nrun `python benchmarks/suite_counts.py` "
+                                 "(and with --fast/--slow after measuring a run: its docstring says how)")
+
+
+def test_what_the_readmes_first_run_makes_in_a_clone_is_ignored_by_git():
+    # After the first run `git status` listed identity.json, the exported model, ...: each is ignored.
+    import shutil
+    import subprocess
+
+    from llmcustoms.commands.example_data import EXAMPLE_NAME
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git clone")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_run = FENCE.search(readme, readme.index("## Your first run"))[0]
+    exported = re.findall(r"--output (\S+)", first_run)
+    [runs] = set(re.findall(r"(\S+)/<run-name>", first_run))
+    made = [EXAMPLE_NAME, EXAMPLE_NAME.replace(".", "-2."),  # setup's copy of the example, or beside another file
+            ".env", ".env.tmp",  # setup's answers, and the file it checks it can write with
+            f"{runs}/my-run/adapter/adapter_model.safetensors", f"{runs}/my-run/loss.png",  # train, report --plot
+            *(f"{name}/model.gguf" for name in exported)]
+    assert exported and runs == "runs"
+    out = subprocess.run(["git", "check-ignore", "--no-index", *made, "examples/identity.json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert sorted(out.stdout.split()) == sorted(made), f"not ignored: {set(made) - set(out.stdout.split())}"

@@ -41,7 +41,7 @@ from llmcustoms.runs import overwriting, run_lock as runlock
 from llmcustoms.commands.export_gguf import (GgufOptions, check_gguf_options, check_vocabulary, write_gguf_export,
                                              write_small_file)
 from llmcustoms.commands.merging import load_merged
-from llmcustoms.commands.model_card import model_card
+from llmcustoms.commands.model_card import has_chat_template, model_card
 from llmcustoms.planning.disk_space import TOKENIZER_BYTES, size
 from llmcustoms.errors import ConfigError
 from llmcustoms.runs.file_modes import make_readable
@@ -103,7 +103,8 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
         try:
             what, checks, failed = _write(run, plan, trained, partial, merge, dtype, waiting, allowed, gguf)
             write_small_file(partial / "README.md", model_card(run, plan, merged=(merge or gguf is not None)
-                                                               and plan.method != "full", gguf=gguf is not None))
+                                                               and plan.method != "full", gguf=gguf is not None,
+                                                               chat_template=has_chat_template(partial)))
             _put_in_place(partial, output)
         except BaseException as error:  # a refusal (no room), an error, Ctrl-C: nothing half-written stays
             shutil.rmtree(partial, ignore_errors=True)

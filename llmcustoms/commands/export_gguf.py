@@ -27,6 +27,7 @@ from llmcustoms.recovery import faults
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import model_name
 from llmcustoms.training.preflight import check_export_space
+from llmcustoms.ui.train_progress import counting
 
 GGUF_NAME = "model.gguf"
 # Bytes per weight of each quantization, for the disk check before writing (q8_0: 34 bytes per block
@@ -96,7 +97,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     path = partial / GGUF_NAME
     with waiting(f"Writing {GGUF_NAME} ({options.quant})") as say:
         written = write_gguf(merged.model, merged.tokenizer, path, options.quant, _general_name(run.path.name),
-                             end_of_turn, lambda done, total: say(f"Writing {GGUF_NAME}: tensor {done}/{total}"))
+                             end_of_turn, counting(say, f"Writing {GGUF_NAME}: tensor"))
     write_small_file(partial / "Modelfile", modelfile)
     lines = [f"{GGUF_NAME}: {written.bytes / 2**20:.1f} MiB, {written.architecture}, {written.tensors} tensors, "
              f"{options.quant}",
@@ -115,9 +116,11 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     stop_ids = sorted({merged.tokenizer.eos_token_id} | ({end_of_turn} if end_of_turn is not None else set()))
     with waiting(f"Checking {GGUF_NAME} against the trained model") as say:
         say(f"Reading {GGUF_NAME} back with transformers")
+        stages = {"tensors": counting(say, f"Reading {GGUF_NAME} back with transformers: tensor"),
+                  "prompts": counting(say, "Answering the check prompts")}
         check = check_gguf(path, merged.model, merged.tokenizer, options.quant,
                            expected_metadata(merged.model, merged.tokenizer, architecture, end_of_turn),
-                           merged.prompts, stop_ids)
+                           merged.prompts, stop_ids, lambda stage, done, total: stages[stage](done, total))
         say(f"Running {GGUF_NAME} in llama.cpp")
         in_llama_cpp = llama_cpp_check(path, merged.tokenizer, merged.prompts, check.stopped)
     lines.append("check: " + check.summary())

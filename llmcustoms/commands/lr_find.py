@@ -40,7 +40,9 @@ START_LR, END_LR = 1e-7, 1.0
 BETA = 0.98  # the EMA of the loss: Lightning's and fastai's
 DIVERGENCE = 4.0  # stop once the smoothed loss passes this many times its minimum
 MIN_DROP = 0.05  # a fall smaller than this share of the starting loss is noise
-MIN_POINTS = 5  # fewer points than this are not a curve
+# Fewer points than this are not a curve: 10 steps over lr 1e-7..1 suggested 6.0e-07,
+# a dip between two batches (Lightning refuses 12 or fewer, fastai runs 100).
+MIN_POINTS = 20
 WHOLE_TABLE = 12  # a curve of at most this many steps is shown whole
 RULE = "steepest descent of the smoothed loss, below the lr of its minimum"
 OTHER_RULE = "the lr of the minimum smoothed loss / 10"
@@ -100,15 +102,23 @@ def suggest(lrs: list[float], smoothed: list[float | None], min_drop: float = MI
     the next by more than the lr changes it early on, and a one-step dip would
     win (a 72-step test on SmolLM2 suggested 4.9e-07 that way)."""
     points = next((i for i, v in enumerate(smoothed) if v is None or not math.isfinite(v)), len(smoothed))
-    if points < MIN_POINTS:
-        return Suggestion(None, reason=f"only {points} finite steps: too few to read a curve")
+    if points == 0:
+        return Suggestion(None, reason="no step had a finite loss")
     values = [float(v) for v in smoothed[:points]]  # type: ignore[arg-type]
+    # The minimum of all the points: one that left out the first tenth once marked
+    # step 4 the minimum where step 1 was lower.
+    best = min(range(points), key=lambda i: values[i])
+    if points < MIN_POINTS:
+        return Suggestion(None, min_loss_lr=lrs[best],
+                          reason=f"only {points} steps with a finite loss, too few to read a curve "
+                                 f"(one batch's loss differs from the next by more than the lr changes it: "
+                                 f"it takes {MIN_POINTS} or more)")
     skip = max(1, points // 10)
-    best = min(range(skip, points), key=lambda i: values[i])
     start = values[skip]
-    if best == skip or start - values[best] < min_drop * abs(start):
-        return Suggestion(None, reason=f"the smoothed loss did not fall by {min_drop:.0%} or more "
-                                       f"between lr {lrs[skip]:.1e} and {lrs[points - 1]:.1e}")
+    if best <= skip or start - values[best] < min_drop * abs(start):
+        return Suggestion(None, min_loss_lr=lrs[best],
+                          reason=f"the smoothed loss did not fall by {min_drop:.0%} or more "
+                                 f"between lr {lrs[skip]:.1e} and {lrs[points - 1]:.1e}")
     window = max(1, min(points // 10, best - skip))
     slopes = {i: (values[i + window] - values[i]) / math.log(lrs[i + window] / lrs[i])
               for i in range(skip, best - window + 1)}
@@ -129,7 +139,7 @@ def rows_shown(points: int, count: int = 8) -> str:
     stride = table_stride(points, count)
     if stride == 1:
         return f"every step of {points}"
-    return f"every {stride} steps from step 1 (of {points}), the last, the suggested and the minimum's"
+    return f"every {stride} steps from step 1 (of {points}), the last, the suggested and the smoothed minimum's"
 
 
 def sample_rows(curve: list[Row], suggestion: Suggestion, count: int = 8) -> list[Row]:
@@ -137,13 +147,19 @@ def sample_rows(curve: list[Row], suggestion: Suggestion, count: int = 8) -> lis
     the first, the last, and the suggested and the minimum's rows, each marked in `note`."""
     if not curve:
         return []
-    marks = {suggestion.steepest_lr: "suggested", suggestion.min_loss_lr: "minimum"}
+    marks = {suggestion.min_loss_lr: "smoothed minimum", suggestion.steepest_lr: "suggested"}
+    marks.pop(None, None)
     picked = set(range(0, len(curve), table_stride(len(curve), count))) | {len(curve) - 1}
     picked |= {i for i, row in enumerate(curve) if row["lr"] in marks}
     return [{**curve[i], "note": marks.get(curve[i]["lr"], "")} for i in sorted(picked)]
 
 
 def no_suggestion_error(suggestion: Suggestion, steps: int) -> ConfigError:
+    if steps < MIN_POINTS:
+        return ConfigError(f"No learning rate to suggest: {suggestion.reason}.",
+                           f"Run `llmcustoms lr-find` with --steps {DEFAULT_STEPS} (at least {MIN_POINTS}; the rows "
+                           "are used again when there are fewer than the steps take). Meanwhile the preset's lr is "
+                           "a sound start.")
     return ConfigError(f"No learning rate to suggest: {suggestion.reason}.",
                        f"Run `llmcustoms lr-find` with more steps, so each lr is tried longer (--steps "
                        f"{max(2 * steps, DEFAULT_STEPS)}), or over a wider range (--start-lr 1e-8 --end-lr 1). "
@@ -169,7 +185,7 @@ class RangeTest:
 
     def steps_for(self, total_steps: int) -> int:
         """Given, or the default, or fewer when a whole training run is shorter."""
-        return self.steps or max(1, min(DEFAULT_STEPS, total_steps))
+        return self.steps or max(MIN_POINTS, min(DEFAULT_STEPS, total_steps))
 
 
 @dataclass
@@ -250,7 +266,8 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     result, path = _run_and_save(prepared, test, output_dir)
     lr = result.suggestion.lr
     tuneview.show_lr_find(result, sample_rows(result.curve, result.suggestion), path,
-                          next_commands(options, output_dir, lr) if lr else [], _notes(result, test),
+                          next_commands(options, output_dir, lr) if lr else [],
+                          _notes(result, test, prepared.plan.total_steps),
                           shown=rows_shown(len(result.curve)))
     if lr is None:
         raise no_suggestion_error(result.suggestion, result.steps)
@@ -265,10 +282,11 @@ def _run_and_save(prepared: Any, test: RangeTest, output_dir: Path) -> tuple[Ran
     return result, save(result, result_path(output_dir, prepared.plan))
 
 
-def _notes(result: RangeTestResult, test: RangeTest) -> list[str]:
+def _notes(result: RangeTestResult, test: RangeTest, total_steps: int) -> list[str]:
     if test.steps is None and result.steps < DEFAULT_STEPS:
-        return [f"a whole training run is only {result.steps} steps, so the range test ran that many; "
-                f"--steps {DEFAULT_STEPS} gives a finer curve."]
+        ran = ("so the range test ran that many" if total_steps >= MIN_POINTS
+               else f"but the range test ran {MIN_POINTS}, the fewest that read as a curve")
+        return [f"a whole training run is only {total_steps} steps, {ran}; --steps {DEFAULT_STEPS} gives a finer curve."]
     return []
 
 
@@ -337,7 +355,7 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     from llmcustoms.losses.choice import loss_for
     from llmcustoms.losses.objective import LoopParts
     from llmcustoms.models.loading import load_model
-    from llmcustoms.training.batching import TrainingRows
+    from llmcustoms.training.batching import TrainingRows, pad_multiple
     from llmcustoms.training.optimization import make_optimizer
     from llmcustoms.training.processes import accelerator_for
 
@@ -346,7 +364,7 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     model = load_model(plan, 0 if torch.cuda.is_available() else None)
     if plan.method != "qlora" or not torch.cuda.is_available():  # 4-bit models are placed by their device_map
         model = model.to(accelerator.device)
-    data = TrainingRows(rows, [], tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1, packing=plan.packing)
+    data = TrainingRows(rows, [], tokenizer.pad_token_id, pad_multiple(plan), packing=plan.packing)
     loss = loss_for(plan)
     # No run directory or other processes: a loss that needs them (DPO's cached reference) was refused before.
     loss.setup(model, LoopParts(plan, data, None, None, accelerator.autocast, lambda text: None))

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from llmcustoms.errors import ConfigError
 from llmcustoms.models.loading import Allowed, adapter_weights
 from llmcustoms.runs.run_weights import model_name
+from llmcustoms.ui.train_progress import counting
 
 Say = Callable[[str], None]
 CHECK_TOKENS = 32
@@ -90,14 +91,24 @@ def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed
     base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
                                      use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
     adapted = PeftModel.from_pretrained(base, adapter_weights(trained)).eval()
-    say("Answering the check prompts with the adapter")
-    before = [greedy(adapted, tokenizer, messages) for messages in prompts]
+    before = answers(adapted, tokenizer, prompts, counting(say, "Answering the check prompts with the adapter"))
     say("Merging the adapter in")
     merged = adapted.merge_and_unload().eval()
-    say("Answering the check prompts with the merged model")
-    after = [greedy(merged, tokenizer, messages) for messages in prompts]
+    after = answers(merged, tokenizer, prompts, counting(say, "Answering the check prompts with the merged model"))
     return MergedModel(merged, tokenizer, _dtype_name(merged), prompts,
                        replies_equal=sum(a == b for a, b in zip(before, after)))
+
+
+def answers(model: Any, tokenizer: Any, prompts: list[list[dict[str, str]]],
+            told: Callable[[int, int], None]) -> list[list[int]]:
+    """The greedy replies to `prompts`, each counted on `told` (done, total): on a
+    busy CPU a few seconds each, 40 s for them all with a 135M model."""
+    replies: list[list[int]] = []
+    told(0, len(prompts))
+    for messages in prompts:
+        replies.append(greedy(model, tokenizer, messages))
+        told(len(replies), len(prompts))
+    return replies
 
 
 def greedy(model: Any, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

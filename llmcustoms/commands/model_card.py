@@ -6,6 +6,7 @@ user's data, nor the general questions' replies."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,13 @@ from llmcustoms.runs.stop_rates import stop_rate_line
 from llmcustoms.training.samples import side_by_side
 
 
-def model_card(run: RunDirectory, plan: Any, merged: bool, gguf: bool = False) -> str:
+def model_card(run: RunDirectory, plan: Any, merged: bool, gguf: bool = False, chat_template: bool = True) -> str:
+    """The card; `chat_template`: whether the exported tokenizer has one (its snippet prompts through it)."""
     status = run.read_status()
     base = card_base_model(plan.model)
     lora = (f"LoRA r={plan.lora.r}, alpha={plan.lora.alpha}, dropout={plan.lora.dropout}, "
             f"targets {', '.join(plan.lora.target_modules)}" if plan.lora else "full fine-tuning")
-    how = (OLLAMA_USE if gguf else "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           "model = AutoModelForCausalLM.from_pretrained(\"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```"
-           if merged or plan.method == "full" else
-           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           f"base = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
-           "model = PeftModel.from_pretrained(base, \"PATH\")\ntokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n```")
+    how = OLLAMA_USE if gguf else python_use(merged or plan.method == "full", chat_template, base)
     # A Hub id in the card's metadata links the model to its base there; a local folder's name would link nowhere.
     from_hub = "/" in base
     return "\n".join([
@@ -49,6 +46,42 @@ def model_card(run: RunDirectory, plan: Any, merged: bool, gguf: bool = False) -
         *_general_rows(status),
         "", "## Use", "", how, "",
     ])
+
+
+def python_use(whole: bool, chat_template: bool, base: str) -> str:
+    """How to load and prompt the export in Python, as code that runs as written
+    from the export's folder (tested by running it): "." is the folder, never a
+    name such as the base model's that `from_pretrained` cannot find. An adapter
+    loads its base from adapter_config.json, which holds the base as training
+    loaded it: a Hub id, or a folder's path on the machine that trained it."""
+    if whole:
+        load = "from transformers import AutoModelForCausalLM, AutoTokenizer\n\nmodel = AutoModelForCausalLM.from_pretrained(\".\")\n"
+        where = "Run from this folder (or put its path in place of `\".\"`)."
+    else:
+        load = ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
+                "# The base model comes from adapter_config.json's base_model_name_or_path.\n"
+                "model = AutoPeftModelForCausalLM.from_pretrained(\".\")\n")
+        where = ("Run from this folder (or put its path in place of `\".\"`), with `pip install peft`. The adapter "
+                 "loads its base model from `base_model_name_or_path` in adapter_config.json: "
+                 + ("its Hub id." if "/" in base else f"the path of `{base}` on the machine that trained it; "
+                    "elsewhere, set it to where that model is."))
+    prompt = ('inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,\n'
+              '                                       return_dict=True, return_tensors="pt")\n'
+              if chat_template else 'inputs = tokenizer("Hello!", return_tensors="pt")\n')
+    return (f"{where}\n\n```python\n{load}tokenizer = AutoTokenizer.from_pretrained(\".\")\n{prompt}"
+            "output = model.generate(**inputs, max_new_tokens=64)\n"
+            'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n```')
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the tokenizer saved in `folder` has a chat template (in its own
+    file, as transformers writes it now, or in tokenizer_config.json, as it did)."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
+        return False
 
 
 OLLAMA_USE = ("In Ollama, from this folder:\n\n```bash\nollama create my-model -f Modelfile\nollama run my-model\n```\n\n"

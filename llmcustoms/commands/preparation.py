@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from llmcustoms.models import hub_access as hubaccess
-from llmcustoms.models.gguf_folder import is_gguf, source_quantization
+from llmcustoms.models.gguf_folder import gguf_folder, is_gguf, source_quantization
 
 from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.planning.data_advice import data_facts
@@ -68,6 +68,18 @@ def given_model_reason(name: str, families: dict | None = None) -> str | None:
     if where == hubaccess.DOWNLOADABLE and family is not None and family.hub_licence:
         return f"model {name}: to download, and gated: {family.hub_licence}"
     return None
+
+
+def _given_model(options: TrainOptions, families: dict, trust_remote_code: bool, progress: Progress) -> tuple[Any, str | None]:
+    """The --model given, described, and what the plan says of it. A GGUF file is
+    read into its folder first, its tensors counted on `progress` (a minute's
+    wait for a 135M model on a busy CPU), rather than on first use, uncounted."""
+    from llmcustoms.models import loading as modeling
+
+    if is_gguf(options.model) and modeling.looks_like_path(options.model):  # as `model_location` reads it
+        gguf_folder(Path(options.model), lambda done, total: progress("gguf", done, total))
+    model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
+    return model, given_model_reason(options.model, families)
 
 
 def no_progress(stage: str, done: int, total: int | None) -> None:
@@ -188,10 +200,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     def estimate() -> DataStats:  # from characters: to choose the model, or to plan without its tokenizer
         return estimated_stats(dataset, split.train, len(split.evaluation))
 
-    choice_reason = None
     if options.model:
-        model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
-        choice_reason = given_model_reason(options.model, families)
+        model, choice_reason = _given_model(options, families, trust_remote_code, progress)
     else:
         usable, offline_reason = hubaccess.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)

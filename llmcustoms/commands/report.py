@@ -68,6 +68,9 @@ class Finding:
     topic: str
     verdict: str
     detail: str
+    # The number that backs the verdict, short enough for `report`'s one line per
+    # finding ("-90%"); the detail (`report --details`) has the rest.
+    short: str = ""
 
 
 @dataclass
@@ -188,7 +191,8 @@ def _quality(report: RunReport, plan: Any, status: dict[str, Any], evals: _Evalu
     change = measures.improvement(base, best)
     verdict = "unknown" if change is None else "better" if change > 0 else "not better"
     report.findings.append(Finding("quality", verdict, f"{measures.describe(base, best)}; best eval loss "
-                                                       f"{best:.4f} at step {step} on {held_out}"))
+                                                       f"{best:.4f} at step {step} on {held_out}",
+                                   "" if change is None else f"perplexity {-change:+.0%}"))
     if status.get("kept"):
         report.findings.append(Finding("weights kept", f"step {status.get('kept_step')}", status["kept"]))
     if change is not None and change <= 0:
@@ -215,7 +219,8 @@ def _withheld(report: RunReport, steps: int, withheld: dict[str, int]) -> None:
         need = f"{'it needs' if len(topics) == 1 else 'each needs'} at least {withheld[topics[0]]} steps"
     else:
         need = "they need at least " + ", ".join(f"{n} steps ({topic})" for topic, n in withheld.items())
-    report.findings.append(Finding("verdicts", "withheld", f"too few steps ({steps}) to judge {named}; {need}"))
+    report.findings.append(Finding("verdicts", "withheld", f"too few steps ({steps}) to judge {named}; {need}",
+                                   f"{named}: {steps} steps are too few"))  # which, on the compact screen too
 
 
 def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_early: bool = False) -> None:
@@ -225,7 +230,8 @@ def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_earl
     overall = (losses[0] - late) / max(abs(losses[0]), 1e-9)
     if change > STILL_FALLING:
         report.findings.append(Finding("convergence", "still falling",
-                                       f"train loss fell {change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
+                                       f"train loss fell {change:.0%} over the last quarter ({early:.3f} -> {late:.3f})",
+                                       f"{-change:+.0%} in the last quarter"))
         if stopped_early:  # eval loss rose while train loss fell: more of the same would overfit
             return
         if "forgetting" in report.recommended:  # the two verdicts pull apart: say how to have both
@@ -237,7 +243,8 @@ def _convergence(report: RunReport, plan: Any, losses: list[float], stopped_earl
                                    f"(or --max-steps {plan.total_steps * 2})")
     elif change < -STILL_FALLING:
         report.findings.append(Finding("convergence", "rising at the end",
-                                       f"train loss rose {-change:.0%} over the last quarter ({early:.3f} -> {late:.3f})"))
+                                       f"train loss rose {-change:.0%} over the last quarter ({early:.3f} -> {late:.3f})",
+                                       f"{-change:+.0%} in the last quarter"))
         report.recommend("lower lr", f"the loss rose at the end: try a lower learning rate (--lr {plan.lr / 3:.1e})")
     else:
         report.findings.append(Finding("convergence", "converged",
@@ -271,7 +278,8 @@ def _overfitting(report: RunReport, plan: Any, losses: list[float], evals: _Eval
     if last["step"] > best["step"] and last["eval_loss"] > best["eval_loss"] * (1 + OVERFIT_RISE):
         report.findings.append(Finding("overfitting", "yes",
                                        f"eval loss rose from {best['eval_loss']:.3f} at step {best['step']} to "
-                                       f"{last['eval_loss']:.3f} at step {last['step']}; train/eval gap {gap:+.3f}"))
+                                       f"{last['eval_loss']:.3f} at step {last['step']}; train/eval gap {gap:+.3f}",
+                                       f"after step {best['step']}"))
         epochs_at_best = plan.epochs * best["step"] / max(1, plan.total_steps)
         if stopped_early:
             report.recommend("fewer epochs", f"eval loss rose after step {best['step']} and early stopping ended "
@@ -302,7 +310,8 @@ def _learning_rate(report: RunReport, plan: Any, train: list[dict[str, Any]], lo
         verdict, detail = "effective", f"the loss fell {total_drop:.0%} with no spikes"
     if clipped > len(train) // 2:
         detail += f"; gradients were clipped on {clipped} of {len(train)} steps"
-    report.findings.append(Finding("learning rate", verdict, f"peak {plan.lr:.1e} ({plan.lr_scheduler}); {detail}"))
+    report.findings.append(Finding("learning rate", verdict, f"peak {plan.lr:.1e} ({plan.lr_scheduler}); {detail}",
+                                   f"peak {plan.lr:.1e}"))
 
 
 def _throughput(report: RunReport, plan: Any, train: list[dict[str, Any]]) -> None:
@@ -330,7 +339,7 @@ def _resources(report: RunReport, plan: Any, status: dict[str, Any]) -> None:
         detail += f"; budget {memory['budget_bytes'] / GIB:.1f} GiB"
     low, high = MEMORY_RATIO_RANGE
     verdict = "as planned" if ratio is None or low <= ratio <= high else "above plan" if ratio > high else "below plan"
-    report.findings.append(Finding("memory", verdict, detail))
+    report.findings.append(Finding("memory", verdict, detail, "" if ratio is None else f"{ratio:.2f}x the plan"))
     used = f"the run's peak was {ratio:.2f}x the plan's estimate for the largest batch it trained"
     if verdict == "above plan":
         report.recommend("memory", f"{used}: leave more headroom (--batch-size {max(1, plan.micro_batch_size // 2)}), "

@@ -17,6 +17,7 @@ file `train` would refuse.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -168,7 +169,8 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
     seq_len = min(preset.max_seq_len, max(64, -(-stats.percentile(99) // 64) * 64))
     answers = TrainOptions(data=str(Path(data_path).resolve()), preset=preset_name, skip_bad_rows=skip_bad_rows,
                            model_source="env", preset_source=f"env {PREFIX}PRESET")
-    model = ask_model(hardware, preset, stats, seq_len, plan_as_plan_does(hardware, answers, dataset))
+    model = ask_model(hardware, preset, stats, seq_len, plan_as_plan_does(hardware, answers, dataset),
+                      runs_dir(env_file))
     output_dir = dialog.ask("Where to put runs", "runs")
     save_every = ask_save_every()
 
@@ -199,6 +201,14 @@ def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str
 PlanFor = Callable[[str], Plan]
 
 
+def runs_dir(env_file: Path) -> Path:
+    """Where the runs here are, as `train` would put them: the env file's, the
+    environment's, or ./runs (the wizard's default)."""
+    name = f"{PREFIX}OUTPUT_DIR"
+    written = read_env_file(env_file).get(name, ("", 0))[0] if env_file.is_file() else ""
+    return Path(os.environ.get(name) or written or "runs").expanduser()
+
+
 def plan_as_plan_does(hardware: Hardware, answers: TrainOptions, dataset: Dataset) -> PlanFor:
     """For a model, the plan `llmcustoms plan` makes once `.env` holds these
     answers: the same call, so the time setup shows is the one `plan` shows
@@ -227,6 +237,7 @@ class ModelOffer:
     total_bytes: int
     seconds: float | None  # the plan's estimate for this data; None when the preset cannot plan it here
     where: str  # hub_access.availability
+    origin: str = ""  # a model on this disk that the catalog does not list: where it was found (`local_models`)
 
     @property
     def usable(self) -> bool:
@@ -238,18 +249,21 @@ class ModelOffer:
 
 
 def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int,
-                 plan_for: PlanFor | None = None) -> list[ModelOffer]:
-    """The catalog models that fit this machine, smallest first, each planned
-    for this data as `train` would plan it: by `plan_for` (as `plan` plans it)
-    when the model is on this disk; from the lengths `stats` estimates from
-    characters when it is not, which is what `plan` does until it is downloaded
-    (setup downloads nothing to list it)."""
+                 plan_for: PlanFor | None = None, runs: Path | None = None) -> list[ModelOffer]:
+    """The models on this disk the catalog does not list (`local_models`: those
+    the runs in `runs` trained, then the Hugging Face cache's), then the catalog
+    models that fit this machine, smallest first, each planned for this data as
+    `train` would plan it: by `plan_for` (as `plan` plans it) when the model is
+    on this disk; from the lengths `stats` estimates from characters when it is
+    not, which is what `plan` does until it is downloaded (setup downloads
+    nothing to list it)."""
     from llmcustoms.models.loading import choice_from_spec
 
     families = load_families()
     optimizer = Planner(hardware, preset)
-    offers = []
-    for fit in fitting_models(hardware, families, seq_len):
+    fitting = fitting_models(hardware, families, seq_len)
+    offers = disk_offers(runs, {fit.hub_id for fit in fitting}, plan_for) if plan_for and runs else []
+    for fit in fitting:
         choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "planner")
         offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hubaccess.availability(fit.hub_id))
         try:
@@ -259,6 +273,25 @@ def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, s
             offers.append(offer)
             continue
         offers.append(replace(offer, method=plan.method, total_bytes=plan.memory["total_bytes"],
+                              seconds=plan.estimated_seconds))
+    return offers
+
+
+def disk_offers(runs: Path, catalog: set[str], plan_for: PlanFor) -> list[ModelOffer]:
+    """`local_models.models_on_disk`, each planned as `plan` plans it (its size from its config)."""
+    from llmcustoms.commands.local_models import models_on_disk
+    from llmcustoms.models.loading import describe_model
+
+    offers = []
+    for name, origin in models_on_disk(runs, catalog):
+        offer = ModelOffer(name, 0, "?", 0, None, hubaccess.availability(name), origin)
+        try:
+            plan = plan_for(name)
+            params = describe_model(name, load_families(), "env").arch.params
+        except LlmcustomsError:  # `train` would refuse it here: listed without a time, never suggested
+            offers.append(offer)
+            continue
+        offers.append(replace(offer, params=params, method=plan.method, total_bytes=plan.memory["total_bytes"],
                               seconds=plan.estimated_seconds))
     return offers
 
@@ -285,6 +318,10 @@ def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats
                 reason += f"; of the preset's models only {', '.join(m.split('/')[-1] for m in usable)} can be used here"
             return choice.name, reason
     timed = [offer for offer in offers if offer.usable and offer.seconds is not None]
+    if on_disk := [offer for offer in timed if offer.origin]:  # in the list's order: the newest run's first
+        pick = min(on_disk, key=lambda offer: offer.seconds > CPU_TIME_LIMIT_S)  # the first quick one, if any
+        return pick.hub_id, (f"{Path(pick.hub_id).name}, {pick.origin}, estimated at {pick.estimate}: none of the "
+                             "preset's models can be used here")
     quick = [offer for offer in timed if offer.seconds <= CPU_TIME_LIMIT_S]
     if quick:
         pick = max(quick, key=lambda offer: offer.params)
@@ -297,15 +334,19 @@ def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats
                   "give the path of a local model directory")
 
 
-def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int, plan_for: PlanFor) -> str:
-    """Offer the catalog models that fit, with time and availability, suggesting
-    the one `train` would choose; accept a number, a Hub id or a model directory."""
-    offers = model_offers(hardware, preset, stats, seq_len, plan_for)
+def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_len: int, plan_for: PlanFor,
+              runs: Path | None = None) -> str:
+    """Offer the models on this disk and the catalog models that fit, with time
+    and availability, suggesting the one `train` would choose (offline, one on
+    this disk); accept a number, a Hub id or a model directory."""
+    offers = model_offers(hardware, preset, stats, seq_len, plan_for, runs)
     suggested, reason = suggested_model(hardware, preset, stats, offers)
     dialog.show_model_choices(offers, seq_len, suggested, reason, hubaccess.offline_note())
     hint, why = "Give a number from the list, a Hub id, or the path of a model directory.", None
+    # A path is long to show as the default: its number in the list answers the same.
+    default = next((str(i) for i, o in enumerate(offers, 1) if o.hub_id == suggested and o.origin), suggested)
     for _ in range(MAX_ATTEMPTS):
-        answer = ask_after(MODEL_QUESTION, suggested, why, hint)
+        answer = ask_after(MODEL_QUESTION, default, why, hint)
         name, why = checked_model(answer, offers)
         if not answer and suggested is None:
             why = f"No model was given, and {reason}."

@@ -190,7 +190,7 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
             # Bad rows skipped, advice: from the start. Its training time starts with the loop, the model loaded.
             run_dir.write_status("running", training=False, step=0, data=plan.data_report)
         if not quiet:
-            ui.console.print(f"Run directory: [bold]{ui.escape(str(run_dir.path))}[/]", soft_wrap=True)
+            ui.print_path("Run directory", run_dir.path)
         wait_for_all_processes(world)
         return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
 
@@ -316,8 +316,8 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
     from llmcustoms.ui.train_view import make_reporter
 
     main = launching.is_main_process()
-    # One writer of train.log, as of every file of the run: the main process.
-    reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console),
+    # One writer of train.log, as of every file of the run: the main process. The plan: the ETA counts the end too.
+    reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console, prepared.plan),
                                                      tracker if main else "none", run_dir, prepared.plan),
                                run_dir.log_path if main and run_dir.writable else None)
     reporter.log.write("info", ("resuming: " if resume else "starting: ") + plan_line(prepared.plan))

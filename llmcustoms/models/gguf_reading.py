@@ -18,10 +18,14 @@ from random values, or dropped the tensors it had no place for.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 from llmcustoms.models.gguf_vocab import GgufRefused
+
+# Told how far the reading is: (tensors dequantized, tensors in the file).
+Counted = Callable[[int, int], None]
 
 # What each file type (general.file_type) is called, for messages.
 FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1", 10: "q2_k", 11: "q3_k_s",
@@ -37,6 +41,13 @@ def metadata(path: Path) -> dict[str, Any]:
 
     fields, _ = read_gguf_metadata(str(path), ())
     return {key: len(value) if isinstance(value, (list, tuple)) else value for key, value in fields.items()}
+
+
+def tensor_count(path: Path) -> int:
+    """How many tensors the file holds, from its header alone."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    return len(read_gguf_metadata(str(path), ())[1])
 
 
 def tensor_types(path: Path) -> list[str]:
@@ -59,17 +70,17 @@ def load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def load_model(path: Path, dtype: Any) -> Any:
+def load_model(path: Path, dtype: Any, on_tensor: Counted = lambda done, total: None) -> Any:
     """The model in the file, dequantized to `dtype`, as a plain model (one
-    that saves like any other); one clear refusal for what transformers cannot read."""
-    from functools import partial
-
+    that saves like any other); one clear refusal for what transformers cannot read.
+    `on_tensor` hears each tensor dequantized: the reading takes a minute for a
+    135M model on a busy CPU, and a count is what says it is moving."""
     import torch
     import transformers.modeling_gguf_pytorch_utils as reader
     from transformers import AutoModelForCausalLM
 
     bar = reader.tqdm
-    reader.tqdm = partial(bar, disable=True)  # its own progress bar, drawn over our display
+    reader.tqdm = _counting(on_tensor)  # in place of its own progress bar, drawn over our display
     try:
         # Mismatched sizes are read to be reported below, with the weights missing, rather than as transformers' error.
         read, loading = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
@@ -96,6 +107,32 @@ def load_model(path: Path, dtype: Any) -> Any:
     plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plain.load_state_dict(read.state_dict())
     return plain.eval()
+
+
+def _counting(on_tensor: Counted) -> Callable[..., Iterator[Any]]:
+    """What transformers' reader takes for tqdm: its tensors as they are, each counted once dequantized."""
+    def counted(iterable: Iterable[Any], **_bar: Any) -> Iterator[Any]:
+        items = list(iterable)
+        on_tensor(0, len(items))
+        for done, item in enumerate(items, start=1):
+            yield item  # the reader dequantizes it before asking for the next
+            on_tensor(done, len(items))
+    return counted
+
+
+@contextmanager
+def no_library_bars() -> Iterator[None]:
+    """transformers' own progress bars off ("Writing model shards" drawn over the
+    display), whichever command runs, and as they were after."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def _misread(path: Path, model: Any, loading: dict[str, Any]) -> list[str]:

@@ -11,9 +11,31 @@ Both rates are an idle machine's, with a thread per core; on a CPU the estimate
 is then stretched by the share of it the run will get beside other work and
 with the plan's threads (`cpu_share.slowdown`), assuming the machine stays as
 busy as it was when planned, and the reason says so.
+
+The estimate is the command's time, not only its steps: the plan names each
+part (`Duration`). Besides training and evaluating, a run loads the model,
+answers its sample prompts and the forgetting check's general questions with
+the base model before the first step (not when an earlier run's answers are
+kept: `training/base_replies.py`) and with the trained model after the last,
+and saves checkpoints and weights. Generating was 60-80 s of a first run that
+the estimate left out. Its time is tokens over a rate, as training's is
+(`answering_seconds`):
+
+    each decoded token  max(a decoding step's floor, batch x 2 x weights FLOPs / rate)
+    each prompt token   2 x weights FLOPs / rate (the prompt is read in one pass)
+
+where `rate` is the machine's FLOP/s in training (the measured speed times a
+training token's FLOPs when there is one, else the nominal rate) and the floor
+is what one decoding step costs however small its batch: each layer's calls
+(or reading every weight once, for a large model on a CPU), a layer's kernel
+launches on a GPU.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 from llmcustoms.planning.cpu_share import busy_text, slowdown
 from llmcustoms.planning.hardware import Hardware
@@ -39,6 +61,27 @@ CPU_FLOPS_PER_CORE = 40e9
 CPU_BF16_SPEEDUP = {"lora": 1.5, "qlora": 1.5, "full": 1.2}
 # Extra time QLoRA spends dequantising 4-bit weights in every forward and backward.
 QLORA_SLOWDOWN = 1.3
+# What a run generates, each time it answers (the base model, then the trained one):
+# `training/samples.py` and `training/general_knowledge.py` hold the same numbers (a test checks).
+SAMPLE_PROMPTS, SAMPLE_TOKENS = 3, 48  # one at a time
+GENERAL_QUESTIONS, GENERAL_TOKENS, GENERAL_GPU_BATCH = 67, 24, 16  # all at once on a CPU
+GENERAL_PROMPT_TOKENS = 40  # a question in its chat template
+# A CPU decoding step costs a floor however small the batch: Python and kernel calls
+# per layer (SmolLM2-135M: 88 ms of CPU time a token on one thread of the reference
+# machine, `generate` at batch 1, the same in bf16 and fp32: 3 ms for each of its
+# 30 layers), or reading every weight once (at about 5 GB/s), whichever is longer.
+CPU_DECODE_SECONDS_PER_LAYER = 0.003
+CPU_DECODE_BYTES_PER_S = 5e9
+# A GPU decoding step is bound by kernel launches and Python: about 5 ms per layer
+# (34 s for TinyLlama's base answers on an H200, `training/base_replies.py`).
+GPU_DECODE_SECONDS_PER_LAYER = 0.005
+# Starting the command (imports, reading and tokenizing the data) and loading the
+# model: 8 s and 6 s for SmolLM2-135M on the reference machine; a model's weights
+# are read from disk at about this rate.
+STARTUP_S = 10.0
+DISK_BYTES_PER_S = 500e6
+# A checkpoint: its trainable weights and optimizer state written, plus torch.save's own time.
+SAVE_S = 1.0
 # Without a GPU the preset's CPU models are planned best first and the first
 # expected to finish within this is trained: half an hour is a wait a first
 # try can afford, and it still leaves time to change something and run again.
@@ -79,13 +122,38 @@ def estimate_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool,
     return seconds * slowdown(hardware, threads)
 
 
+@dataclass(frozen=True)
+class Duration:
+    """The command's estimated seconds, in parts the plan names (their sum is the total)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def plan_fields(self, world_size: int = 1) -> dict[str, object]:
+        """The plan's `estimated_seconds` and `duration_parts`: with several processes the
+        steps and evaluations are shared, the rest is not."""
+        shared = {"training", "evaluations"}
+        parts = {k: round(v / world_size if k in shared else v, 1) for k, v in self.parts.items()}
+        return {"estimated_seconds": sum(parts.values()), "duration_parts": parts}
+
+    def text(self) -> str:
+        """"training 1 min 40 s, evaluations 20 s, ...": each part over a second."""
+        return ", ".join(f"{name} {short_duration(s)}" for name, s in self.parts.items() if s >= 1)
+
+
 def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
                      gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
-                     evaluations: int, threads: int = 0, micro_batch: int = 1) -> float:
-    """Notes the rows truncation cuts or drops; returns the estimated seconds of
-    training and evaluating (`evaluations` passes over the evaluation rows) with
-    `threads` CPU threads in all (`cpu_share.choose_threads`; 0 on a GPU), in
-    micro-batches of `micro_batch` rows."""
+                     evaluations: int, threads: int = 0, micro_batch: int = 1, memory: dict[str, int] | None = None,
+                     saves: int = 0) -> Duration:
+    """Notes the rows truncation cuts or drops; returns the command's estimated
+    seconds in parts: training and evaluating (`evaluations` passes over the
+    evaluation rows) with `threads` CPU threads in all (`cpu_share.choose_threads`;
+    0 on a GPU), in micro-batches of `micro_batch` rows; the sample replies and
+    general questions (a run with evaluation rows answers them twice); loading the
+    model (`memory`: the plan's estimate, its weights) and `saves` checkpoints."""
     truncated = stats.rows_truncated(max_seq_len)
     if truncated:
         reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
@@ -93,18 +161,71 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
                           if train_rows < stats.train_rows else ""))
     length = stats.mean_length(max_seq_len)
     passes = (rows_trained + evaluations * stats.eval_rows / 3) / max(1, micro_batch)
-    seconds = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
-                               evaluations * stats.eval_rows * length, threads, passes)
-    reasons.append(duration_reason(seconds, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
-                                   busy_text(hardware, threads)))
-    return seconds
+    training = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware, 0.0, threads,
+                                rows_trained / max(1, micro_batch))
+    both = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
+                            evaluations * stats.eval_rows * length, threads, passes)
+    # Sample prompts come from the evaluation rows: without them a run answers nothing.
+    answers = 2 * answering_seconds(arch, method, gradient_checkpointing, hardware, threads, length) \
+        if stats.eval_rows else 0.0
+    memory = memory or {}
+    written = saves * (memory.get("trainable_bytes", 0) + memory.get("optimizer_bytes", 0))
+    disk = STARTUP_S + (memory.get("weights_bytes", 0) + written) / DISK_BYTES_PER_S + saves * SAVE_S
+    duration = Duration({"training": training, "evaluations": both - training,
+                         "sample replies and general questions": answers, "loading and saving": disk})
+    reasons.append(duration_reason(duration.total, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
+                                   busy_text(hardware, threads), duration.text()))
+    return duration
 
 
-def duration_reason(seconds: float, hardware: Hardware, measured: bool = False, busy: str = "") -> str:
-    """`busy`: what the machine's load does to the estimate (`cpu_share.busy_text`), or ""."""
+def answering_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, hardware: Hardware, threads: int,
+                      prompt_tokens: float) -> float:
+    """One round of answers: the sample prompts (`prompt_tokens` each, one at a time) and
+    the general questions (in batches), by the formula in the module's docstring."""
+    measured = hardware.measured_speed(arch.hub_id, method)
+    if measured is not None:  # the FLOP/s this machine trains at, as measured
+        rate = measured * flops_per_token(arch, method, gradient_checkpointing)
+    elif hardware.has_gpu:
+        rate = hardware.peak_tflops * 1e12 * GPU_MFU
+    else:
+        rate = CPU_FLOPS_PER_CORE * hardware.cpu_cores * (CPU_BF16_SPEEDUP[method] if hardware.cpu_bf16 else 1.0)
+    token_flops = 2 * _computed_params(arch)
+    if hardware.has_gpu:
+        floor = arch.num_layers * GPU_DECODE_SECONDS_PER_LAYER
+        batch = GENERAL_GPU_BATCH
+    else:
+        floor = max(arch.num_layers * CPU_DECODE_SECONDS_PER_LAYER,
+                    arch.params * (2 if hardware.cpu_bf16 else 4) / CPU_DECODE_BYTES_PER_S)
+        batch = GENERAL_QUESTIONS
+
+    def generate(prompts: int, prompt_length: float, tokens: int) -> float:
+        return prompts * prompt_length * token_flops / rate + tokens * max(floor, prompts * token_flops / rate)
+
+    batches = math.ceil(GENERAL_QUESTIONS / batch)
+    seconds = (SAMPLE_PROMPTS * generate(1, prompt_tokens, SAMPLE_TOKENS)
+               + batches * generate(min(batch, GENERAL_QUESTIONS), GENERAL_PROMPT_TOKENS, GENERAL_TOKENS))
+    return seconds * slowdown(hardware, threads)
+
+
+def seconds_after_last_step(plan: Any) -> float:
+    """What the plan expects after its last step: the last evaluation, the trained
+    model's answers (half of the two rounds), and saving its checkpoint and weights.
+    0 for a plan written before the parts were kept."""
+    parts = plan.duration_parts or {}
+    evaluations = -(-plan.total_steps // plan.eval_every) + 1 if plan.eval_every and plan.eval_rows else 0
+    last_evaluation = parts.get("evaluations", 0.0) / evaluations if evaluations else 0.0
+    answers = parts.get("sample replies and general questions", 0.0) / 2
+    return last_evaluation + answers + (2 * SAVE_S if parts else 0.0)
+
+
+def duration_reason(seconds: float, hardware: Hardware, measured: bool = False, busy: str = "", parts: str = "") -> str:
+    """`busy`: what the machine's load does to the estimate (`cpu_share.busy_text`), or "";
+    `parts`: what the time is made of (`Duration.text`)."""
     hours = seconds / 3600
-    text = f"estimated duration {human_duration(seconds)}"
+    text = f"estimated duration {human_duration(seconds)}" + (f": {parts}" if parts else "")
     text += (" (from the speed measured on this machine with this model and method)" if measured
+             else f" (rough: from the nominal speed of {hardware.gpus[0].name}, the GPU planned for, not this "
+                  "machine's; a run there measures it from its first step)" if hardware.assumed and hardware.gpus
              else " (rough: from this machine's nominal speed; the live display measures it from the first step)")
     if not hardware.has_gpu and hours >= 1:
         text += (": long, because there is no GPU. A single consumer GPU (e.g. 16-24 GB) would take "
@@ -118,6 +239,16 @@ def human_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"about {round(seconds / 60)} min"
     return f"about {seconds / 3600:.1f} h"
+
+
+def short_duration(seconds: float) -> str:
+    """"1 min 40 s", "20 s", "1 h 05 min": a part of an estimate."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min" + (f" {seconds % 60} s" if seconds % 60 else "")
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def cpu_choice(estimates: list[tuple[str, float]], smallest: str) -> tuple[str, str]:

@@ -69,6 +69,8 @@ class Hardware:
     cpu_load: float | None = None
     # The threads the user set in OMP_NUM_THREADS (torch obeys it); None when unset.
     omp_threads: int | None = None
+    # A GPU planned for (`plan --vram`), not this machine's: its speed is a nominal one.
+    assumed: bool = False
 
     def measured_speed(self, model: str, method: str) -> float | None:
         return dict(self.speeds).get(f"{model}|{method}")
@@ -142,7 +144,7 @@ class Hardware:
                  ram_gib: float = 32, cores: int = 8) -> "Hardware":
         vram = int(vram_gib * GIB)
         return cls(gpus=(Gpu(name, vram, vram, compute_capability),), cpu_cores=cores,
-                   ram_bytes=int(ram_gib * GIB), ram_free_bytes=int(ram_gib * GIB * 0.8))
+                   ram_bytes=int(ram_gib * GIB), ram_free_bytes=int(ram_gib * GIB * 0.8), assumed=True)
 
 
 def _detect_gpus() -> tuple[tuple[Gpu, ...], str]:

@@ -93,6 +93,10 @@ CHUNK_LOGITS = 2 ** 26
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
 # Autograd bookkeeping, batch tensors, kernel workspaces: fitted ~106 MiB.
 RUNTIME_OVERHEAD_BYTES = 100 * 1024 ** 2
+# bf16 on a CPU: oneDNN's kernels, built for each shape of a run (lengths rounded up to a multiple, so a
+# few: `training/batching.pad_multiple`), with their scratch space. Fitted: a tiny Llama on the example
+# data peaked 175 MiB over its fp32-fitted plan, SmolLM2-135M 0.5 GiB over with 1.24x creep.
+CPU_BF16_KERNELS_BYTES = 160 * 1024 ** 2
 # The CPU heap's share on top of the batch's tensors (activations, logits,
 # dropout copies): peak resident size per token over the live tensors' on
 # SmolLM2-135M-Instruct with the shared datasets (benchmarks/NOTES.md: 1.29 and
@@ -267,7 +271,8 @@ class MemoryEstimator:
             positions = min(positions, max(1, CHUNK_LOGITS // self.arch.vocab_size))
         logits = int(positions * self.arch.vocab_size * 4 * LOGIT_COPIES)
         heap = 0 if self.on_gpu else int((activations + logits) * CPU_HEAP_SHARE)
-        overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else 0)
+        overhead = RUNTIME_OVERHEAD_BYTES + (CUDA_CONTEXT_BYTES if self.on_gpu else
+                                             CPU_BF16_KERNELS_BYTES if mixed_precision == "bf16" else 0)
         gathered = 0
         if shards > 1:
             # Gathered in the compute dtype (FSDP's mixed-precision policy); the

@@ -118,6 +118,9 @@ class Plan:
     lora: LoraSettings | None
     memory: dict[str, int] | None = None
     estimated_seconds: float | None = None
+    # What estimated_seconds is made of, by name ("training", "evaluations", ...: `duration.Duration`);
+    # None in a plan written before the parts were kept.
+    duration_parts: dict[str, float] | None = None
     # Processes training together; effective batch = micro x accumulation x world size.
     world_size: int = 1
     # How the processes share the work: "none" (one process), "ddp" (each holds
@@ -256,8 +259,8 @@ class Plan:
         decay follows the new length."""
         if steps <= done:
             raise ConfigError(f"The run is already at step {done}: --max-steps {steps} would not train it further.",
-                              f"Give more than {done} steps; to use the run as it is, `generate`, `chat` and "
-                              "`export` take --checkpoint latest.")
+                              f"Give more than {done} steps; to use the run as it is, `generate` and `chat` "
+                              "take --checkpoint latest.")
         seconds = self.estimated_seconds * steps / self.total_steps if self.estimated_seconds is not None else None
         reason = (f"set to {steps} steps by `resume --max-steps` (was {self.total_steps}); the learning-rate decay "
                   f"follows the new length (warmup kept at {self.warmup_steps} steps)")

@@ -93,8 +93,8 @@ def _type_problem(name: str, value: Any, hint: Any, origin: Any, args: tuple[Any
     if origin is dict:
         if not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
             return f'"{name}" is {_kind(value)}, where an object belongs'
-        if args[1] in (int, str):  # memory's byte counts; the fingerprint's and sources' words
-            wanted, fits = SIMPLE[float if args[1] is int else str]
+        if args[1] in (int, float, str):  # memory's byte counts, the duration's seconds; sources' words
+            wanted, fits = SIMPLE[str if args[1] is str else float]
             wrong = [(k, v) for k, v in value.items() if not fits(v)]
             return f'"{name}.{wrong[0][0]}" is {_kind(wrong[0][1])}, where {wanted} belongs' if wrong else None
     return None  # Any

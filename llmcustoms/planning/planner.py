@@ -417,10 +417,10 @@ class Planner:
         # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
         work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
         threads = choose_threads(r, hardware, world_size)  # CPU threads, from the machine's load
-        seconds = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
-                                   batch.gradient_checkpointing, max_seq_len, train_rows,
-                                   round(schedule.total_steps * effective * work), evaluations * evaluation_work,
-                                   threads * world_size, micro)
+        duration = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
+                                    batch.gradient_checkpointing, max_seq_len, train_rows,
+                                    round(schedule.total_steps * effective * work), evaluations * evaluation_work,
+                                    threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every))
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source
@@ -440,7 +440,7 @@ class Planner:
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             allow_pickle_weights=bool(r.get("allow_pickle_weights", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,
-            memory=memory.to_json(), estimated_seconds=seconds / world_size, world_size=world_size,
+            memory=memory.to_json(), **duration.plan_fields(world_size), world_size=world_size,
             distributed=batch.distributed, optimizer=batch.memory_shape["optimizer"], packing=packing,
             compile=compiled, cpu_threads=threads, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
         )

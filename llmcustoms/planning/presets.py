@@ -145,6 +145,15 @@ class TrainingPreset:
         return PresetValues(self.name, values, sources, bucket, size_class,
                             tuple(name for name in by_class if name not in by_objective))
 
+    def by_size(self, names: tuple[str, ...]) -> dict[str, dict[str, list[Any]]]:
+        """What `presets` shows, as `resolve` gives it: for each dataset size (small, medium,
+        large), each of `names` for a tiny, small, medium and large model. The base values
+        alone would say lr 2e-4 where a small dataset on a tiny model trains at 5e-4."""
+        rows = {"small": SMALL_DATASET_ROWS - 1, "medium": MEDIUM_DATASET_ROWS - 1, "large": MEDIUM_DATASET_ROWS}
+        params = (TINY_MODEL_PARAMS - 1, SMALL_MODEL_PARAMS - 1, MEDIUM_MODEL_PARAMS - 1, MEDIUM_MODEL_PARAMS)
+        return {bucket: {name: [self.resolve(count, size).values[name] for size in params] for name in names}
+                for bucket, count in rows.items()}
+
     def model_candidates(self, has_gpu: bool) -> tuple[str, ...]:
         """The models to choose from, best first: the CPU tier on a machine
         without a GPU (when the preset has one)."""

@@ -74,8 +74,8 @@ def clearly_fewer(base: Score, trained: Score) -> int | None:
     return None
 
 
-def forgetting_findings(recorded: Any, plan: Any) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
-    """`report`'s finding (topic, verdict, detail) on the general questions, and
+def forgetting_findings(recorded: Any, plan: Any) -> tuple[list[tuple[str, ...]], list[tuple[str, str]]]:
+    """`report`'s finding (topic, verdict, detail, and the verdict's short number) on the general questions, and
     its advice (what it changes, text) when the trained model answers clearly fewer."""
     scores = general_scores(recorded)
     if not scores:
@@ -88,11 +88,11 @@ def forgetting_findings(recorded: Any, plan: Any) -> tuple[list[tuple[str, str, 
     fewer = clearly_fewer(base, trained)
     if fewer is None:
         verdict = "kept" if trained.share >= base.share else "about as many as the base model"
-        return [(TOPIC, verdict, detail)], []
+        return [(TOPIC, verdict, detail, f"{base} -> {trained}")], []
     smaller = (f"a smaller LoRA rank (--lora-r {max(plan.lora.r // 2, 1)})" if plan.lora is not None
                else "LoRA instead of full fine-tuning (--method lora)")
     advice = (f"the trained model answers {fewer} fewer of the general questions than the base model ({trained} "
               f"against {base}): training wore away some of what it knew outside your data. To keep more of it, "
               f"try a lower learning rate (--lr {plan.lr / 2:.1e}), fewer epochs (--epochs {plan.epochs / 2:g}), "
               f"{smaller}, or mix general chat rows into your data")
-    return [(TOPIC, "fewer than the base model", detail)], [("forgetting", advice)]
+    return [(TOPIC, "fewer than the base model", detail, f"{base} -> {trained}")], [("forgetting", advice)]

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.training.batching import Rows, StepRows, TrainingRows, epoch_steps
+from llmcustoms.training.batching import Rows, StepRows, TrainingRows, epoch_steps, pad_multiple
 from llmcustoms.runs.best_weights import BestWeights
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
 from llmcustoms.training.evaluation import Evaluation
@@ -70,8 +70,8 @@ class FineTuner:
         self.faults = faults or FaultInjector.from_env()
         self.on_evaluate, self.save_artifacts, self.samples, self.baseline = on_evaluate, save_artifacts, samples, baseline
         self.loss, self.steps, self.schedule = loss or loss_for(plan), steps, schedule
-        # Tensor cores work on multiples of 8; on CPU padding more only costs.
-        self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, 8 if torch.cuda.is_available() else 1,
+        # Lengths rounded up for tensor cores, or to bound the kernels a CPU in bf16 keeps (`pad_multiple`).
+        self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, pad_multiple(plan),
                                  packing=plan.packing)
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
         self.recovery = TrainingRecoverySystem()
@@ -342,6 +342,7 @@ class FineTuner:
     def _sample(self, label: str, due: bool = True) -> None:
         if self.samples is not None:
             self.samples.answer_in_run(self.processes, self.model, self.position.step, label, self.reporter, due)
+            self.usage.restart()  # generating is not training: its peak is not the next step's
 
     def _lower_evaluation_micro_batch(self) -> None:
         plan, recovery = self.recovery.after_oom(self.plan, self.position.step)

@@ -6,7 +6,8 @@ Each step row gets the memory the process used since the row before:
              last row; the peak counters are reset after each row. Reading
              them asks the allocator, not the device: no host sync.
   on a CPU   the peak resident set size since the last row, less the resident
-             size before the model loaded (what the plan's estimate counts:
+             size before the model loaded, garbage collected and freed heap
+             handed back first (what the plan's estimate counts:
              the model, its training state and its activations, not Python,
              torch's libraries or the tokenizer). On Linux the kernel keeps the
              peak (VmHWM) and /proc/self/clear_refs resets it, so a short spike
@@ -16,9 +17,12 @@ Each step row gets the memory the process used since the row before:
              handed back (`malloc_trim`), or one large evaluation would look
              like the peak of every step after it.
 
-An evaluation row gets the memory of the evaluation (and sample replies) since
-the step before; only step rows count towards the run's peak, which is what
-the plan's estimate predicts.
+An evaluation row gets the memory of the evaluation since the step before;
+only step rows count towards the run's peak, which is what the plan's estimate
+predicts. Generating (sample replies, the forgetting check's general questions,
+all at once on a CPU) is in no row: the peak counters start again after it
+(`restart`), or the first step of every first run would carry the base
+model's answers (1.8x the plan where training itself used 1.1x).
 
 The estimate is made for the longest micro-batch the run can see (its
 max_seq_len, full rows). A run meets its longest rows whenever the shuffle
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -94,6 +99,18 @@ def _libc() -> ctypes.CDLL | None:
 
 
 LIBC = _libc()
+
+
+def _live_resident_bytes() -> int:
+    """The resident size of what is alive: earlier work's garbage (reference cycles the
+    collector has not reached yet, freed heap blocks glibc keeps) handed back first. Read
+    without that, a long-lived process (a test suite's, or one that has just tokenized a
+    dataset) counts the training's memory from a size it later falls below when the
+    garbage goes, and a small run measures a peak near 0."""
+    gc.collect()
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
+    return _resident_bytes()
 
 
 def _reset_peak_resident() -> bool:
@@ -200,7 +217,7 @@ class ResourceUse:
         self.sampler = sampler
         self.plan = plan
         self.earlier_peak = earlier_peak  # what a resumed run measured before
-        self.baseline = 0 if device is not None else _resident_bytes()
+        self.baseline = 0 if device is not None else _live_resident_bytes()
         self.kernel_peak = device is None and _peak_resident_bytes() is not None and _reset_peak_resident()
         self.peak = 0
         self.batch_tokens = 0  # the largest micro-batch trained, in padded tokens
@@ -217,13 +234,15 @@ class ResourceUse:
         return cls(index, GpuSampler(reader).start() if reader is not None else None, int(earlier), plan)
 
     def restart(self) -> None:
-        """Peaks from now on: what came before (loading the model) is not training."""
+        """Peaks from now on: what came before (loading the model, generating) is not training."""
         if self.device is not None:
             import torch
 
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.kernel_peak:
             _reset_peak_resident()
+        elif LIBC is not None:  # no peak to reset: the next row reads the resident size, without the freed heap
+            LIBC.malloc_trim(0)
         if self.sampler is not None:
             self.sampler.take()
         if self.others is not None:
@@ -243,9 +262,10 @@ class ResourceUse:
             peak = _peak_resident_bytes() if self.kernel_peak else None
             resident = _resident_bytes()
             used = peak if peak is not None else resident
-            # Memory the process held before training and freed since (a long-lived
-            # process, as a test's, collecting garbage): the training's is counted
-            # from the lowest point, or a small run would measure no peak at all.
+            # Memory that was alive before training and freed since: the training's is
+            # counted from the lowest point, or a small run would measure no peak at all.
+            # (Garbage is handed back before the baseline is read, so this is rare: the
+            # lowest point holds the model, and counted from it the peak is too low.)
             self.baseline = min(self.baseline, resident)
             values["memory_bytes"] = max(0, used - self.baseline)
             if self.kernel_peak:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich import box
 from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -133,9 +135,18 @@ def plan_table(plan: Any) -> Table:
     if plan.lora is not None:
         rows.insert(3, ("LoRA", f"r={plan.lora.r} alpha={plan.lora.alpha} dropout={plan.lora.dropout}", "lora.r"))
         rows.insert(4, ("LoRA targets", " ".join(plan.lora.target_modules), None))
+    if is_local_path(plan.model):  # its whole path under the table (`show_plan`): a column would cut it
+        rows[0] = ("model", f"{Path(plan.model).name} (the folder below)", "model")
     for name, value, key in rows:
         table.add_row(name, escape(str(value)), _short_source(src.get(key, "")) if key else "")
     return table
+
+
+def is_local_path(model: str) -> bool:
+    """A model directory (or GGUF file) rather than a Hub id, as `train` reads --model."""
+    from llmcustoms.models.loading import looks_like_path
+
+    return looks_like_path(model)
 
 
 def _short_source(source: str) -> str:
@@ -145,6 +156,8 @@ def _short_source(source: str) -> str:
 
 def show_plan(plan: Any, hardware: Any = None) -> None:
     console.print(plan_table(plan))
+    if is_local_path(plan.model):
+        print_path("Model folder", plan.model)
     if plan.memory:
         where = "RAM" if hardware is None or not hardware.has_gpu else f"GPU: {hardware.gpus[0].name}"
         console.print(memory_table(plan.memory, where + (", per process" if plan.world_size > 1 else "")))
@@ -182,11 +195,20 @@ def show_summary(result: Any) -> None:
         table.add_row("memory", memory_text(result.memory))
     if result.stop_reason:
         table.add_row("stopped", escape(result.stop_reason))
-    table.add_row("saved to", escape(str(result.output_path)))
     if result.kept:
         table.add_row("weights kept", escape(result.kept))
     console.print(table)
     show_samples(result.samples, "prompts of rows it trained on" if result.eval_on_training_rows else "held-out prompts")
+    print_path("Saved to", result.output_path)  # last: the screen ends with what the user copies next
+
+
+def print_path(label: str, path: Any) -> None:
+    """A path whole on a line of its own, under its label, so a triple-click or a
+    drag copies it: in a table or a sentence Rich breaks it (or cuts it with "…").
+    soft_wrap: Rich never breaks it; a path wider than the terminal is wrapped by
+    the terminal, which joins it again when copied."""
+    console.print(f"{escape(label)}:")
+    console.print(Text(str(path)), soft_wrap=True)
 
 
 def memory_text(memory: dict[str, Any]) -> str:
@@ -206,7 +228,8 @@ def show_samples(entries: list[dict[str, str]], prompts: str = "held-out prompts
     if not entries:
         return
     def cut(text: str) -> str:
-        text = " ".join(text.split())
+        # Control characters a model wrote (\x0f, \x1b) would move the cursor or vanish: shown as one mark each.
+        text = "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
         return escape(text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 3] + "...")
     blocks = []
     for entry in entries:
@@ -233,26 +256,37 @@ def confirm(question: str) -> bool:
     return Confirm.ask(question, default=True, console=console)
 
 
+def _by_model(values: list[Any], shown: Callable[[Any], str]) -> str:
+    """One value, or where the model's size changes it, one for a tiny, small, medium and large model."""
+    texts = [shown(value) for value in values]
+    return texts[0] if len(set(texts)) == 1 else " ".join(texts)
+
+
 def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
-    table = Table(title="Presets (llmcustoms train DATA --preset NAME)")
-    for column in ("preset", "LoRA r", "epochs", "lr", "batch", "length"):
+    """Each preset's values as a plan takes them, by dataset and model size (`TrainingPreset.by_size`)."""
+    table = Table(title="Presets (llmcustoms train DATA --preset NAME)", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False)
+    for column in ("preset", "data rows", "epochs", "batch", "lr", "LoRA r"):
         table.add_column(column, no_wrap=True)
-    table.add_column("what for")
+    rows = {"small": f"< {SMALL_DATASET_ROWS:,}", "medium": f"< {MEDIUM_DATASET_ROWS:,}",
+            "large": f"{MEDIUM_DATASET_ROWS:,}+"}
     for p in presets:
-        table.add_row(Text(p.name, style="bold"), str(p.lora_r), f"{p.epochs:g}", f"{p.lr:.0e}", str(p.effective_batch_size),
-                      str(p.max_seq_len), escape(p.description))
+        for index, (bucket, values) in enumerate(p.by_size(("epochs", "effective_batch_size", "lr", "lora_r")).items()):
+            table.add_row(Text(p.name if index == 0 else "", style="bold"), rows[bucket],
+                          _by_model(values["epochs"], "{:g}".format), _by_model(values["effective_batch_size"], str),
+                          _by_model(values["lr"], lambda lr: f"{lr:.0e}".replace("e-0", "e-")),
+                          _by_model(values["lora_r"], str), end_section=index == 2)
     console.print(table)
+    console.print(f"\nFour values: for a tiny model (< {TINY_MODEL_PARAMS / 1e6:.0f}M parameters), a small "
+                  f"(< {SMALL_MODEL_PARAMS / 1e9:.0f}B), a medium (< {MEDIUM_MODEL_PARAMS / 1e9:.0f}B) and a large "
+                  "one. `plan` says which apply; `--preset FILE.yaml` takes your own preset of the same shape.\n")
     for p in presets:
-        console.print(f"[bold]{escape(p.name)}[/] uses the first that fits a GPU: "
+        console.print(f"[bold]{escape(p.name)}[/]: {escape(p.description)} Rows up to {p.max_seq_len} tokens. "
+                      "Uses the first model that fits a GPU: "
                       + escape(", ".join(m.split("/")[-1] for m in p.models))
                       + ("; without a GPU, the first expected to finish in "
                          f"{CPU_TIME_LIMIT_S // 60:.0f} minutes: " + escape(", ".join(m.split("/")[-1] for m in p.cpu_models))
-                         if p.cpu_models else ""))
-    console.print("Presets adjust epochs, batch and learning rate by dataset size (small < "
-                  f"{SMALL_DATASET_ROWS:,} rows, medium < {MEDIUM_DATASET_ROWS:,}, large), then lr and LoRA "
-                  f"shape by model size (tiny < {TINY_MODEL_PARAMS / 1e6:.0f}M parameters, small < "
-                  f"{SMALL_MODEL_PARAMS / 1e9:.0f}B, medium < {MEDIUM_MODEL_PARAMS / 1e9:.0f}B, large). "
-                  "`--preset FILE.yaml` takes your own preset of the same shape.\n")
+                         if p.cpu_models else "") + "\n")
     table = Table(title="Model families")
     table.add_column("family", no_wrap=True)
     table.add_column("models")
@@ -267,8 +301,10 @@ def show_presets(presets: list[Any], families: dict[str, Any]) -> None:
 def show_failure(report: dict[str, Any], run_path: Any) -> None:
     text = f"[bold red]Training stopped:[/] {escape(report['reason'])}\n"
     text += "\n".join(f"- {escape(s)}" for s in report["suggestions"])
-    text += f"\nThe run directory is {escape(str(run_path))}; status.json holds this report."
+    text += "\nstatus.json in the run directory holds this report."
     err_console.print(Panel(text, expand=False))
+    err_console.print("Run directory:")  # whole on its own line, as `print_path` gives it: a panel breaks it
+    err_console.print(Text(str(run_path)), soft_wrap=True)
 
 
 def show_runs(output_dir: Any, runs: list[Any]) -> None:
@@ -324,18 +360,34 @@ def _run_values(run: Any) -> tuple[str, str, str, str, str]:
             "" if run.seconds is None else _duration(run.seconds), memory)
 
 
-def show_report(report: Any) -> None:
-    table = Table(title=f"Report: {escape(report.name)} ({escape(report.status)}, {report.steps}/{report.total_steps} steps)",
-                  show_header=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(no_wrap=True)
-    table.add_column()
-    for finding in report.findings:
-        table.add_row(escape(finding.topic), escape(finding.verdict), escape(finding.detail))
-    console.print(table)
-    show_samples(report.samples, report.sample_prompts)
-    console.print(Panel("\n".join(f"- {escape(r)}" for r in report.recommendations), title="Recommendations",
-                        expand=False))
+def show_report(report: Any, details: bool = False) -> None:
+    """A screen (80x24) for a normal run: a line per verdict, topic and verdict
+    with its number, then what to change. `details`: each verdict's reasons
+    under it, and the sample replies; a column beside the verdict was 24
+    characters wide at 80 columns, and the report 45 lines long."""
+    console.print(Text.assemble(("Report: ", "bold"), (report.name, "bold"),
+                                f" ({report.status}, {report.steps}/{report.total_steps} steps)"))
+    if details:
+        for finding in report.findings:
+            console.print(Text.assemble((finding.topic, "bold"), "  ", finding.verdict))
+            console.print(Padding(Text(finding.detail), (0, 0, 0, 2), expand=False))
+        show_samples(report.samples, report.sample_prompts)
+    else:
+        table = Table(box=None, show_header=False, pad_edge=False)
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for finding in report.findings:
+            table.add_row(Text(finding.topic), Text(finding.verdict + (f" ({finding.short})" if finding.short else "")))
+        console.print(table)
+    advice = Table.grid(padding=(0, 1))  # "- " before each, its text wrapped under itself
+    advice.add_column(no_wrap=True)
+    advice.add_column()
+    for recommendation in report.recommendations:
+        advice.add_row("-", Text(recommendation))
+    console.print(Text("Recommendations", style="bold"), advice)
+    if not details:
+        console.print("Each verdict's reasons and the sample replies: the same command with --details.",
+                      style="dim")
 
 
 @contextmanager

@@ -12,12 +12,14 @@ from llmcustoms.ui.console import console, escape
 
 # A preparation quicker than this shows no progress display at all.
 QUIET_SECONDS = 1.0
-STAGES = {"read": "Reading the data", "tokenize": "Tokenizing"}
+STAGES = {"read": "Reading the data", "tokenize": "Tokenizing", "gguf": "Reading the GGUF file"}
+UNITS = {"gguf": "tensors"}  # what a stage counts; rows for the others
 
 
 class PreparationProgress:
-    """A transient progress display for `prepare_run(progress=...)`: rows read
-    so far with their rate, then a bar of rows tokenized with rows/s and ETA."""
+    """A transient progress display for `prepare_run(progress=...)`: a GGUF
+    file's tensors read (`--model FILE.gguf`, once), rows read so far with their
+    rate, then a bar of rows tokenized; each with its rate and ETA."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -37,14 +39,14 @@ class PreparationProgress:
             if time.monotonic() - self.started < QUIET_SECONDS:
                 return
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[rate]} rows/s"), TimeElapsedColumn(),
+                                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                                      TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
             self.progress.start()
         if stage not in self.tasks:
-            self.tasks[stage] = (self.progress.add_task(STAGES.get(stage, stage), total=total, rate="-"), time.monotonic())
+            self.tasks[stage] = (self.progress.add_task(STAGES.get(stage, stage), total=total, rate=""), time.monotonic())
         task, began = self.tasks[stage]
         elapsed = time.monotonic() - began
-        rate = f"{done / elapsed:,.0f}" if elapsed > 0.5 else "-"
+        rate = (f"{done / elapsed:,.0f}" if elapsed > 0.5 else "-") + f" {UNITS.get(stage, 'rows')}/s"
         self.progress.update(task, completed=done, total=total, rate=rate)
 
 

@@ -12,6 +12,7 @@ import os
 import select
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.cells import cell_len  # the columns text takes: a wide (CJK) character takes two
@@ -79,7 +80,8 @@ def show_setup_start(hardware: Any) -> None:
     if hardware.torch_note:  # GPUs found that the installed torch cannot use
         console.print(f"[yellow]{escape(hardware.torch_note)}[/]")
     if not hardware.has_gpu:
-        console.print("[yellow]Without a GPU, training works but is slow: expect hours for real models.[/]")
+        console.print("[yellow]Without a GPU, training runs on the CPU: minutes for the smallest models, hours for "
+                      "larger ones; each model below comes with its time here.[/]")
 
 
 def show_example_offer(answer: str, what: str) -> None:
@@ -137,19 +139,23 @@ def show_model_choices(offers: list[Any], seq_len: int, suggested: str | None, r
     columns = [("#", "right"), ("model", "left"), ("size", "right"), ("method", "left")]
     columns += [("memory", "right")] if wide else []
     columns += [("est. time", "right"), ("available", "left"), ("", "left")]
+    # A model directory by its folder's name: its whole path is under the table, where a copy takes it.
+    names = [Path(offer.hub_id).name if offer.origin and offer.where == "local" else offer.hub_id for offer in offers]
     # The number and the name are what a user types: narrow terminals squeeze the other columns.
-    widths = {"model": max((len(offer.hub_id) for offer in offers), default=0), "#": len(f"{len(offers)}.")}
+    widths = {"model": max((len(name) for name in names), default=0), "#": len(f"{len(offers)}.")}
     for header, justify in columns:
         table.add_column(header, justify=justify, header_style="dim", no_wrap=True, min_width=widths.get(header))
-    for index, offer in enumerate(offers, start=1):
+    for index, (offer, name) in enumerate(zip(offers, names), start=1):
         style = MODEL_WHERE_STYLE.get(offer.where, "")
-        memory = [f"{offer.total_bytes / GIB:.1f} GiB"] if wide else []
-        table.add_row(f"{index}.", escape(offer.hub_id), f"{offer.params / 1e9:.1f}B", offer.method, *memory,
+        memory = [f"{offer.total_bytes / GIB:.1f} GiB"] if wide and offer.total_bytes else [""] * wide
+        table.add_row(f"{index}.", escape(name), f"{offer.params / 1e9:.1f}B" if offer.params else "?", offer.method,
+                      *memory,
                       escape(offer.estimate.removeprefix("about ")),
                       f"[{style}]{escape(offer.where)}[/]" if style else escape(offer.where),
                       "[bold]<-[/]" if offer.hub_id == suggested else "")
     if offers:
         console.print(table)
+        show_models_on_disk([(i, o) for i, o in enumerate(offers, start=1) if o.origin])
     else:
         console.print("  [red]none of the catalog's models fits; llmcustoms will say why when you run `plan`[/]")
     if offline:
@@ -157,11 +163,22 @@ def show_model_choices(offers: list[Any], seq_len: int, suggested: str | None, r
     console.print(f"Suggested (<-): {escape(reason)}." if suggested else f"[yellow]No suggestion[/]: {escape(reason)}.")
 
 
+def show_models_on_disk(numbered: list[tuple[int, Any]]) -> None:
+    """Where each model on this disk was found; a directory's whole path on a line of its own."""
+    for index, offer in numbered:
+        console.print(Text(f"{index}. {offer.origin}" + (":" if offer.where == "local" else f": {offer.hub_id}")))
+        if offer.where == "local":
+            console.print(Text(offer.hub_id), soft_wrap=True)
+
+
 def show_model_accepted(name: str, where: str, detail: str) -> None:
     """The model answer, checked: where it loads from and what training it here means."""
     how = {"local": "a local model directory", "cached": "in the local Hugging Face cache",
            "download": "downloaded from the Hugging Face Hub when training starts"}.get(where, where)
-    console.print(f"  [green]ok[/]: {escape(name)}: {escape(how)}" + (f"; {escape(detail)}" if detail else ""))
+    shown = Path(name).name if where == "local" else name  # the whole path on a line of its own, below
+    console.print(f"  [green]ok[/]: {escape(shown)}: {escape(how)}" + (f"; {escape(detail)}" if detail else ""))
+    if where == "local":
+        console.print(Text(name), soft_wrap=True)
 
 
 def write_piece(text: str) -> None:

@@ -3,7 +3,10 @@
 The ETA is measured from step 1 on, whatever the step length: Rich's own
 column averages over the last 30 s and stays blank when a step takes longer,
 which is every real run on a CPU. It uses the wall time between steps (so
-evaluations, checkpoints and sample replies are in it), smoothed.
+evaluations, checkpoints and sample replies are in it), smoothed, and adds
+what the plan expects after the last step (the last evaluation, the trained
+model's answers, saving: `duration.seconds_after_last_step`), which it counts
+down once the last step is done: a minute of "eta 0:00:00" was not the end.
 
 Other waits counted in items (the sample replies and general questions, a
 tuning trial's steps, lr-find's steps) are a `Countdown`: a count and an ETA
@@ -12,7 +15,8 @@ from the first item on, the mean time of an item so far times those left.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 # Weight of the newest step in the smoothed step time and tokens/s: enough
 # smoothing that one slow step (an evaluation's warm-up, a save) does not make
@@ -76,12 +80,30 @@ def counted(countdown: Countdown | None, what: str, done: int, total: int, now: 
     return countdown
 
 
+def counting(say: Callable[[str], None], what: str,
+             clock_now: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
+    """A (done, total) callback for a stage of a `console.waiting` counted in items
+    (the check prompts, a GGUF file's tensors): it tells `say` the count and, from
+    the first item on, the ETA: "Answering the check prompts 3/8, eta 0:00:20"."""
+    countdown: Countdown | None = None
+
+    def told(done: int, total: int) -> None:
+        nonlocal countdown
+        now = clock_now()
+        countdown = counted(countdown, what, done, total, now)
+        say(countdown.text(now))
+    return told
+
+
 class TrainingProgress:
     """The numbers the display shows, kept from the trainer's rows; no Rich."""
 
-    def __init__(self, total_steps: int, start_step: int, now: float, memory: dict[str, Any] | None = None):
-        """`memory`: the plan's estimate (`MemoryEstimate.to_json()`), None if it has none."""
+    def __init__(self, total_steps: int, start_step: int, now: float, memory: dict[str, Any] | None = None,
+                 after: float = 0.0):
+        """`memory`: the plan's estimate (`MemoryEstimate.to_json()`), None if it has none;
+        `after`: the seconds the plan expects after the last step."""
         self.total, self.start_step, self.done = total_steps, start_step, start_step
+        self.after = after
         self.planned = memory or {}
         self.memory_bytes: int | None = None  # the last step row's
         self.grad_norm: float | None = None
@@ -146,14 +168,15 @@ class TrainingProgress:
 
     def eta(self, now: float | None = None) -> float | None:
         """Measured: the smoothed step time times the steps left, less the time
-        since the last step ended (never below nothing left of the next one)."""
+        since the last step ended (never below nothing left of the next one),
+        and the plan's time after the last step (counted down once it is done)."""
         if self.step_seconds is None:
             return None
         left = max(0, self.total - self.done)
-        if left == 0:
-            return 0.0
         into = 0.0 if now is None or self.last_step_at is None else now - self.last_step_at
-        return max(0.0, self.step_seconds - into) + self.step_seconds * (left - 1)
+        if left == 0:
+            return max(0.0, self.after - into)
+        return max(0.0, self.step_seconds - into) + self.step_seconds * (left - 1) + self.after
 
     def lines(self, now: float) -> tuple[str, str]:
         """Two lines of at most about 78 characters: progress, then timing."""

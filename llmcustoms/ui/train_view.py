@@ -18,6 +18,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
+from llmcustoms.planning.duration import seconds_after_last_step
 from llmcustoms.reporting import Reporter
 from llmcustoms.ui.layout import Parts
 from llmcustoms.ui.train_progress import PART_BREAK, Countdown, TrainingProgress, clock, counted
@@ -57,8 +58,9 @@ class RichReporter:
     """A spinner while setting up, then a live display: bar, step, loss, eval
     loss with its step, lr; epoch, tokens/s, elapsed, ETA and what is happening."""
 
-    def __init__(self, console: Console):
-        self.console = console
+    def __init__(self, console: Console, after_seconds: float = 0.0):
+        """`after_seconds`: the plan's estimate of the time after the last step (`duration.seconds_after_last_step`)."""
+        self.console, self.after_seconds = console, after_seconds
         self.progress: TrainingProgress | None = None
         self.live: Live | None = None
         self.status: Live | None = None  # the spinner
@@ -88,7 +90,7 @@ class RichReporter:
 
     def training_started(self, total_steps: int, start_step: int = 0, memory: dict[str, Any] | None = None) -> None:
         self._stop_status()
-        self.progress = TrainingProgress(total_steps, start_step, time.monotonic(), memory)
+        self.progress = TrainingProgress(total_steps, start_step, time.monotonic(), memory, self.after_seconds)
         self.live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2, transient=False)
         self.live.start()
 
@@ -148,5 +150,6 @@ def warning_text(text: str) -> Text:
     return Text.assemble(("warning:", "yellow"), " ", text)
 
 
-def make_reporter(quiet: bool, console: Console, err_console: Console) -> Reporter:
-    return QuietReporter(err_console) if quiet else RichReporter(console)
+def make_reporter(quiet: bool, console: Console, err_console: Console, plan: Any = None) -> Reporter:
+    """`plan`: the run's, whose estimate of what follows the last step the ETA counts."""
+    return QuietReporter(err_console) if quiet else RichReporter(console, seconds_after_last_step(plan) if plan else 0)

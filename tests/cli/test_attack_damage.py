@@ -160,7 +160,7 @@ def test_report_and_runs_show_a_run_with_damaged_records_and_count_them(cli, tra
     damage_records(run)
     run_copy(trained, tmp_path, "unreadable").joinpath("status.json").write_text("{not json")
     before = (run / "metrics.jsonl").read_text()
-    report = cli("report", str(run), env={"COLUMNS": WIDE})  # a finding on one line
+    report = cli("report", str(run), "--details", env={"COLUMNS": WIDE})  # a finding on one line
     assert report.returncode == 0 and "Traceback" not in said(report), said(report)
     assert "metrics.jsonl: 4 damaged lines skipped" in said(report)
     assert "status.json: 2 fields of the wrong type left out" in said(report)

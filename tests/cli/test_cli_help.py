@@ -64,3 +64,20 @@ def test_train_usage_reads_data():
 def test_root_help_lists_every_command():
     text = help_at_80_columns()
     assert all(re.search(rf"^  {re.escape(name)} ", text, re.MULTILINE) for name in COMMANDS)
+
+
+def test_root_help_shows_each_commands_first_line_whole():
+    # Click cuts a summary longer than the column beside the names with "..." ("settings  Show
+    # the LLMCUSTOMS_ settings in effect and where each comes..."): each first line fits.
+    text = help_at_80_columns()
+    assert "..." not in text.partition("Commands:")[2]
+    for name in COMMANDS:
+        first = (GROUP.commands[name].help or "").strip().splitlines()[0]  # type: ignore[attr-defined]
+        shown = re.search(rf"^  {re.escape(name)} +(.+)$", text, re.MULTILINE)
+        # Its first sentence, whole (Click shows no more: chat's "/exit or Ctrl-D ends it" is its help's).
+        assert shown and shown[1].endswith(".") and first.startswith(shown[1]), (name, first)
+
+
+def test_runs_help_names_what_its_table_shows():
+    text = help_at_80_columns("runs")
+    assert "perplexity" in text and "best eval loss" not in text

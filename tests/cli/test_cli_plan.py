@@ -70,6 +70,14 @@ def test_plan_for_humans_shows_memory_and_reasons(tiny_models):
         assert fragment in result.output
 
 
+def test_a_plan_for_a_gpu_of_a_size_says_its_speed_is_that_gpus_nominal_one_not_this_machines(tiny_models):
+    result = invoke("plan", str(DATA_FILES["messages"]), "--model", str(tiny_models["qwen2"]), "--vram", "24", "--json")
+    assert result.exit_code == 0, result.output
+    [reason] = [r for r in json.loads(result.output)["reasons"] if r.startswith("estimated duration")]
+    assert "from the nominal speed of a 24 GB GPU, the GPU planned for, not this machine's" in reason, reason
+    assert "this machine's nominal speed" not in reason
+
+
 def test_hardware_shows_the_machine_and_what_fits():
     result = invoke("hardware")
     assert result.exit_code == 0, result.output
@@ -88,6 +96,20 @@ def test_presets_lists_presets_and_families():
         assert name in result.output
 
 
+def test_presets_shows_the_values_a_plan_takes_for_the_datas_and_the_models_size(tiny_models, monkeypatch):
+    # Shown the base values (lr 2e-4, 3 epochs, batch 16), a user saw a small dataset's plan use 5e-4, 4 and 8.
+    plan = json.loads(invoke("plan", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--json").output)
+    assert plan["preset"] == "quality" and plan["sources"]["lr"] == "preset quality (tiny model)"  # small data too
+    from llmcustoms.ui import console
+
+    monkeypatch.setattr(console.console, "width", 80)
+    shown = invoke("presets").output
+    assert "…" not in shown and max(map(len, shown.splitlines())) <= 80
+    row = next(line for line in shown.splitlines() if line.startswith("quality ")).split()
+    assert row[1:4] == ["<", "1,000", f"{plan['epochs']:g}"] and row[4] == str(plan["effective_batch_size"])
+    assert float(row[5]) == plan["lr"] and row[5:9] == ["5e-4", "2e-4", "2e-4", "1e-4"]  # tiny, small, medium, large
+
+
 def test_train_shows_the_same_plan_before_training(tmp_path, tiny_models):
     result = invoke("train", str(DATA_FILES["alpaca"]), "--model", str(tiny_models["llama"]), "--max-steps", "1",
                     "--yes", "--output-dir", str(tmp_path), "--run-name", "r")
@@ -98,7 +120,7 @@ def test_train_shows_the_same_plan_before_training(tmp_path, tiny_models):
                                 "--max-steps", "1", "--json").output)
     # Free RAM moves between the two calls, and with it the memory figures; the load, and with it the threads.
     def stable(plan: dict) -> dict:
-        kept = {k: v for k, v in plan.items() if k not in ("estimated_seconds", "memory", "cpu_threads")}
+        kept = {k: v for k, v in plan.items() if k not in ("estimated_seconds", "duration_parts", "memory", "cpu_threads")}
         kept["reasons"] = [r for r in plan["reasons"] if not r.startswith(("estimated", "threads"))]
         return kept
 

@@ -93,7 +93,7 @@ def test_export_copies_the_adapter_with_a_model_card(trained, tmp_path):
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"):
         assert (tmp_path / "out" / name).is_file(), name
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "base_model:" not in card and "a local model, `tiny-llama`" in card and "PeftModel.from_pretrained" in card
+    assert "base_model:" not in card and "a local model, `tiny-llama`" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
     again = invoke("export", str(trained), "--output", str(tmp_path / "out"))
     assert again.exit_code == 2 and "already exists" in " ".join(again.output.split())
 

@@ -4,6 +4,10 @@ export says the dtype its weights were written in."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,7 +62,7 @@ def test_the_card_never_shows_the_local_path(tmp_path):
     card = model_card(RunDirectory(tmp_path / "run"), card_plan(str(saved)), merged=False)
     assert "base_model: Qwen/Qwen2.5-0.5B-Instruct\n" in card
     assert str(tmp_path) not in card
-    assert 'from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")' in card
+    assert "AutoPeftModelForCausalLM.from_pretrained(\".\")" in card and "its Hub id" in card
 
 
 @pytest.fixture
@@ -110,3 +114,45 @@ def test_a_local_base_gets_no_hub_link_and_a_gguf_card_says_how_to_run_it(tmp_pa
     assert "Fine-tuned from a local model, `my-llama`" in card
     assert "ollama create my-model -f Modelfile" in card and "llama-cli -m model.gguf" in card
     assert "from_pretrained" not in card and "gguf]" in card
+
+
+def python_block(card: str) -> str:
+    """The one fenced python block of a model card."""
+    blocks = re.findall(r"```python\n(.*?)```", card, re.S)
+    assert len(blocks) == 1, card
+    return blocks[0]
+
+
+@pytest.mark.slow  # a Python of its own imports torch, transformers and peft
+@pytest.mark.parametrize("merge", [False, True])
+def test_the_cards_code_runs_as_written_from_the_export_folder(run_with_adapter, tmp_path, merge):
+    """The snippet once named the base by a name from_pretrained could not find and
+    left "PATH" to fill in; now it is run, offline, from the folder it was written in."""
+    out = tmp_path / f"export-{merge}"
+    result = CliRunner().invoke(app, ["export", str(run_with_adapter), "--output", str(out), *(["--merge"] * merge)],
+                                env={"COLUMNS": WIDE}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    code = python_block(card)
+    assert "PATH" not in code and "tiny-llama" not in code and str(tmp_path) not in card
+    if not merge:  # what the adapter's snippet loads its base from: the path training loaded it from
+        base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert Path(base) == tmp_path / "tiny-llama" and "AutoPeftModelForCausalLM" in code
+    ran = subprocess.run([sys.executable, "-c", code], cwd=out, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "peft" in code.split("\n")[0] if not merge else "peft" not in code
+
+
+def test_a_tokenizer_without_a_chat_template_gets_a_plain_prompt(tmp_path):
+    from llmcustoms.commands.model_card import has_chat_template
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    plain = has_chat_template(tmp_path / "export")
+    code = python_block(model_card(RunDirectory(tmp_path / "run"), card_plan("my-llama"), merged=True,
+                                   chat_template=plain))
+    assert not plain and 'tokenizer("Hello!", return_tensors="pt")' in code and "apply_chat_template" not in code
+    (tmp_path / "export" / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path / "export")

@@ -126,3 +126,32 @@ def test_an_output_path_with_brackets_is_shown_as_written(trained, tmp_path):
     result = export(str(trained), "--output", str(out))
     assert result.exit_code == 0, result.output
     assert f"to {out}" in " ".join(result.stdout.split()) and (out / "adapter_model.safetensors").is_file()
+
+
+def test_every_wait_of_a_checked_gguf_export_is_counted_with_an_eta(trained, tmp_path):
+    """Reading model.gguf back (27 s to 1 min 40 s) and answering the check prompts
+    (40 s each) once showed one static line: now each says how far, and the time left."""
+    from contextlib import contextmanager
+
+    from llmcustoms.commands.export import export_run
+    from llmcustoms.commands.export_gguf import GgufOptions
+
+    said: list[str] = []
+
+    @contextmanager
+    def waiting(what):
+        said.append(what)
+        yield said.append
+
+    export_run(trained, tmp_path / "gguf", merge=False, waiting=waiting, gguf=GgufOptions("q8_0", True))
+    for stage in ("Answering the check prompts with the adapter", "Answering the check prompts with the merged model",
+                  "Writing model.gguf: tensor", "Reading model.gguf back with transformers: tensor",
+                  "Answering the check prompts"):
+        counts = [re.fullmatch(re.escape(stage) + r" (\d+)/(\d+)(, eta \d:\d\d:\d\d| \d:\d\d:\d\d)", text)
+                  for text in said if re.match(re.escape(stage) + r" \d", text)]
+        numbers = [(int(m[1]), int(m[2])) for m in counts if m]
+        assert len(numbers) == len(counts) >= 2, (stage, said)
+        total = numbers[-1][1]
+        assert numbers[-1] == (total, total) and [done for done, _ in numbers] == sorted(done for done, _ in numbers)
+        assert counts[-1][3].startswith(", eta")  # from the first item on, the time left
+    assert ("Answering the check prompts 4/4, eta 0:00:00") in said

@@ -91,7 +91,36 @@ def test_the_table_shows_the_suggested_and_minimum_rows():
     rows = sample_rows(curve, s)
     assert 8 <= len(rows) <= 10 and rows[0]["step"] == 1 and rows[-1]["step"] == 50
     assert [r["lr"] for r in rows if r["note"] == "suggested"] == [s.lr]
-    assert [r["lr"] for r in rows if r["note"] == "minimum"] == [s.min_loss_lr]
+    assert [r["lr"] for r in rows if r["note"] == "smoothed minimum"] == [s.min_loss_lr]
+
+
+# The issue's 10-step range test: one high batch at step 2, then a dip to step 4.
+FEW_STEPS = [2.0, 3.2, 2.0, 2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0]
+
+
+def test_a_curve_of_few_steps_gets_no_suggestion_and_says_what_to_do():
+    """It was read as a curve: 6.0e-07 suggested, 800 times below the preset's lr."""
+    lrs = lr_sequence(1e-7, 1.0, 10)
+    s = suggest(lrs, smooth(FEW_STEPS))
+    assert s.lr is None and s.steepest_lr is None and "only 10 steps" in s.reason and "too few" in s.reason
+    error = lrfind.no_suggestion_error(s, 10)
+    assert "--steps 100" in error.hint and f"at least {lrfind.MIN_POINTS}" in error.hint
+    # A default range test is never too short to read, even for a training run of 5 steps.
+    assert lrfind.RangeTest().steps_for(5) == lrfind.MIN_POINTS and lrfind.RangeTest(steps=10).steps_for(5) == 10
+
+
+def test_the_minimum_marked_is_the_lowest_smoothed_loss_even_at_step_1():
+    """It once left out the first tenth of the points: step 4 was marked the minimum where step 1 was lower."""
+    lrs = lr_sequence(1e-7, 1.0, 10)
+    smoothed = smooth(FEW_STEPS)
+    s = suggest(lrs, smoothed)
+    assert s.min_loss_lr == lrs[0] and smoothed[0] == min(smoothed)
+    curve = [{"step": i + 1, "lr": lr, "loss": x, "smoothed": v} for i, (lr, x, v) in enumerate(zip(lrs, FEW_STEPS, smoothed))]
+    assert [r["step"] for r in sample_rows(curve, s) if r["note"]] == [1]
+    # A long curve that is lowest at its start has not fallen: no suggestion, the minimum at step 1.
+    rising = [3.0 + 0.02 * i for i in range(40)]
+    long = suggest(lr_sequence(1e-7, 1.0, 40), smooth(rising))
+    assert long.lr is None and long.min_loss_lr == 1e-7 and "did not fall" in long.reason
 
 
 # ------------------------------------------------------------- end to end
@@ -152,13 +181,13 @@ def test_tune_centres_its_lr_range_on_the_saved_suggestion(found, tiny_models, t
 
 def test_a_loss_that_never_falls_gives_no_suggestion_and_exit_2(tmp_path, tiny_models):
     model = tiny_models["llama"]
-    result = lr_find(tmp_path, model, "--steps", "10", "--start-lr", "1e-9", "--end-lr", "1e-8")
+    result = lr_find(tmp_path, model, "--steps", "20", "--start-lr", "1e-9", "--end-lr", "1e-8")
     assert result.exit_code == 2
     output = " ".join(result.output.split())
     assert "No learning rate to suggest" in output and "--steps" in output and "Traceback" not in output
     assert "Suggested learning rate" not in output
     data, _ = saved(tmp_path, model)
-    assert data["suggestion"]["lr"] is None and len(data["curve"]) == 10
+    assert data["suggestion"]["lr"] is None and len(data["curve"]) == 20 and "did not fall" in data["suggestion"]["reason"]
     # tune --lr-find refuses to centre on nothing, and says what to do.
     tuned = runner.invoke(app, ["tune", str(DATA_FILES["alpaca"]), "--model", str(model), "--lr-find",
                                 "--trials", "1", "--max-steps", "2", "--output-dir", str(tmp_path)])

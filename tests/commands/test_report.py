@@ -68,7 +68,8 @@ def test_a_short_run_reads_its_evaluations_and_withholds_its_verdicts_once(tmp_p
     assert said.count("too few steps") == 1
     assert "too few steps (6) to judge convergence, overfitting and learning rate" in said
 
-    shown = CliRunner().invoke(app, ["report", str(run.path)], env={"COLUMNS": WIDE}, catch_exceptions=False)
+    shown = CliRunner().invoke(app, ["report", str(run.path), "--details"], env={"COLUMNS": WIDE},
+                               catch_exceptions=False)
     assert shown.exit_code == 0, shown.output
     text = " ".join(shown.output.replace("│", " ").split())
     assert text.count("too few steps (6)") == 1 and "--eval-split" not in text and "50 held-out rows" in text

@@ -45,7 +45,7 @@ def test_the_plan_live_display_log_summary_and_report_give_one_memory_plan_and_o
     assert f"(plan {planned[:-4]}, budget" in TrainingProgress(4, 0, 0.0, memory).resources_line()  # live
     assert f"planned memory {planned}" in (run / "train.log").read_text()
     summary = flat(summary)
-    report = flat(invoke("report", str(run)).output)
+    report = flat(invoke("report", str(run), "--details").output)
     assert f"memory peak " in summary and f"; plan {planned}" in summary
     assert f"; plan {planned}" in report and "predicted" not in report
     # The tokens/s: every step's input tokens over the time in steps (evaluations and saves not in it).

@@ -161,8 +161,8 @@ def test_a_model_path_that_does_not_exist_is_refused_asked_again_and_never_writt
     shown = said(result)
     assert f"{missing} does not exist" in shown and f"{no_config} has no config.json" in shown
     assert shown.count("Model (number, hub id or local directory)") == 3  # asked again after each refusal
-    assert re.search(f"ok: {re.escape(str(model))}: a local model directory; estimated training time here about {TIME}",
-                     shown)
+    assert re.search(f"ok: {re.escape(model.name)}: a local model directory; estimated training time here about {TIME} "
+                     f"{re.escape(str(model))}", shown)  # the whole path on a line of its own
     assert env_values(env_file)["LLMCUSTOMS_MODEL"] == str(model)
     assert "no-such-model" not in env_file.read_text() and "not-a-model" not in env_file.read_text()
 
@@ -331,8 +331,8 @@ def test_setup_estimates_the_time_plan_gives_for_the_same_answers(tmp_path, tiny
                            input=answers("", "", model, "", ""), catch_exceptions=False)
     assert result.exit_code == 0, result.output
     shown = " ".join(result.output.split())
-    estimate = re.search(rf"ok: {re.escape(model)}: a local model directory; estimated training time here (about {TIME})",
-                         shown)
+    estimate = re.search(rf"ok: {re.escape(Path(model).name)}: a local model directory; estimated training time here "
+                         rf"(about {TIME}) {re.escape(model)}", shown)
     assert estimate, shown
     planned = runner.invoke(app, ["plan", "--json", "--env-file", str(env_file)], catch_exceptions=False)
     assert estimate[1] == human_duration(json.loads(planned.output)["estimated_seconds"])
@@ -342,3 +342,66 @@ def test_setup_estimates_the_time_plan_gives_for_the_same_answers(tmp_path, tiny
     by_characters = Planner(with_measured_speeds(machine, tmp_path / "cache"), preset).plan(
         choice, planning_stats(dataset, preset), {}).estimated_seconds
     assert human_duration(by_characters) != estimate[1], (by_characters, estimate[1])
+
+
+# ------------------------------------------------------- offline: the models on this disk
+
+
+def run_of(runs: Path, name: str, model: Path, started_at: str) -> None:
+    """A run directory as `runs` lists it: plan.json naming `model`, and status.json."""
+    (runs / name).mkdir(parents=True)
+    (runs / name / "plan.json").write_text(json.dumps({"model": str(model), "method": "lora", "total_steps": 4}))
+    (runs / name / "status.json").write_text(json.dumps({"status": "completed", "step": 4, "started_at": started_at}))
+
+
+def test_offline_enter_takes_the_local_model_the_runs_here_trained(tmp_path, tiny_models):
+    """The Hub unreachable, nothing cached: every catalog model is "offline: no", so the
+    model the runs in ./runs trained is offered first, and Enter throughout sets up."""
+    older, newer = tiny_models["qwen2"], tiny_models["llama"]
+    run_of(tmp_path / "runs", "a", older, "2025-01-01T12:00:00+0000")
+    run_of(tmp_path / "runs", "b", newer, "2025-02-01T12:00:00+0000")
+    run_of(tmp_path / "runs", "gone", tmp_path / "deleted-model", "2025-03-01T12:00:00+0000")  # not offered
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "", "", "", ""), cached=(), COLUMNS="80")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    listed = [line for line in lines if re.match(r" ?\d+\. ", line)]
+    assert re.match(rf" ?1\. {newer.name} +\d\.\dB lora +{TIME} local +<-", listed[0]), result.stdout
+    assert re.match(rf" ?2\. {older.name} ", listed[1]) and "offline: no" in listed[2], result.stdout
+    assert lines[lines.index("1. used by a run here:") + 1] == str(newer)  # the whole path, on its own line
+    assert "deleted-model" not in result.stdout
+    assert "Model (number, hub id or local directory) (1):" in said(result)
+    assert env_values(env_file)["LLMCUSTOMS_MODEL"] == str(newer)
+
+
+def test_offline_a_language_model_in_the_hugging_face_cache_is_offered_and_enter_takes_it(tmp_path, tiny_models):
+    import shutil
+
+    home = tmp_path / "hf-home"
+    repo = home / "hub" / "models--someone--tiny-llama"
+    shutil.copytree(tiny_models["llama"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    env_file = tmp_path / "F.env"
+    result = run_setup(tmp_path, env_file, answers("", "", "", "", ""), cached=())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(rf"1\. someone/tiny-llama +\d\.\dB lora .*{TIME} cached +<-", result.stdout), result.stdout
+    assert "1. in the Hugging Face cache: someone/tiny-llama" in result.stdout
+    assert env_values(env_file)["LLMCUSTOMS_MODEL"] == "someone/tiny-llama"
+
+
+def test_without_a_gpu_setup_says_what_the_times_below_say():
+    """It said "expect hours for real models", then offered one estimated at 9 minutes."""
+    import io
+
+    from rich.console import Console
+
+    from llmcustoms.ui import dialog
+
+    saved, dialog.console = dialog.console, Console(file=io.StringIO(), width=80, record=True, color_system=None)
+    try:
+        dialog.show_setup_start(Hardware.cpu_only(16, cores=2))
+        text = " ".join(dialog.console.export_text().split())
+    finally:
+        dialog.console = saved
+    assert "expect hours" not in text and "minutes for the smallest models, hours for larger ones" in text

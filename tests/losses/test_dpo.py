@@ -427,8 +427,8 @@ def test_runs_and_report_speak_of_a_dpo_run_in_its_own_terms(tiny_models, uninte
                             capture_output=True, text=True, env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "dpo loss" in " ".join(listed.stdout.split())
-    report = subprocess.run([sys.executable, "-m", "llmcustoms", "report", str(uninterrupted)], capture_output=True,
-                            text=True, env={**env, "COLUMNS": WIDE}, timeout=120)
+    report = subprocess.run([sys.executable, "-m", "llmcustoms", "report", str(uninterrupted), "--details"],
+                            capture_output=True, text=True, env={**env, "COLUMNS": WIDE}, timeout=120)
     assert report.returncode == 0, report.stderr
     said = " ".join(report.stdout.split())
     # Its 6 held-out pairs are too few to judge the ranking (`preference_report.MIN_HELD_OUT_PAIRS`): withheld.

@@ -77,3 +77,35 @@ def test_an_architecture_transformers_cannot_read_is_refused(tmp_path, monkeypat
                            env={"COLUMNS": WIDE}, catch_exceptions=False)
     assert result.exit_code == 2, result.output
     assert "cannot read rwkv.gguf" in result.output and "Llama, Mistral, Qwen2 or Phi-3" in result.output
+
+
+def test_reading_a_gguf_file_counts_its_tensors_and_draws_no_bar_of_transformers(gguf_file, capfd):
+    """`plan --model FILE.gguf` once showed one static line for 50 s, and
+    transformers drew its "Writing model shards" bar over the display."""
+    from transformers.utils import logging
+
+    told: list[tuple[int, int]] = []
+    was = logging.is_progress_bar_enabled()
+    logging.enable_progress_bar()  # as a command that has not quieted the libraries would have it
+    try:
+        gguf_folder(gguf_file, lambda done, total: told.append((done, total)))
+    finally:
+        (logging.enable_progress_bar if was else logging.disable_progress_bar)()
+    from gguf import GGUFReader
+
+    total = len(GGUFReader(str(gguf_file)).tensors) + 3  # each tensor, and the layout, the model, the folder
+    assert told == [(0, total), *((done, total) for done in range(1, total - 1)), (total - 1, total), (total, total)]
+    stderr = capfd.readouterr().err
+    assert "Writing model shards" not in stderr and "it/s" not in stderr and "Reading tiny-qwen2-q8_0.gguf" in stderr
+
+
+def test_preparing_a_run_from_a_gguf_file_reports_the_reading_as_a_stage(gguf_file):
+    from llmcustoms.commands.preparation import prepare_run
+    from llmcustoms.planning.hardware import Hardware
+    from llmcustoms.planning.train_options import TrainOptions
+
+    stages: list[tuple[str, int, int | None]] = []
+    prepare_run(TrainOptions(data=str(DATA_FILES["messages"]), model=str(gguf_file)), Hardware.cpu_only(),
+                progress=lambda stage, done, total: stages.append((stage, done, total)))
+    read = [(done, total) for stage, done, total in stages if stage == "gguf"]
+    assert read and read[-1][0] == read[-1][1] > 1 and stages.index(("gguf", *read[-1])) < len(stages) - 1

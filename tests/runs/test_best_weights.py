@@ -224,7 +224,7 @@ def test_summary_report_and_runs_show_perplexity_samples_and_the_kept_step(tmp_p
     assert "Sample replies" in trained and "weights kept" in trained
     prompt = side_by_side(RunDirectory(tmp_path / "r").read_samples())[0]["prompt"]
     assert " ".join(prompt.split())[:20] in trained  # the user's own held-out prompt, in their terminal
-    reported = invoke("report", str(tmp_path / "r"))
+    reported = invoke("report", str(tmp_path / "r"), "--details")
     assert "quality" in reported and "perplexity" in reported and f"step {status['kept_step']}" in reported
     assert "Sample replies" in reported
     listed = invoke("runs", "--output-dir", str(tmp_path))

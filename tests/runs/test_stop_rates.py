@@ -103,7 +103,8 @@ def written_run(tmp_path, plan, rows: list[dict], status: dict) -> RunDirectory:
 
 
 def reported(run: RunDirectory) -> str:
-    result = CliRunner().invoke(app, ["report", str(run.path)], env={"COLUMNS": WIDE}, catch_exceptions=False)
+    result = CliRunner().invoke(app, ["report", str(run.path), "--details"], env={"COLUMNS": WIDE},
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return " ".join(result.output.replace("│", " ").split())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -266,8 +267,102 @@ def test_a_dpo_runs_summary_keeps_its_memory_and_path_at_80_columns(tmp_path):
                          memory={"peak_bytes": int(12.21 * GIB), "plan_peak_bytes": int(13.62 * GIB),
                                  "predicted_bytes": int(11.16 * GIB), "ratio": 1.09, "gpu_util": 87.0})
     text = shown(ui.show_summary, result, width=80)
-    assert_fits(text, 80)  # the path folds in its column, never cut short
+    assert_fits(without_paths(text, path), 80)
     for value in ("12.21 GiB", "13.62 GiB", "1.09x", "GPU busy 87%", "0.88 of held-out pairs", "margin +1.234",
                   "3h 20m 34s", "12,346"):
         assert value in text, value
-    assert "dpo-run" in "".join(re.sub(r"[│ ]", "", line) for line in text.splitlines())
+    assert text.splitlines()[-2:] == ["Saved to:", str(path)]  # whole, on a line of its own: a copy takes it
+
+
+def without_paths(text: str, *paths: Path) -> str:
+    """`text` less the lines that are a path, whole: a path wider than the screen is
+    left to the terminal to wrap (soft wrap), which copies it whole; a line that
+    holds only part of one is still caught (it is no longer the path)."""
+    return "\n".join(line for line in text.splitlines() if line not in {str(p) for p in paths})
+
+
+# ------------------------------------------------------- paths a user copies
+
+# Shorter than 80 columns, longer than a table's value column: the old summary broke it
+# across two table lines ("…/ad│" then "│ apter"), the old plan cut it with "…".
+COPIED = Path("/home/someone/fine-tuning/runs/tiny-llama-quality-20261202-033016/adapter")
+
+
+def test_the_summary_gives_the_adapters_path_whole_on_a_line_of_its_own():
+    import llmcustoms.ui.console as ui
+    from llmcustoms.training.position import TrainResult
+
+    assert 60 < len(str(COPIED)) <= 80
+    result = TrainResult("completed", 136, 4.16, 4.30, 136, 58.0, 2810.0, COPIED, base_eval_loss=6.63,
+                         memory={"peak_bytes": int(0.79 * GIB), "plan_peak_bytes": int(0.13 * GIB), "ratio": 6.06},
+                         kept="the last step's, which had the best eval loss (4.3043)")
+    lines = assert_fits(shown(ui.show_summary, result, width=80), 80)
+    assert lines[-2:] == ["Saved to:", str(COPIED)]
+    assert not any("saved to" in line for line in lines)  # not also in the table, broken
+
+
+def test_the_plan_gives_a_local_models_path_whole_under_its_table():
+    import llmcustoms.ui.console as ui
+    from test_report import plan_of
+
+    model = str(COPIED.parent.parent / "models" / "smollm2-135m-instruct")
+    text = shown(ui.show_plan, replace(plan_of(40), model=model), width=80)
+    lines = assert_fits(text, 80)  # no "…"
+    assert lines.index("Model folder:") + 1 == lines.index(model), text
+    assert any(cells(line).startswith("model smollm2-135m-instruct") for line in lines), text
+    # A Hub id is short: it stays in the table, and nothing is said below.
+    hub = shown(ui.show_plan, plan_of(40), width=80)
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in hub and "Model folder" not in hub
+
+
+# ------------------------------------------------------------------ report
+
+
+def normal_run(root: Path) -> Path:
+    """A finished run as the README's first run leaves it (136 steps, an evaluation
+    every 17, the sample replies and the general questions, its memory measured),
+    with two recommendations (the loss still falling, the peak above the plan)."""
+    from test_forgetting import scores
+    from test_report import make_run, plan_of
+    from test_stop_rates import samples
+
+    losses = [6.0 - 2.0 * (1 - 0.98 ** step) for step in range(1, 137)]
+    evals = {0: 6.63, **{step: 6.0 - 1.7 * (1 - 0.98 ** step) for step in range(17, 137, 17)}}
+    run = make_run(root, plan_of(136), losses, evals, base_eval_loss=6.63, best_eval_loss=evals[136],
+                   best_eval_step=136, kept_step=136, kept="the last step's, which had the best eval loss (4.3043)",
+                   general_knowledge=scores(12, 12),
+                   memory={"peak_bytes": int(4.23 * GIB), "plan_peak_bytes": int(2.38 * GIB), "ratio": 1.82,
+                           "budget_bytes": int(21.4 * GIB)})
+    run.append_samples(samples([False] * 3, [True, True, False]))
+    return run.path
+
+
+def test_report_fits_an_80x24_screen_a_line_per_verdict(tmp_path, cli, clean_environment):
+    run = normal_run(tmp_path)
+    result = cli("report", str(run), "--plot", env={"COLUMNS": "80", "LINES": "24"})
+    assert result.returncode == 0, result.stderr
+    lines = assert_fits(without_paths(result.stdout, run / "loss.png"), 80)
+    assert len(result.stdout.splitlines()) <= 23, f"the top scrolls off (the prompt takes the 24th)\n{result.stdout}"
+    assert result.stdout.splitlines()[-2:] == ["Wrote:", str(run / "loss.png")]
+    verdicts = {"quality": "better (perplexity -", "weights kept": "step 136", "stopping": "2/3 stopped",
+                "general questions": "kept (12/67 -> 12/67)", "convergence": "still falling (-",
+                "overfitting": "no", "learning rate": "effective (peak ", "throughput": "1,000 tokens/s",
+                "memory": "above plan (1.82x the plan)", "recoveries": "none"}
+    for topic, verdict in verdicts.items():
+        assert any(re.match(rf"{topic} +{re.escape(verdict)}", line) for line in lines), f"{topic}:\n{result.stdout}"
+    assert "--epochs" in result.stdout and "--batch-size" in result.stdout  # what to change, on the screen
+    assert "--details" in result.stdout and "Sample replies" not in result.stdout
+
+
+def test_report_details_say_each_verdicts_reasons_and_show_the_sample_replies(tmp_path, cli, clean_environment):
+    run = normal_run(tmp_path)
+    result = cli("report", str(run), "--details", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = assert_fits(result.stdout, 80)
+    flat = " ".join(result.stdout.split())
+    for said in (f"quality better perplexity {math.exp(6.63):.2f} ->", "on 50 held-out rows",
+                 "memory above plan peak 4.23 GiB; plan 2.38 GiB", "budget 21.4 GiB", "Sample replies",
+                 "12/67 base -> 12/67 trained of llmcustoms' general questions", "Recommendations"):
+        assert said in flat, said
+    assert "better (perplexity" not in flat  # the reasons in place of the short numbers
+    assert any(line.startswith("  ") for line in lines)  # a verdict's reasons under it, in the screen's width

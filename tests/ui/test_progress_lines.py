@@ -160,7 +160,7 @@ def test_a_long_curves_table_says_which_steps_it_shows():
     curve = [{"step": i + 1, "lr": 10 ** (-7 + i / 5), "loss": 5.0, "smoothed": 5.0} for i in range(30)]
     rows = sample_rows(curve, Suggestion(None))
     assert [r["step"] for r in rows] == [1, 6, 11, 16, 21, 26, 30]
-    assert rows_shown(30) == "every 5 steps from step 1 (of 30), the last, the suggested and the minimum's"
+    assert rows_shown(30) == "every 5 steps from step 1 (of 30), the last, the suggested and the smoothed minimum's"
     assert [r["step"] for r in sample_rows(curve[:10], Suggestion(None))] == list(range(1, 11))
     assert rows_shown(10) == "every step of 10"
 
@@ -173,3 +173,35 @@ def test_a_long_range_test_keeps_at_most_twenty_step_lines_and_counts_every_step
     kept = [int(n) for n in re.findall(r"^step (\d+)/100  lr ", frames(captured), re.MULTILINE)]
     assert sorted(set(kept)) == [1, 6, 11, 16, 21, 26, 31, 36, 41, 46, 51, 56, 61, 66, 71, 76, 81, 86, 91, 96, 100]
     assert display.countdown.done == 100  # the live line counted each one
+
+
+def test_a_counted_wait_says_its_count_and_from_the_first_item_on_the_time_left():
+    """`console.waiting`'s stages counted in items (the check prompts of an export,
+    a GGUF file's tensors), as the training display counts its waits."""
+    from llmcustoms.ui.train_progress import counting
+
+    said: list[str] = []
+    now = [100.0]
+    told = counting(said.append, "Answering the check prompts", lambda: now[0])
+    told(0, 4)
+    now[0] += 3
+    told(0, 4)  # no item done yet: the time so far, so the line never stands still
+    now[0] += 7
+    told(1, 4)  # 10 s for the first: 30 s for the other three
+    now[0] += 10
+    told(2, 4)
+    assert said == ["Answering the check prompts 0/4 0:00:00", "Answering the check prompts 0/4 0:00:03",
+                    "Answering the check prompts 1/4, eta 0:00:30", "Answering the check prompts 2/4, eta 0:00:20"]
+
+
+def test_the_preparation_display_counts_a_gguf_files_tensors_in_tensors(monkeypatch):
+    from llmcustoms.ui import data_view
+
+    out = io.StringIO()
+    monkeypatch.setattr(data_view, "console", Console(file=out, width=100, force_terminal=True, color_system=None))
+    monkeypatch.setattr(data_view, "QUIET_SECONDS", 0.0)
+    with data_view.PreparationProgress() as progress:
+        progress("gguf", 3, 10)
+        progress.progress.refresh()
+        shown = out.getvalue()
+    assert "Reading the GGUF file" in shown and "3/10" in shown and "tensors/s" in shown and "rows/s" not in shown

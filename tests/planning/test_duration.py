@@ -1,0 +1,92 @@
+"""The plan's time is the command's: training, evaluations, the sample replies and
+general questions before and after, loading and saving, each part named; and the
+live ETA counts what follows the last step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from llmcustoms.planning import duration
+from llmcustoms.planning.duration import answering_seconds, seconds_after_last_step
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.planner import Planner
+from llmcustoms.planning.presets import find_model_spec, load_preset
+from llmcustoms.ui.train_progress import TrainingProgress
+from test_planning import CATALOG, FAMILIES, model, plan_for, stats
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TWO_CORES = Hardware.cpu_only(ram_gib=16, cores=2)
+PARTS = ["training", "evaluations", "sample replies and general questions", "loading and saving"]
+
+
+def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each():
+    plan = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20})
+    parts = plan.duration_parts
+    assert list(parts) == PARTS and all(seconds > 0 for seconds in parts.values())
+    assert plan.estimated_seconds == pytest.approx(sum(parts.values()))
+    [reason] = [r for r in plan.reasons if r.startswith("estimated duration")]
+    assert all(f"{name} " in reason for name in PARTS), reason
+    # The base model's answers and the trained model's: a first run on 2 idle cores waited 35-45 s for each.
+    assert 30 < parts["sample replies and general questions"] < 240
+    # Starting, loading 540 MB of weights and 5 LoRA checkpoints: seconds, not minutes.
+    assert 10 < parts["loading and saving"] < 30
+
+
+def test_a_run_without_evaluation_rows_answers_nothing():
+    plan = Planner(TWO_CORES, load_preset("quality"), catalog=CATALOG).plan(
+        model(SMOLLM2), replace(stats(), eval_rows=0), {"max_steps": (20, "flag")})
+    assert plan.eval_rows == 0
+    assert plan.duration_parts["sample replies and general questions"] == 0
+    assert plan.duration_parts["evaluations"] == 0
+
+
+def test_generating_is_tokens_over_the_rate_with_a_floor_per_decoding_step():
+    arch = find_model_spec(SMOLLM2, FAMILIES)
+    idle = answering_seconds(arch, "lora", False, TWO_CORES, 0, 60)
+    # A CPU decoding step has a floor per layer: 3 x 48 sample tokens one at a time cost at least that.
+    floor = arch.num_layers * duration.CPU_DECODE_SECONDS_PER_LAYER
+    assert idle > duration.SAMPLE_PROMPTS * duration.SAMPLE_TOKENS * floor
+    # A machine measured to train at half its nominal rate answers slower too.
+    nominal = duration.CPU_FLOPS_PER_CORE * 2 / duration.flops_per_token(arch, "lora", False)
+    slow = replace(TWO_CORES, speeds=((f"{SMOLLM2}|lora", nominal / 2),))
+    assert answering_seconds(arch, "lora", False, slow, 0, 60) > 1.3 * idle
+    # Longer prompts take longer to read.
+    assert answering_seconds(arch, "lora", False, TWO_CORES, 0, 600) > idle
+    # On an H200 a decoding step is launches, not FLOPs: about 34 s for TinyLlama's base answers.
+    h200 = Hardware.with_gpu(140, name="NVIDIA H200", compute_capability=(9, 0))
+    tinyllama = find_model_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0", FAMILIES)
+    assert 20 < answering_seconds(tinyllama, "lora", False, h200, 0, 60) < 50
+
+
+def test_what_planning_counts_is_what_the_run_generates():
+    from llmcustoms.training import general_knowledge, samples
+
+    assert (duration.SAMPLE_PROMPTS, duration.SAMPLE_TOKENS) == (samples.SAMPLE_PROMPTS, samples.MAX_NEW_TOKENS)
+    questions = json.loads(general_knowledge.QUESTIONS_FILE.read_text())["questions"]
+    assert (duration.GENERAL_QUESTIONS, duration.GENERAL_TOKENS, duration.GENERAL_GPU_BATCH) == (
+        len(questions), general_knowledge.MAX_NEW_TOKENS, general_knowledge.GPU_BATCH_SIZE)
+
+
+def test_the_time_after_the_last_step_is_its_evaluation_the_trained_answers_and_saving():
+    plan = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20, "eval_every": 5})
+    parts = plan.duration_parts
+    after = seconds_after_last_step(plan)
+    # 5 evaluations (the base model's and every 5 steps): the last is one of them.
+    assert after == pytest.approx(parts["evaluations"] / 5 + parts["sample replies and general questions"] / 2
+                                  + 2 * duration.SAVE_S)
+    assert seconds_after_last_step(replace(plan, duration_parts=None)) == 0  # a plan.json written before
+
+
+def test_the_live_eta_counts_the_time_after_the_last_step_and_counts_it_down():
+    progress = TrainingProgress(total_steps=2, start_step=0, now=0.0, after=60.0)
+    progress.step({"step": 1, "loss": 1.0, "lr": 1e-4, "tokens_per_s": 100.0, "seconds": 10.0}, now=10.0)
+    assert progress.eta(10.0) == pytest.approx(10.0 + 60.0)  # a step left, then what follows it
+    progress.step({"step": 2, "loss": 1.0, "lr": 1e-4, "tokens_per_s": 100.0, "seconds": 10.0}, now=20.0)
+    assert progress.eta(20.0) == pytest.approx(60.0)  # not 0:00:00 while the last evaluation runs
+    assert progress.eta(50.0) == pytest.approx(30.0)
+    assert progress.eta(100.0) == 0.0
+    _, timing = progress.lines(now=50.0)
+    assert "eta 0:00:30" in timing
