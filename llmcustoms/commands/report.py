@@ -192,7 +192,8 @@ def _quality(report: RunReport, plan: Any, status: dict[str, Any], evals: _Evalu
     verdict = "unknown" if change is None else "better" if change > 0 else "not better"
     report.findings.append(Finding("quality", verdict, f"{measures.describe(base, best)}; best eval loss "
                                                        f"{best:.4f} at step {step} on {held_out}",
-                                   "" if change is None else f"perplexity {-change:+.0%}"))
+                                   ("" if change is None else f"perplexity {-change:+.0%}")
+                                   + ("; on training rows, not held out" if plan.evaluates_training_rows else "")))
     if status.get("kept"):
         report.findings.append(Finding("weights kept", f"step {status.get('kept_step')}", status["kept"]))
     if change is not None and change <= 0:
