@@ -112,8 +112,10 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
         from llmcustoms.ui.data_view import PreparationProgress, show_prepared
         from llmcustoms.planning.hardware import GIB, Hardware
         from llmcustoms.commands.preparation import prepare_run
+        from llmcustoms.training.base_replies import planned_with_kept_answers
 
-        options = _session(values, env_file).train_options()
+        session = _session(values, env_file)
+        options = session.train_options()
         hardware = preflight.usable_hardware()  # a CPU-only torch on a GPU machine: a CPU plan that says so
         if vram is not None:  # cards sold as "24 GB" have 24 GiB
             hardware = Hardware.with_gpu(vram, name=f"a {vram:g} GB GPU", ram_gib=hardware.ram_bytes / GIB,
@@ -121,11 +123,12 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
         with PreparationProgress() as progress:
             prepared = prepare_run(options, hardware, tokenizer_required=False, progress=progress,
                                    world_size=(num_processes or 1) * (num_machines or 1))
+        plan = planned_with_kept_answers(session.output_dir, prepared.plan)
     if json_output:
-        print(prepared.plan.dumps())
+        print(plan.dumps())
         return
     show_prepared(prepared, options.data)
-    ui().show_plan(prepared.plan, hardware)
+    ui().show_plan(plan, hardware)
 
 
 @app.command(cls=flags.Command)

@@ -22,7 +22,6 @@ from typing import Any, Callable
 from llmcustoms.planning.options import Given
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.training import launching
-
 from llmcustoms.runs import overwriting, read_only, run_lock as runlock
 from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
@@ -158,6 +157,7 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
     from llmcustoms.training.preflight import check_disk_space, usable_hardware
     from llmcustoms.commands.preparation import no_progress, prepare_run
     from llmcustoms.runs.run_directory import RunDirectory, default_run_name
+    from llmcustoms.training.base_replies import planned_with_kept_answers
 
     tracker = session.tracker()
     world = launching.world_size()
@@ -175,7 +175,7 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
     run_dir = RunDirectory.inside(session.output_dir, run_name or default_run_name(plan.model, plan.preset))
     # Stops (exit 2) before anything is written, and before the question, if the run cannot fit on the disk.
     disk_warning = check_disk_space(plan, run_dir.path, prepared.model_params)
-    plan = plan.with_warning(disk_warning) if disk_warning else plan
+    plan = planned_with_kept_answers(session.output_dir, plan.with_warning(disk_warning) if disk_warning else plan)
     prepared = replace(prepared, plan=plan)
     if not quiet:
         show_prepared(prepared, options.data)

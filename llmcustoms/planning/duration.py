@@ -34,7 +34,7 @@ launches on a GPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmcustoms.planning.cpu_share import busy_text, slowdown
@@ -86,6 +86,9 @@ SAVE_S = 1.0
 # expected to finish within this is trained: half an hour is a wait a first
 # try can afford, and it still leaves time to change something and run again.
 CPU_TIME_LIMIT_S = 30 * 60
+# The plan's names for the two rounds of answers (sample replies and general
+# questions): the base model's before the first step, the trained model's after the last.
+BASE_ANSWERS, TRAINED_ANSWERS = "base model's answers", "trained model's answers"
 
 
 def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
@@ -166,13 +169,13 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
     both = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
                             evaluations * stats.eval_rows * length, threads, passes)
     # Sample prompts come from the evaluation rows: without them a run answers nothing.
-    answers = 2 * answering_seconds(arch, method, gradient_checkpointing, hardware, threads, length) \
+    answers = answering_seconds(arch, method, gradient_checkpointing, hardware, threads, length) \
         if stats.eval_rows else 0.0
     memory = memory or {}
     written = saves * (memory.get("trainable_bytes", 0) + memory.get("optimizer_bytes", 0))
     disk = STARTUP_S + (memory.get("weights_bytes", 0) + written) / DISK_BYTES_PER_S + saves * SAVE_S
-    duration = Duration({"training": training, "evaluations": both - training,
-                         "sample replies and general questions": answers, "loading and saving": disk})
+    duration = Duration({"training": training, "evaluations": both - training, BASE_ANSWERS: answers,
+                         TRAINED_ANSWERS: answers, "loading and saving": disk})
     reasons.append(duration_reason(duration.total, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
                                    busy_text(hardware, threads), duration.text()))
     return duration
@@ -214,8 +217,25 @@ def seconds_after_last_step(plan: Any) -> float:
     parts = plan.duration_parts or {}
     evaluations = -(-plan.total_steps // plan.eval_every) + 1 if plan.eval_every and plan.eval_rows else 0
     last_evaluation = parts.get("evaluations", 0.0) / evaluations if evaluations else 0.0
-    answers = parts.get("sample replies and general questions", 0.0) / 2
+    # A plan.json written before the two rounds were named had them as one part.
+    answers = parts.get(TRAINED_ANSWERS, parts.get("sample replies and general questions", 0.0) / 2)
     return last_evaluation + answers + (2 * SAVE_S if parts else 0.0)
+
+
+def with_base_answers_kept(plan: Any) -> Any:
+    """`plan` without the base model's round of answers, when an earlier run in the
+    same folder kept them (`base_replies.answered_before`): its time, its parts and
+    the reason that names them."""
+    parts = dict(plan.duration_parts or {})
+    if not parts.pop(BASE_ANSWERS, 0.0):
+        return plan
+    duration = Duration(parts)
+    head = f"estimated duration {human_duration(duration.total)}: {duration.text()}"
+    # The reason's head is the time and its parts; what follows " (" says where the speed came from.
+    reasons = tuple(head + reason[reason.index(" ("):] + "; the base model's answers are kept from an earlier run"
+                    if reason.startswith("estimated duration ") and " (" in reason else reason
+                    for reason in plan.reasons)
+    return replace(plan, duration_parts=parts, estimated_seconds=round(duration.total, 1), reasons=reasons)
 
 
 def duration_reason(seconds: float, hardware: Hardware, measured: bool = False, busy: str = "", parts: str = "") -> str:

@@ -102,13 +102,51 @@ def kept_answers(output_dir: Path, key: str | None, count: int) -> tuple[list[An
     return answers, float(seconds)
 
 
-def keep_answers(output_dir: Path, key: str | None, answers: list[Any], seconds: float) -> None:
+def keep_answers(output_dir: Path, key: str | None, answers: list[Any], seconds: float, kind: str = "",
+                 plan: Any = None) -> None:
     """Keep `answers` (and the `seconds` they took) under `key` for the next run;
-    nothing when that cannot be written."""
+    nothing when that cannot be written. `kind` and `plan`'s hint let the next
+    plan tell, before any model loads, that it will read them (`answered_before`)."""
     if key is None:
         return
+    kept = {"answers": answers, "seconds": seconds, "kind": kind, "hint": plan_hint(plan) if plan else ""}
     try:
         (output_dir / FOLDER).mkdir(exist_ok=True)
-        replace_file(output_dir / FOLDER / f"{key}.json", json.dumps({"answers": answers, "seconds": seconds}))
+        replace_file(output_dir / FOLDER / f"{key}.json", json.dumps(kept))
     except OSError:  # a full or read-only disk: the next run generates them again
         return
+
+
+def plan_hint(plan: Any) -> str:
+    """What of the key a plan knows before the model loads: the model's files, method,
+    precision, data and versions. Equal hints nearly always mean equal keys; the
+    answers' own key still decides whether they are read."""
+    import llmcustoms
+
+    described = [plan.model_fingerprint, plan.method, plan.mixed_precision, plan.compile, plan.data_format,
+                 plan.raw_prompts, plan.data_sha256, plan.eval_data_sha256, plan.eval_split,
+                 plan.seed, plan.from_run, FORMAT, llmcustoms.__version__]
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def planned_with_kept_answers(output_dir: Path, plan: Any) -> Any:
+    """`plan`, its time without the base model's answers when a run here kept them."""
+    from llmcustoms.planning.duration import with_base_answers_kept
+
+    return with_base_answers_kept(plan) if answered_before(output_dir, plan) else plan
+
+
+def answered_before(output_dir: Path, plan: Any) -> bool:
+    """Whether an earlier run in `output_dir` kept both kinds of base answers that
+    `plan`'s run will ask for: its plan then leaves their time out."""
+    if not plan.model_fingerprint or plan.from_run:
+        return False
+    hint, kinds = plan_hint(plan), set()
+    for path in sorted((Path(output_dir) / FOLDER).glob("*.json")) if (Path(output_dir) / FOLDER).is_dir() else []:
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(kept, dict) and kept.get("hint") == hint:
+            kinds.add(kept.get("kind"))
+    return {"samples", "general"} <= kinds

@@ -174,7 +174,7 @@ class GeneralKnowledge:
         if self.reused:
             score["reused"] = True  # `seconds`: what generating them took in the run that kept them
         elif self.run_dir.writable:
-            keep_answers(self.run_dir.path.resolve().parent, key, replies, seconds)
+            keep_answers(self.run_dir.path.resolve().parent, key, replies, seconds, "general", self.plan)
         self._record(label, score, rows)
         return score
 

@@ -183,7 +183,8 @@ class SampleReplies:
         # Kept answers bring the time they took: `cheap` judges answering at evaluations by it.
         self.seconds = kept[1] if kept else time.perf_counter() - started
         if not kept and self.run_dir.writable:
-            keep_answers(self.run_dir.path.resolve().parent, key, [list(reply) for reply in replies], self.seconds)
+            keep_answers(self.run_dir.path.resolve().parent, key, [list(reply) for reply in replies], self.seconds,
+                         "samples", self.plan)
         rows = [{"step": step, "label": label, "row": p.row, "prompt": p.text, "reply": reply,
                  "reference": p.reference, "stopped": stopped} for p, (reply, stopped) in zip(self.prompts, replies)]
         self.run_dir.append_samples(rows)

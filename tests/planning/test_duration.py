@@ -19,7 +19,7 @@ from test_planning import CATALOG, FAMILIES, model, plan_for, stats
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TWO_CORES = Hardware.cpu_only(ram_gib=16, cores=2)
-PARTS = ["training", "evaluations", "sample replies and general questions", "loading and saving"]
+PARTS = ["training", "evaluations", "base model's answers", "trained model's answers", "loading and saving"]
 
 
 def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each():
@@ -30,7 +30,7 @@ def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each(
     [reason] = [r for r in plan.reasons if r.startswith("estimated duration")]
     assert all(f"{name} " in reason for name in PARTS), reason
     # The base model's answers and the trained model's: a first run on 2 idle cores waited 35-45 s for each.
-    assert 30 < parts["sample replies and general questions"] < 240
+    assert 15 < parts["base model's answers"] == parts["trained model's answers"] < 120
     # Starting, loading 540 MB of weights and 5 LoRA checkpoints: seconds, not minutes.
     assert 10 < parts["loading and saving"] < 30
 
@@ -39,7 +39,7 @@ def test_a_run_without_evaluation_rows_answers_nothing():
     plan = Planner(TWO_CORES, load_preset("quality"), catalog=CATALOG).plan(
         model(SMOLLM2), replace(stats(), eval_rows=0), {"max_steps": (20, "flag")})
     assert plan.eval_rows == 0
-    assert plan.duration_parts["sample replies and general questions"] == 0
+    assert plan.duration_parts["base model's answers"] == plan.duration_parts["trained model's answers"] == 0
     assert plan.duration_parts["evaluations"] == 0
 
 
@@ -75,9 +75,27 @@ def test_the_time_after_the_last_step_is_its_evaluation_the_trained_answers_and_
     parts = plan.duration_parts
     after = seconds_after_last_step(plan)
     # 5 evaluations (the base model's and every 5 steps): the last is one of them.
-    assert after == pytest.approx(parts["evaluations"] / 5 + parts["sample replies and general questions"] / 2
-                                  + 2 * duration.SAVE_S)
+    assert after == pytest.approx(parts["evaluations"] / 5 + parts["trained model's answers"] + 2 * duration.SAVE_S)
     assert seconds_after_last_step(replace(plan, duration_parts=None)) == 0  # a plan.json written before
+    # A plan.json written when both rounds were one part: half of it is the trained model's.
+    both = {k: v for k, v in parts.items() if "answers" not in k}
+    both["sample replies and general questions"] = 2 * parts["trained model's answers"]
+    assert seconds_after_last_step(replace(plan, duration_parts=both)) == pytest.approx(after)
+
+
+def test_a_plan_whose_base_answers_are_kept_leaves_them_out_of_its_time_and_says_so():
+    plan = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20, "eval_every": 5})
+    kept = duration.with_base_answers_kept(plan)
+    assert "base model's answers" not in kept.duration_parts
+    assert kept.estimated_seconds == pytest.approx(plan.estimated_seconds - plan.duration_parts["base model's answers"],
+                                                   abs=0.2)
+    [reason] = [r for r in kept.reasons if r.startswith("estimated duration")]
+    parts_named = reason.split(" (")[0]
+    assert "base model's answers" not in parts_named and "trained model's answers" in parts_named
+    assert "kept from an earlier run" in reason and "nominal speed" in reason  # the rest of the reason stays
+    # The time after the last step is the same: the trained model still answers.
+    assert seconds_after_last_step(kept) == pytest.approx(seconds_after_last_step(plan))
+    assert duration.with_base_answers_kept(kept) == kept  # nothing left to remove
 
 
 def test_the_live_eta_counts_the_time_after_the_last_step_and_counts_it_down():

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from llmcustoms.runs.run_directory import RunDirectory
-from llmcustoms.training.base_replies import FOLDER, answers_key
+from llmcustoms.training.base_replies import FOLDER, answered_before, answers_key
 from llmcustoms.training.general_knowledge import GeneralKnowledge, read_general_rows
 from test_general_knowledge import QUESTIONS, REPLIES, ScriptedModel
 from test_stop_replies import prepared_run
@@ -85,6 +85,7 @@ def test_a_real_second_run_reuses_the_base_model_replies_it_would_have_generated
     from llmcustoms.commands.train import run_training
 
     out, rows = tmp_path / "runs", {}
+    assert not answered_before(out, prepared.plan)
     for name in ("first", "second"):
         run_dir = RunDirectory(out / name)
         run_dir.create()
@@ -99,3 +100,10 @@ def test_a_real_second_run_reuses_the_base_model_replies_it_would_have_generated
     assert "reused" not in rows["first"][2] and rows["second"][2]["reused"] is True
     assert "reused from an earlier run" not in rows["first"][3] and "reused from an earlier run" in rows["second"][3]
     assert len(list((out / FOLDER).iterdir())) == 2  # the sample replies' and the general questions'
+    # The next plan knows, before the model loads, that its base answers will be read.
+    assert answered_before(out, prepared.plan)
+    assert not answered_before(out, replace(prepared.plan, seed=prepared.plan.seed + 1))  # other prompts
+    assert not answered_before(out, replace(prepared.plan, method="qlora"))
+    first = next((out / FOLDER).iterdir())
+    first.write_text("{damaged")  # one kind left: the plan still counts the base model's answers
+    assert not answered_before(out, prepared.plan)
