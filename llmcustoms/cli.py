@@ -318,7 +318,7 @@ def export(run: flags.RunArg, output: flags.ExportOutput, merge: flags.Merge = F
         written = export_run(run, output, merge, dtype, overwrite, ui().waiting, allowed,
                              gguf_options(format, quant, verify))
         # Paths and the checks' lines are text, never markup: `out[/]x`, "llmcustoms[llama-cpp]".
-        ui().console.print(f"Exported {written.what} to {ui().escape(str(written.path))}")
+        ui().print_path(f"Exported {written.what} to", written.path)  # whole on its own line, to copy
         for line in written.checks:
             ui().console.print(f"  {ui().escape(line)}")
         if written.failed:

@@ -120,6 +120,8 @@ class RichReporter:
     def training_finished(self) -> None:
         if self.live is not None:
             self.live.stop()
+            if not self.console.is_terminal:  # Rich ends the display's last line only on a terminal
+                self.console.line()
         self.live, self.progress, self.countdown = None, None, None
         self._stop_status()
 

@@ -88,3 +88,16 @@ def test_a_dpo_run_shows_its_reward_accuracy_beside_the_losses():
     first, _ = progress.lines(now=52.0)
     assert first == "1/30  loss 0.6931 acc 0.62  eval 0.6931 acc 0.50 @0"
     assert len(first) + 21 <= 80  # after the bar, within 80 columns
+
+
+def test_written_to_a_file_the_last_line_of_the_display_ends_before_what_follows():
+    """Rich ends a live display's last line only on a terminal: in a file the summary's
+    title ran on after "grad norm"."""
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    reporter = RichReporter(console)
+    reporter.training_started(2, 0)
+    reporter.step(row(1, 1.0))
+    reporter.training_finished()
+    console.print("Training finished")
+    assert out.getvalue().splitlines()[-1] == "Training finished"
