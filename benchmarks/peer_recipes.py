@@ -1,12 +1,14 @@
 """The recipes people copy instead of using llmcustoms, for `quality.py --peers`.
 
     python benchmarks/peer_recipes.py unsloth --model MODEL --train TRAIN.json --out DIR
-    python benchmarks/peer_recipes.py trl --model MODEL --train TRAIN.json --out DIR
+    python benchmarks/peer_recipes.py trl --model MODEL --train TRAIN.json --out DIR [--seed-index N]
     python benchmarks/peer_recipes.py --show      # each recipe's settings, TRL's defaults as installed
 
 Each trains a LoRA adapter on the training file's rows (read by llmcustoms'
 own reader, so every system sees the same conversations) and saves it in
 DIR/adapter with DIR/peer.json (the recipe, its settings, steps, wall time).
+--seed-index N runs a recipe at its own seed plus N (below): 0, the default, is
+the recipe as published, so `quality.py --seeds` repeats each at other seeds.
 `quality.py` then scores DIR like an llmcustoms run: the same evaluator on
 the same test rows.
 
@@ -126,7 +128,7 @@ def trl_defaults() -> dict:
             for k in TRL_SHOWN}
 
 
-def train_unsloth(model_path: str, rows: list[list[dict]]):
+def train_unsloth(model_path: str, rows: list[list[dict]], seed_index: int = 0):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
@@ -134,15 +136,16 @@ def train_unsloth(model_path: str, rows: list[list[dict]]):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_list(unsloth_rows(tokenizer, rows, UNSLOTH["max_length"]))
     bf16 = native_bf16()
+    settings = {**UNSLOTH, "seed": UNSLOTH["seed"] + seed_index}
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    config = sft_config(**{k: v for k, v in UNSLOTH.items() if not k.startswith("lora") and k != "targets"},
+    config = sft_config(**{k: v for k, v in settings.items() if not k.startswith("lora") and k != "targets"},
                         bf16=bf16, packing=False)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=lora(UNSLOTH))
-    return trainer, {**UNSLOTH, "bf16": bf16}
+    return trainer, {**settings, "bf16": bf16}
 
 
-def train_trl(model_path: str, rows: list[list[dict]]):
+def train_trl(model_path: str, rows: list[list[dict]], seed_index: int = 0):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
@@ -150,17 +153,19 @@ def train_trl(model_path: str, rows: list[list[dict]]):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_list([{"messages": messages} for messages in rows])
     settings = {**trl_defaults(), **TRL_LORA}  # before the trainer: a new SFTConfig resets accelerate's state
+    settings["seed"] += seed_index  # TRL's default seed (42) at index 0: `trl sft` as it runs
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    trainer = SFTTrainer(model=model, args=sft_config(bf16=native_bf16()), train_dataset=dataset,
+    trainer = SFTTrainer(model=model, args=sft_config(bf16=native_bf16(), seed=settings["seed"]), train_dataset=dataset,
                          processing_class=tokenizer, peft_config=lora(TRL_LORA))
     return trainer, settings
 
 
-def run(recipe: str, model_path: str, train: Path, out: Path, max_steps: int | None = None) -> dict:
-    """Train `recipe` on `train`'s rows; the adapter in out/adapter and out/peer.json.
-    `max_steps` caps the run (tests)."""
+def run(recipe: str, model_path: str, train: Path, out: Path, max_steps: int | None = None,
+        seed_index: int = 0) -> dict:
+    """Train `recipe` on `train`'s rows at its own seed plus `seed_index`; the adapter
+    in out/adapter and out/peer.json. `max_steps` caps the run (tests)."""
     rows = conversations(train)
-    trainer, settings = (train_unsloth if recipe == "unsloth" else train_trl)(model_path, rows)
+    trainer, settings = (train_unsloth if recipe == "unsloth" else train_trl)(model_path, rows, seed_index)
     if max_steps is not None:
         trainer.args.max_steps = max_steps
     started = time.perf_counter()
@@ -184,6 +189,8 @@ def main() -> None:
     parser.add_argument("--train", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--max-steps", type=int, default=None, help="cap the steps (tests)")
+    parser.add_argument("--seed-index", type=int, default=0,
+                        help="run at the recipe's own seed plus this (0: the recipe as published)")
     parser.add_argument("--show", action="store_true", help="print each recipe's settings and exit")
     args = parser.parse_args()
     if args.show or args.recipe is None:
@@ -191,7 +198,7 @@ def main() -> None:
         return
     if not (args.model and args.train and args.out):
         parser.error("a recipe needs --model, --train and --out")
-    print(json.dumps(run(args.recipe, args.model, args.train, args.out, args.max_steps)))
+    print(json.dumps(run(args.recipe, args.model, args.train, args.out, args.max_steps, args.seed_index)))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Is the trained model better than the base model? Presets and `tune` on a real pretrained model.
 
     python benchmarks/quality.py --model ~/.cache/llmcustoms-dev/smollm2-135m-instruct \\
-        [--data-dir ../shared/data] [--only identity:quality,code:base] [--trials 4] [--json]
+        [--data-dir ../shared/data] [--only identity:quality,code:base,sentiment:quality:1] [--seeds 3] \\
+        [--tune-seeds 1] [--trials 4] [--redo] [--json]
+    python benchmarks/quality.py --table [--results FILE]     # the table of what FILE holds
 
-For each dataset the rows are split once (seeded) into a training file, a
-validation file (the run's own evaluation: which weights to keep, early
-stopping) and a test file nothing trains or selects on. Then, each as a user
-would run it, through the CLI:
+For each dataset the rows are split once (seeded, the same split for every
+seed) into a training file, a validation file (the run's own evaluation: which
+weights to keep, early stopping) and a test file nothing trains or selects on.
+Then, each as a user would run it, through the CLI:
 
   base           the model as downloaded
   highspeed      llmcustoms train TRAIN --eval-data VAL --preset highspeed
@@ -26,16 +28,34 @@ With --peers, the recipes people copy instead, each on the same training rows
   unsloth        the Unsloth notebook recipe, with transformers + peft + TRL
   trl            `trl sft --use_peft` with the installed TRL's defaults
   equal-time     llmcustoms train TRAIN --eval-data VAL --max-steps N, N chosen so
-                 it takes the wall time of the fastest peer recipe
+                 it takes the wall time of the fastest peer recipe (sized once,
+                 from seed 0's runs, so every seed runs the same configuration)
+
+Seeds: each trained configuration runs once per seed index 0..N-1 (--seeds,
+3 by default): index S is `--seed 42+S` for llmcustoms (42, its default) and a
+peer recipe's own seed plus S (Unsloth's 3407, TRL's default 42), so seed 0 is
+each system as published. `base` runs once (it trains nothing, replies
+greedily); `tune` --tune-seeds times, 1 by default (a study costs 4-5 `quality`
+runs). The data split is the same for every seed; `default`'s own held-out
+rows are not (llmcustoms draws them with its seed).
+
+Datasets: identity (`sharegpt_identity.json`), code (`code_alpaca_2k.json`),
+sentiment (one-word "Positive"/"Negative" answers about words of the VADER
+lexicon, built from the installed `vaderSentiment` package by
+`sentiment_data.py`; none of the presets was tuned on it).
 
 Reported per configuration: test eval loss (mean per reply token) and
 perplexity, the share by which perplexity fell from the base model's, time
 (status.json's, and the command's whole wall time), the machine's load, how
 many of the forgetting check's general questions the model answers
-(`training/general_questions.json`), and a behaviour score. identity: the
-share of held-out identity questions whose greedy reply names the identity the data teaches. code: a
-sample reply. Results accumulate in --results (JSON) so configurations can be
-run one at a time; the Markdown table is printed from everything measured.
+(`training/general_questions.json`), and task success. identity: the share of
+held-out identity questions whose greedy reply names the identity the data
+teaches; sentiment: the share of held-out words whose greedy reply's first
+word is the right label; code: none (test loss only; a sample reply is kept).
+Results accumulate in --results (JSON) per (dataset, configuration, seed), so
+configurations and seeds can be run one at a time; what is there already is
+skipped (--redo measures it again). The Markdown table (`quality_table.py`)
+shows each configuration's mean and spread over its seeds.
 """
 
 from __future__ import annotations
@@ -53,16 +73,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import quality_table  # noqa: E402  (next to this script: on sys.path when it runs)
+import sentiment_data  # noqa: E402
+
 DATASETS = {
     # name: (file, training rows, test rows, validation rows); the rest of the file is unused.
     "identity": ("sharegpt_identity.json", 160, 60, 30),
     "code": ("code_alpaca_2k.json", 160, 60, 30),
+    "sentiment": (sentiment_data.FILE, 160, 60, 30),  # built from the vaderSentiment package when absent
 }
 CONFIGS = ("base", "highspeed", "quality", "bestaccuracy", "tune")
 PEERS = ("default", "unsloth", "trl", "equal-time")
 IDENTITY = "vicuna"  # the name sharegpt_identity.json teaches (72 of its 500 rows ask for it)
 IDENTITY_TEST_ROWS = 12  # of the test rows, how many ask for the identity (its 12 questions come 6 times each)
 MAX_NEW_TOKENS = 32  # the identity comes early in a reply; a code sample is a glimpse
+LABEL_TOKENS = 8  # a sentiment reply is scored by its first word: more tokens would only cost time
 
 
 def split_files(data_dir: Path, name: str, work: Path, sizes: tuple[int, int, int] | None = None) -> dict[str, Path]:
@@ -71,7 +96,8 @@ def split_files(data_dir: Path, name: str, work: Path, sizes: tuple[int, int, in
     file, n_train, n_test, n_val = DATASETS[name]
     if sizes:
         n_train, n_test, n_val = sizes
-    rows = [r for r in json.loads((data_dir / file).read_text()) if _usable(r)]
+    source = sentiment_data.ensure_file(data_dir, work) if name == "sentiment" else data_dir / file
+    rows = [r for r in json.loads(source.read_text()) if _usable(r)]
     random.Random(1234).shuffle(rows)
     if name == "identity":  # enough identity questions in the test set to score them
         asking = [r for r in rows if _names_identity(r)]
@@ -121,11 +147,13 @@ def train(model: str, paths: dict[str, Path], out: Path, name: str, *extra: str,
 WALL: dict[str, float] = {}  # each configuration's whole wall time, command start to exit
 
 
-def peer(recipe: str, model: str, paths: dict[str, Path], out: Path) -> tuple[Path, float]:
-    """A peer recipe (`peer_recipes.py`) in its own process: its directory and its training time."""
+def peer(recipe: str, model: str, paths: dict[str, Path], out: Path, seed: int) -> tuple[Path, float]:
+    """A peer recipe (`peer_recipes.py`) in its own process, at its own seed plus
+    `seed`: its directory and its training time."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer_recipes.py"), recipe, "--model", model,
-                           "--train", str(paths["train"]), "--out", str(out / recipe)], capture_output=True, text=True)
+                           "--train", str(paths["train"]), "--out", str(out / recipe), "--seed-index", str(seed)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"peer recipe {recipe} failed:\n{done.stderr[-3000:]}")
     WALL[recipe] = time.perf_counter() - started
@@ -136,9 +164,12 @@ def equal_time_steps(results: dict) -> int:
     """Steps for llmcustoms to take the wall time of the fastest peer recipe:
     what is left of that time after `quality`'s fixed costs (loading, the
     base model's replies, the checks; its wall time less its training time),
-    at `quality`'s seconds per step."""
+    at `quality`'s seconds per step. `results`: {configuration: measures}, seed 0's."""
     quality = results["quality"]
-    fastest = min(results[r]["wall_seconds"] for r in ("unsloth", "trl") if r in results)
+    peers = [results[r]["wall_seconds"] for r in ("unsloth", "trl") if r in results]
+    if not peers:
+        raise SystemExit("equal-time is sized from a peer recipe's time: run DATASET:unsloth:0 or DATASET:trl:0 first")
+    fastest = min(peers)
     per_step = quality["step_seconds"] / max(quality["steps"], 1)
     fixed = quality["wall_seconds"] - quality["step_seconds"]
     return max(1, int((fastest - fixed) / per_step))
@@ -151,7 +182,7 @@ def _seconds(status: dict) -> float:
     return (parse(status["updated_at"]) - parse(status["started_at"])).total_seconds()
 
 
-def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, budget_steps: int
+def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, budget_steps: int, seed: str
                     ) -> tuple[Path, float, dict]:
     """`tune` with trials as long as a whole `quality` run (successive halving cuts
     most short; the full-length check then needs no extra run), then `train`
@@ -159,11 +190,12 @@ def tune_then_train(model: str, paths: dict[str, Path], out: Path, trials: int, 
     and how many optimizer steps the study ran in all (trials and checks)."""
     started = time.perf_counter()
     done, _ = cli("tune", str(paths["train"]), "--eval-data", str(paths["val"]), "--model", model, "--output-dir",
-                  str(out), "--trials", str(trials), "--max-steps", str(budget_steps), "--study-name", "bench")
+                  str(out), "--trials", str(trials), "--max-steps", str(budget_steps), "--study-name", "bench",
+                  "--seed", seed)
     study = out / "tune-bench"
     preset = study / "best_preset.yaml"
     tune_seconds = time.perf_counter() - started
-    run, _ = train(model, paths, out, "tune", "--preset", str(preset), "--max-steps", str(budget_steps))
+    run, _ = train(model, paths, out, "tune", "--preset", str(preset), "--max-steps", str(budget_steps), "--seed", seed)
     import csv
 
     import yaml
@@ -223,27 +255,46 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
         return float(sum(token_cross_entropy(model, b, total)[0] for b in batches))
 
 
-def replies(model, tokenizer, plan, test: Path, identity: bool) -> list[tuple[str, str]]:
-    """(prompt, greedy reply): for identity, each test row's question whose
-    answer in the data names the identity (with the conversation before it);
-    otherwise the first row's first prompt."""
+def prompts(dataset: str, test: Path) -> list[tuple[list[dict], str]]:
+    """(conversation before a reply, the reply the data gives) to ask the model:
+    identity, each test row's question whose answer names the identity (with
+    the conversation before it); sentiment, every test row's question; code,
+    the first row's first prompt (a sample to look at)."""
     from llmcustoms.data.dataset import usable_examples
-    from llmcustoms.models.generation import generate
     from llmcustoms.training.samples import prompt_of
 
-    prompts = []
+    chosen = []
     for example in usable_examples(test):
-        if not identity:
-            prompts.append(prompt_of(example))
-            break
+        if dataset != "identity":
+            sample = prompt_of(example)
+            chosen.append((list(sample.messages), sample.reference))
+            if dataset == "code":
+                break
+            continue
         for index, message in enumerate(example.messages):
             if message.role == "assistant" and IDENTITY in message.content.lower():
-                prompts.append([{"role": m.role, "content": m.content} for m in example.messages[:index]])
+                chosen.append(([{"role": m.role, "content": m.content} for m in example.messages[:index]],
+                               message.content))
                 break
-    if not identity:
-        prompts = [list(prompts[0].messages)]
-    return [(messages[-1]["content"], generate(model, tokenizer, plan, messages, MAX_NEW_TOKENS, 0.0))
-            for messages in prompts]
+    return chosen
+
+
+def task(model, tokenizer, plan, dataset: str, test: Path) -> dict:
+    """The dataset's task success (none for code) and a sample (prompt, greedy reply)."""
+    from llmcustoms.models.generation import generate
+
+    tokens = LABEL_TOKENS if dataset == "sentiment" else MAX_NEW_TOKENS
+    asked = [(messages[-1]["content"], generate(model, tokenizer, plan, messages, tokens, 0.0), reference)
+             for messages, reference in prompts(dataset, test)]
+    result = {"sample": asked[0][:2] if asked else None}
+    if dataset == "identity":
+        success = sum(IDENTITY in reply.lower() for _, reply, _ in asked) / max(1, len(asked))
+        # identity_accuracy: the name results files before "task_success" used
+        result.update(task_success=success, identity_accuracy=success, identity_questions=len(asked))
+    elif dataset == "sentiment":
+        right = sum(sentiment_data.is_right(reply, label) for _, reply, label in asked)
+        result.update(task_success=right / max(1, len(asked)), task_questions=len(asked))
+    return result
 
 
 def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict:
@@ -251,14 +302,7 @@ def measure(model_path: str, run: Path | None, dataset: str, test: Path) -> dict
 
     model, tokenizer, plan = load(model_path, run)
     loss = test_loss(model, tokenizer, plan, test)
-    result = {"test_loss": loss, "test_ppl": perplexity(loss)}
-    if dataset == "identity":
-        answered = replies(model, tokenizer, plan, test, identity=True)
-        named = [reply for _, reply in answered if IDENTITY in reply.lower()]
-        result.update(identity_accuracy=len(named) / max(1, len(answered)), identity_questions=len(answered),
-                      sample=answered[0] if answered else None)
-    else:
-        result["sample"] = replies(model, tokenizer, plan, test, identity=False)[0]
+    result = {"test_loss": loss, "test_ppl": perplexity(loss), **task(model, tokenizer, plan, dataset, test)}
     result["general"], result["general_asked"] = general_knowledge(model, tokenizer, plan)
     if run is not None and (run / "peer.json").exists():
         record = json.loads((run / "peer.json").read_text())
@@ -288,62 +332,83 @@ def general_knowledge(model, tokenizer, plan) -> tuple[int, int]:
     return sum(is_right(reply, q.answers) for reply, q in zip(replies, questions)), len(questions)
 
 
-# ------------------------------------------------------------------ table
+# ------------------------------------------------------------------ seeds and runs
 
-def table(results: dict) -> str:
-    """Every configuration measured. time: the command's wall time where it was
-    measured (start to exit: loading, checks and all), else status.json's."""
-    lines = ["| data | configuration | steps (kept) | time | load | test loss | test perplexity | vs base | identity "
-             "| general |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for dataset in DATASETS:
-        base = results.get(dataset, {}).get("base")
-        for config in CONFIGS + PEERS:
-            r = results.get(dataset, {}).get(config)
-            if r is None:
-                continue
-            change = "" if base is None or config == "base" else f"{1 - r['test_ppl'] / base['test_ppl']:.1%} lower"
-            steps = "" if config == "base" else f"{r['steps']} ({r['kept_step']})"
-            when = "" if config == "base" else f"{r.get('wall_seconds', r['seconds']) / 60:.1f} min"
-            identity = f"{r['identity_accuracy']:.0%}" if "identity_accuracy" in r else ""
-            general = f"{r['general']}/{r['general_asked']}" if "general" in r else ""
-            lines.append(f"| {dataset} | {config} | {steps} | {when} | {r.get('load', '')} | {r['test_loss']:.4f} "
-                         f"| {r['test_ppl']:.2f} | {change} | {identity} | {general} |")
-    return "\n".join(lines)
+def llmcustoms_seed(seed: int) -> str:
+    """llmcustoms' --seed for seed index `seed`: its default plus `seed`, so index 0 is a run as a user gets it."""
+    from llmcustoms.planning.planner import DEFAULT_SEED
+
+    return str(DEFAULT_SEED + seed)
 
 
-def configuration(args, done: dict, dataset: str, config: str, paths: dict[str, Path], out: Path) -> dict:
-    """Train (or not: `base`) one configuration and measure it; `done`: what the dataset has measured so far."""
+def seeds_of(config: str, args) -> range:
+    """The seed indices a configuration runs at: `base` once (it trains nothing and
+    replies greedily: another seed gives the same numbers), `tune` --tune-seeds
+    times (a study costs 4-5 `quality` runs), the rest --seeds times."""
+    return range(1) if config == "base" else range(args.tune_seeds) if config == "tune" else range(args.seeds)
+
+
+def jobs(args) -> list[tuple[str, str, int]]:
+    """(dataset, configuration, seed index) to measure: --only's, each DATASET:CONFIG
+    at all its seeds or DATASET:CONFIG:SEED at one; by default everything, every
+    configuration at seed 0 first, then at seed 1, ..., so a comparison is whole early."""
+    if not args.only:
+        configs = CONFIGS + (PEERS if args.peers else ())
+        last = max(args.seeds, args.tune_seeds, 1)
+        return [(d, c, s) for d in DATASETS for s in range(last) for c in configs if s in seeds_of(c, args)]
+    wanted = []
+    for item in filter(None, args.only.split(",")):
+        dataset, config, *seed = item.split(":")
+        if dataset not in DATASETS or config not in CONFIGS + PEERS or len(seed) > 1:
+            raise SystemExit(f"--only {item}: DATASET:CONFIG[:SEED], DATASET one of {', '.join(DATASETS)}, "
+                             f"CONFIG one of {', '.join(CONFIGS + PEERS)}")
+        wanted += [(dataset, config, int(s)) for s in (seed or seeds_of(config, args))]
+    return wanted
+
+
+def configuration(args, results: dict, dataset: str, config: str, seed: int, paths: dict[str, Path],
+                  out: Path) -> dict:
+    """Train (or not: `base`) one configuration at seed index `seed` and measure it;
+    `results`: everything measured so far (tune and equal-time are sized from seed 0's runs)."""
+    first = {c: quality_table.runs(results, dataset, c).get(0) for c in CONFIGS + PEERS}
+    first = {c: measures for c, measures in first.items() if measures is not None}
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    chosen = None
+    chosen, at = None, ("--seed", llmcustoms_seed(seed))
     if config == "base":
         run = None
-    elif config in ("tune", "equal-time") and "quality" not in done:
-        raise SystemExit(f"run {dataset}:quality first: {config} is sized from it")
+    elif config in ("tune", "equal-time") and "quality" not in first:
+        raise SystemExit(f"run {dataset}:quality:0 first: {config} is sized from it")
     elif config == "tune":
-        run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, done["quality"]["planned_steps"])
+        budget = first["quality"]["planned_steps"]
+        run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, budget, at[1])
     elif config == "equal-time":
-        run, seconds = train(args.model, paths, out, config, "--max-steps", str(equal_time_steps(done)))
+        run, seconds = train(args.model, paths, out, config, "--max-steps", str(equal_time_steps(first)), *at)
     elif config in ("unsloth", "trl"):
-        run, seconds = peer(config, args.model, paths, out)
+        run, seconds = peer(config, args.model, paths, out, seed)
     elif config == "default":
-        run, seconds = train(args.model, paths, out, config, held_out=False)
+        run, seconds = train(args.model, paths, out, config, *at, held_out=False)
     else:
-        run, seconds = train(args.model, paths, out, config, "--preset", config)
+        run, seconds = train(args.model, paths, out, config, "--preset", config, *at)
     result = measure(args.model, run, dataset, paths["test"])
     result["seconds"] = time.perf_counter() - started if run is None else seconds
     if run is not None:
         result["wall_seconds"] = round(WALL[config] + (chosen["tune_seconds"] if chosen else 0.0), 1)
+        result["seed"] = result.get("settings", {}).get("seed", int(at[1]))  # the seed the system itself ran at
     result["load"] = round((load_before + os.getloadavg()[0]) / 2, 2)  # 1-minute averages at start and end
     if chosen is not None:
         result.update(found=chosen, trials=args.trials)
     return result
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(Path.home() / ".cache/llmcustoms-dev/smollm2-135m-instruct"))
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
-    parser.add_argument("--only", default="", help="dataset:config pairs, comma-separated (default: all)")
+    parser.add_argument("--only", default="", help="DATASET:CONFIG (all its seeds) or DATASET:CONFIG:SEED, "
+                        "comma-separated (default: all)")
+    parser.add_argument("--seeds", type=int, default=3, help="seed indices 0..N-1 per trained configuration")
+    parser.add_argument("--tune-seeds", type=int, default=1, help="seed indices for tune (each is a whole study)")
+    parser.add_argument("--redo", action="store_true", help="measure again what --results holds already")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--peers", action="store_true", help="also the peer recipes (see benchmarks/peer_recipes.py)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
@@ -351,27 +416,35 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="only print the table of what --results holds")
     parser.add_argument("--rows", default="", help="TRAIN,TEST,VAL rows per dataset instead of the defaults")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = arguments()
     results_path = Path(args.results)
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results = quality_table.normalize(json.loads(results_path.read_text())) if results_path.exists() else {}
     if args.table:
-        print(table(results))
+        print(quality_table.table(results, DATASETS, CONFIGS + PEERS))
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="llmcustoms-quality-"))
     work.mkdir(parents=True, exist_ok=True)
-    everything = [(d, c) for d in DATASETS for c in CONFIGS + (PEERS if args.peers else ())]
-    wanted = [tuple(p.split(":")) for p in args.only.split(",") if p] or everything
-    for dataset, config in wanted:
-        sizes = tuple(int(n) for n in args.rows.split(",")) if args.rows else None
-        paths = split_files(Path(args.data_dir), dataset, work, sizes)
-        print(f"{dataset} / {config} ...", file=sys.stderr, flush=True)
-        result = configuration(args, results.setdefault(dataset, {}), dataset, config, paths, work / dataset)
-        results[dataset][config] = result
+    sizes = tuple(int(n) for n in args.rows.split(",")) if args.rows else None
+    splits: dict[str, dict[str, Path]] = {}
+    for dataset, config, seed in jobs(args):
+        if seed in quality_table.runs(results, dataset, config) and not args.redo:
+            print(f"{dataset} / {config} / seed {seed}: in {results_path.name} already", file=sys.stderr, flush=True)
+            continue
+        if dataset not in splits:
+            splits[dataset] = split_files(Path(args.data_dir), dataset, work, sizes)
+        print(f"{dataset} / {config} / seed {seed} ...", file=sys.stderr, flush=True)
+        # Seed 0 where runs went before seeds (a --work's tune study goes on there); other seeds beside it.
+        out = work / (dataset if seed == 0 else f"{dataset}-seed{seed}")
+        result = configuration(args, results, dataset, config, seed, splits[dataset], out)
+        quality_table.record(results, dataset, config, seed, result)
         results_path.parent.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(results, indent=2))
         print(f"  {json.dumps({k: v for k, v in result.items() if k != 'sample'})}", file=sys.stderr, flush=True)
-    print(table(results))
+    print(quality_table.table(results, DATASETS, CONFIGS + PEERS))
     if args.json:
         print(json.dumps(results))
 

@@ -66,6 +66,9 @@ QLORA_SLOWDOWN = 1.3
 SAMPLE_PROMPTS, SAMPLE_TOKENS = 3, 48  # one at a time
 GENERAL_QUESTIONS, GENERAL_TOKENS, GENERAL_GPU_BATCH = 67, 24, 16  # all at once on a CPU
 GENERAL_PROMPT_TOKENS = 40  # a question in its chat template
+# Every evaluation also measures forgetting on `training/general_text.json`: 48 rows, 3,321 tokens
+# in SmolLM2's chat template (its default system turn included), a forward each.
+GENERAL_TEXT_ROWS, GENERAL_TEXT_TOKENS = 48, 3300
 # A CPU decoding step costs a floor however small the batch: Python and kernel calls
 # per layer (SmolLM2-135M: 88 ms of CPU time a token on one thread of the reference
 # machine, `generate` at batch 1, the same in bf16 and fp32: 3 ms for each of its
@@ -163,11 +166,12 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
                        + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
                           if train_rows < stats.train_rows else ""))
     length = stats.mean_length(max_seq_len)
-    passes = (rows_trained + evaluations * stats.eval_rows / 3) / max(1, micro_batch)
+    general = (GENERAL_TEXT_ROWS, GENERAL_TEXT_TOKENS) if stats.eval_rows else (0, 0)  # forgetting, measured with each
+    passes = (rows_trained + evaluations * (stats.eval_rows + general[0]) / 3) / max(1, micro_batch)
     training = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware, 0.0, threads,
                                 rows_trained / max(1, micro_batch))
     both = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
-                            evaluations * stats.eval_rows * length, threads, passes)
+                            evaluations * (stats.eval_rows * length + general[1]), threads, passes)
     # Sample prompts come from the evaluation rows: without them a run answers nothing.
     answers = answering_seconds(arch, method, gradient_checkpointing, hardware, threads, length) \
         if stats.eval_rows else 0.0

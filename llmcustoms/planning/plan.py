@@ -85,6 +85,11 @@ class LoraSettings:
     target_modules: tuple[str, ...]
 
 
+# The general text's loss may rise 10% over the base model's in the weights kept: the benchmark's
+# runs that answered the forgetting check's questions as the base model did stayed under it.
+DEFAULT_FORGETTING_LIMIT = 0.1
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -117,6 +122,9 @@ class Plan:
     eval_rows: int
     lora: LoraSettings | None
     memory: dict[str, int] | None = None
+    # How far the general text's loss may rise over the base model's in the weights kept
+    # (`training/general_text.py`); 0: no limit, as in plans written before it.
+    forgetting_limit: float = 0.0
     estimated_seconds: float | None = None
     # What estimated_seconds is made of, by name ("training", "evaluations", ...: `duration.Duration`);
     # None in a plan written before the parts were kept.

@@ -17,24 +17,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llmcustoms.planning.options import Overrides
 from llmcustoms.planning import options
+from llmcustoms.planning.options import Overrides
 from llmcustoms.planning.cpu_share import choose_threads
 from llmcustoms.planning.duration import cpu_choice, expected_seconds
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryEstimator, parameter_counts
 from llmcustoms.planning.objectives import DEFAULT_BETA
-from llmcustoms.planning.plan import DataStats, LoraSettings, ModelChoice, Plan, total_steps
+from llmcustoms.planning.plan import (DEFAULT_FORGETTING_LIMIT, DataStats, LoraSettings, ModelChoice, Plan,
+                                     total_steps)
 from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.planning.sizing import best_fit, does_not_fit, fit_with_optimizer
 from llmcustoms.planning.step_choices import choose_compile, choose_distributed, choose_packing
 
-DEFAULT_SEED = 42
-DEFAULT_KEEP_CHECKPOINTS = 3
+DEFAULT_SEED, DEFAULT_KEEP_CHECKPOINTS = 42, 3
 MIN_EVALUATIONS, MIN_SAVE_EVERY = 4, 5  # evaluations of even a short run; fewest steps between checkpoints
-# Larger micro-batches than this add little speed; memory is better spent elsewhere.
-MICRO_BATCH_CAP = 16
+MICRO_BATCH_CAP = 16  # larger micro-batches add little speed; memory is better spent elsewhere
 # Sequence length is chosen to cover this share of rows, rounded up to a multiple of 64.
 LENGTH_PERCENTILE = 99
 
@@ -434,6 +433,7 @@ class Planner:
             max_grad_norm=float(r.get("max_grad_norm")), epochs=float(schedule.epochs),
             steps_per_epoch=schedule.steps_per_epoch, total_steps=schedule.total_steps, eval_every=eval_every,
             early_stopping_patience=patience, save_every=save_every,
+            forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)),
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
             objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),

@@ -105,6 +105,7 @@ class BestWeights:
         self.full = plan.method == "full"  # full fine-tuning: the best weights are a checkpoint of their step
         # Evaluation rows that are training rows too: the choice is said to rest on them (`Plan.evaluates_training_rows`).
         self.on_training_rows = plan.evaluates_training_rows
+        self.forgetting_limit = getattr(plan, "forgetting_limit", 0.0)
         self.warn = warn
 
     def keep_if_best(self, model: Any, position: Any) -> bool:
@@ -143,17 +144,21 @@ class BestWeights:
             self.processes.save_trained(model, tokenizer, output)
             if self.processes.is_main:  # one left by the run before `resume --epochs` extended it: stale now
                 shutil.rmtree(last, ignore_errors=True)
-            return self._account(position.step, _why_last(position, best), None)
+            return self._account(position.step, _why_last(position, best), None, position)
         self.processes.save_trained(model, tokenizer, last)
         if self.processes.is_main or self.processes.fsdp:  # elsewhere nothing is written from the model again
             self.processes.load_trainable(model, weights)
         self.processes.save_trained(model, tokenizer, output)
         last_eval = f", eval loss {position.last_eval:.4f}" if position.last_eval is not None else ""
-        return self._account(best, f"the best evaluation's: eval loss {position.best_eval:.4f} at step {best} "
-                                   f"(the last step, {position.step}{last_eval}, is in {last.name}/)", last.name)
+        which = "the best evaluation's" if position.best_within else "the evaluation's that forgot least"
+        return self._account(best, f"{which}: eval loss {position.best_eval:.4f} at step {best} "
+                                   f"(the last step, {position.step}{last_eval}, is in {last.name}/)", last.name, position)
 
-    def _account(self, step: int, why: str, last_output: str | None) -> dict[str, Any]:
-        """status.json's `kept_step`, `kept` and `last_output`, and whether the choice rested on training rows."""
+    def _account(self, step: int, why: str, last_output: str | None, position: Any) -> dict[str, Any]:
+        """status.json's `kept_step`, `kept` and `last_output`: whether the choice rested on
+        training rows, and what the kept evaluation forgot (`general_text.py`)."""
+        forgot = position.forgetting_text(self.forgetting_limit) if "eval loss" in why else ""
+        why += f"; {forgot}" if forgot else ""
         if self.on_training_rows and "eval loss" in why:
             return {"kept_step": step, "kept": f"{why}; measured on rows it also trained on, not held-out ones",
                     "last_output": last_output, "eval_on_training_rows": True}
@@ -190,5 +195,6 @@ def _why_last(position: Any, best: int | None) -> str:
     if best is None:
         return "the last step's: no evaluation"
     if best == position.step:
-        return f"the last step's, which had the best eval loss ({position.best_eval:.4f})"
+        which = "the best eval loss" if position.best_within else "the least forgetting"
+        return f"the last step's, which had {which} (eval loss {position.best_eval:.4f})"
     return "the last step's: the best evaluation's weights could not be read"

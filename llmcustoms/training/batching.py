@@ -125,9 +125,11 @@ class TrainingRows:
     normalised by pairs rather than tokens."""
 
     def __init__(self, train: Rows, evaluation: Rows, pad_token_id: int, pad_to_multiple_of: int = 1,
-                 packing: bool = False):
+                 packing: bool = False, general: TokenRows | None = None):
         self.train = as_token_rows(train)
         self.evaluation = as_token_rows(evaluation)
+        # The general rows forgetting is measured on (`general_text.py`), or None: evaluated beside the evaluation rows.
+        self.general = general if general is not None and len(general) and len(self.evaluation) else None
         self.pairs = isinstance(self.train, PairRows)
         # DPO's (training, evaluation) reference log-probabilities, when computed up front (`losses/dpo_reference.py`).
         self.reference: tuple[ReferenceLogps, ReferenceLogps] | None = None
@@ -139,6 +141,7 @@ class TrainingRows:
 
     def cut(self, max_len: int) -> None:
         self.train, self.evaluation = self.train.cut(max_len), self.evaluation.cut(max_len)
+        self.general = self.general.cut(max_len) if self.general is not None else None
         self.current_lengths = self.train.lengths
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -170,3 +173,10 @@ class TrainingRows:
     def evaluation_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
         return [self._batch(self.evaluation, batch, 1)
                 for batch in eval_batches(self.evaluation.lengths.tolist(), micro_batch_size)]
+
+    def general_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        """The general rows' batches (none without them): a language-model loss, never DPO's."""
+        if self.general is None:
+            return []
+        return [self.collate_examples(self.general.examples(batch))
+                for batch in eval_batches(self.general.lengths.tolist(), micro_batch_size)]

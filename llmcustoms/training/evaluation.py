@@ -43,6 +43,7 @@ class Evaluation:
         self.batch_loss = loss
         self.free_memory = free_memory
         self.micro_batches: list[dict[str, torch.Tensor]] = []
+        self.general_batches: list[dict[str, torch.Tensor]] = []  # forgetting's (`general_text.py`), after the others
         self.metrics: dict[str, float] = {}  # the last evaluation's besides the loss (eval_ppl, ...)
 
     def __bool__(self) -> bool:
@@ -65,6 +66,7 @@ class Evaluation:
     def use_micro_batch(self, size: int) -> None:
         """Evaluation micro-batches, built once (and again when recovery changes their size)."""
         self.micro_batches = self.data.evaluation_batches(size)
+        self.general_batches = self.data.general_batches(size)
 
     def due(self, step: int, plan: Any) -> bool:
         """Whether an evaluation follows `step`: every `plan.eval_every` steps, and after the last."""
@@ -102,7 +104,10 @@ class Evaluation:
                 self.processes.restart_if_sharded(failure, step + 1)
             if agreed is None and self.processes.agree(failure) is None:
                 loss, *sums = self.processes.sum(loss_sum).tolist()
+                general = sums.pop() if self.general_batches else None
                 self.metrics = self.objective.eval_metrics(loss, sums, self._units())
+                if general is not None:
+                    self.metrics["general_loss"] = general
                 return loss
             lower_micro_batch()
 
@@ -112,27 +117,41 @@ class Evaluation:
     @torch.no_grad()
     def _share(self, model: Any, stoppable: bool) -> torch.Tensor:
         """This rank's share of the loss (and of its sums), normalised by the
-        trained tokens (pairs) of the whole set. `stoppable`: every process asks
-        before each micro-batch whether to stop (StopRequested) or another ran
-        out of memory (FailedElsewhere), as often as the one with the most."""
+        trained tokens (pairs) of the whole set, then of the general rows' loss
+        when there are any. `stoppable`: every process asks before each
+        micro-batch whether to stop (StopRequested) or another ran out of memory
+        (FailedElsewhere), as often as the one with the most."""
         device = self.processes.device
-        normaliser = torch.tensor(self._units(), device=device)
         model.eval()
-        share = self.processes.evaluation_share(self.micro_batches)
-        rounds = -(-len(self.micro_batches) // self.processes.world) if stoppable else len(share)
         total = torch.zeros(1 + len(self.objective.sums), device=device)
         try:
-            for done in range(rounds):
-                agreed = stop_agreed(self.processes) if stoppable else None
-                if agreed is not None:
-                    raise StopRequested if agreed == "stop" else FailedElsewhere
-                if done >= len(share):  # one fewer than another process's share
-                    continue
-                mb, weight = share[done]
-                self.activity(f"evaluating {done}/{len(share)}")
-                loss, sums = self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser)
-                total += torch.cat([loss.reshape(1)] + ([sums] if sums is not None else [])) * weight
-            return total
+            total = self._add_batches(total, self.micro_batches, self._units(), stoppable, "evaluating")
+            if not self.general_batches:
+                return total
+            general = self._add_batches(torch.zeros(1, device=device), self.general_batches,
+                                        sum(self.data.batch_units(mb) for mb in self.general_batches), stoppable,
+                                        "measuring forgetting")
+            return torch.cat([total, general])
         finally:
             model.train()
             self.activity(None)
+
+    def _add_batches(self, total: torch.Tensor, batches: list[dict[str, torch.Tensor]], units: int, stoppable: bool,
+                     doing: str) -> torch.Tensor:
+        """`total` plus this rank's share of the loss (and sums) of `batches`, normalised by `units`."""
+        device = self.processes.device
+        normaliser = torch.tensor(max(1, units), device=device)
+        share = self.processes.evaluation_share(batches)
+        rounds = -(-len(batches) // self.processes.world) if stoppable else len(share)
+        for done in range(rounds):
+            agreed = stop_agreed(self.processes) if stoppable else None
+            if agreed is not None:
+                raise StopRequested if agreed == "stop" else FailedElsewhere
+            if done >= len(share):  # one fewer than another process's share
+                continue
+            mb, weight = share[done]
+            self.activity(f"{doing} {done}/{len(share)}")
+            loss, sums = self.batch_loss({k: v.to(device) for k, v in mb.items()}, normaliser)
+            parts = [loss.reshape(1)] + ([sums] if sums is not None and len(total) > 1 else [])
+            total = total + torch.cat(parts) * weight
+        return total

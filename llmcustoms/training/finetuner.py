@@ -4,11 +4,10 @@ Read it top to bottom, as it runs: `run` sets up (processes once; then seed,
 model, optimizer, schedule, data) and evaluates the base model; each optimizer
 step takes its rows in micro-batches, normalises the loss by the trained
 tokens of the whole step (any split gives the same update), checks it is
-finite, clips, steps, logs, evaluates now and then, and checkpoints every
-`save_every` steps. An evaluation that beats the best so far has its weights
-kept at once (`best_weights`); at the end they become `adapter/`. Loss, step
-rows and lr schedule are arguments. Where the loop is (`Position`) is one
-record, saved in every checkpoint and restored from it.
+finite, clips, steps, logs, evaluates now and then (eval loss and forgetting,
+`general_text`), and checkpoints every `save_every` steps. The best evaluation
+within the forgetting limit has its weights kept at once (`best_weights`),
+which become `adapter/` at the end. `Position`, where the loop is, is saved in every checkpoint.
 
 A training step's failures (out of memory, non-finite loss) are caught in
 `_attempt` and go to the `TrainingRecoverySystem`, which returns a changed
@@ -33,6 +32,7 @@ from llmcustoms.training.batching import Rows, StepRows, TrainingRows, epoch_ste
 from llmcustoms.runs.best_weights import BestWeights
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
 from llmcustoms.training.evaluation import Evaluation
+from llmcustoms.training.general_text import general_rows
 from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.losses.choice import loss_for
 from llmcustoms.losses.objective import LoopParts, Loss
@@ -72,10 +72,9 @@ class FineTuner:
         self.loss, self.steps, self.schedule = loss or loss_for(plan), steps, schedule
         # Lengths rounded up for tensor cores, or to bound the kernels a CPU in bf16 keeps (`pad_multiple`).
         self.data = TrainingRows(train, evaluation, tokenizer.pad_token_id, pad_multiple(plan),
-                                 packing=plan.packing)
+                                 packing=plan.packing, general=general_rows(tokenizer, plan))
         self.data.cut(plan.max_seq_len)  # a resumed run whose recovery shortened sequences
-        self.recovery = TrainingRecoverySystem()
-        self.stability = StabilityCheck()
+        self.recovery, self.stability = TrainingRecoverySystem(), StabilityCheck()
         self.checkpoints = CheckpointManager(run_dir.checkpoints_path, plan.keep_checkpoints,
                                              warn=lambda text: reporter.message(text, warning=True), point=self.faults.kill_saving,
                                              check=lambda c: self.processes.checkpoint_problem(c, self.model, self.optimizer))
@@ -124,8 +123,7 @@ class FineTuner:
         """Once per run: a rollback keeps them. `Processes` keeps the writable run
         directory (any rank may leave a restart request); the loop writes only from the main one."""
         self.processes = Processes.start(self.plan, self.run_dir, self.signals)
-        self.accelerator = self.processes.accelerator
-        self.device = self.processes.device
+        self.accelerator, self.device = self.processes.accelerator, self.processes.device
         # Before the model loads: on a CPU, the resident size the training's memory is counted from.
         self.usage = ResourceUse.start(self.device, self.plan, self.run_dir.read_status())
         self.evaluation = Evaluation(self.data, self.processes, self.loss, self._loss, self._free_memory,
@@ -322,13 +320,15 @@ class FineTuner:
         if self.on_evaluate is not None and self.on_evaluate(position.step, eval_loss):
             return StopReason(StopCause.CALLER, position.step,
                               f"stopped at step {position.step} by the caller (eval loss {eval_loss:.4f})")
-        return position.early_stop(eval_loss, plan.early_stopping_patience)
+        return position.early_stop(eval_loss, plan.early_stopping_patience, self.evaluation.metrics.get("general_loss"),
+                                   plan.forgetting_limit)
 
     def _evaluate_base(self) -> None:
         """The untrained model's eval loss and replies: what the run is measured against."""
         if self.evaluation and self.plan.eval_every:  # a stop loses nothing: a resumed run evaluates the base model again
             self.position.base_eval = self.evaluation.untrained() or self.evaluation.loss(
                 self.model, 0, self._lower_evaluation_micro_batch, lambda: self._stop_if_signalled(saved=True, last=False))
+            self.position.base_general = self.evaluation.metrics.get("general_loss")  # what forgetting is measured from
             self._record_eval(self.position.base_eval)
         if not self.processes.stop_now():
             self._sample("base")
@@ -406,7 +406,7 @@ class FineTuner:
         self.model = self.optimizer = None
         self.accelerator.free_memory()  # drops accelerate's references to the old model
         self._free_memory()
-        self.position = Position(base_eval=self.position.base_eval)  # the base model is the same
+        self.position = Position(base_eval=self.position.base_eval, base_general=self.position.base_general)  # same base model, same losses
         self._setup_training()
         self._forget_after(0)
 

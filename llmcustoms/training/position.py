@@ -18,6 +18,7 @@ from typing import Any
 
 from llmcustoms.runs.speeds import run_tokens_per_s
 from llmcustoms.runs.training_time import training_seconds
+from llmcustoms.training.general_text import forgetting, within_limit
 
 
 class StopCause(Enum):
@@ -45,6 +46,10 @@ class Position:
     last_eval: float | None = None
     evals_since_best: int = 0
     base_eval: float | None = None  # the model's eval loss before the first step
+    # Forgetting (`general_text.py`): the general rows' loss before the first step, and at the best evaluation.
+    base_general: float | None = None
+    best_general: float | None = None
+    best_within: bool = True  # the best evaluation forgot no more than the limit (False: none did; it forgot least)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
@@ -62,24 +67,57 @@ class Position:
     def losses(self) -> dict[str, float | int | None]:
         """The losses a finished run's status.json gives."""
         return {"final_loss": self.final_loss, "best_eval_loss": self.best_eval, "best_eval_step": self.best_step,
-                "base_eval_loss": self.base_eval}
+                "base_eval_loss": self.base_eval, "forgetting": self.forgetting()}
+
+    def forgetting(self) -> float | None:
+        """The kept evaluation's general loss over the base model's, less 1 (`general_text.forgetting`)."""
+        return forgetting(self.base_general, self.best_general)
 
     def next_epoch(self) -> None:
         self.epoch, self.index = self.epoch + 1, 0
 
-    def early_stop(self, eval_loss: float, patience: int) -> StopReason | None:
+    def early_stop(self, eval_loss: float, patience: int, general_loss: float | None = None,
+                   limit: float = 0.0) -> StopReason | None:
         """Count an evaluation towards early stopping: a reason to stop once eval
-        loss has not improved for `patience` evaluations (0: never)."""
+        loss has not improved for `patience` evaluations (0: never). Only an
+        evaluation whose forgetting is within `limit` (`general_text.within_limit`)
+        can be the best; until one is, the one that forgot least is kept, and it
+        counts as no progress."""
         # A non-finite eval loss never counts as the best: its weights are no use.
-        if math.isfinite(eval_loss) and (self.best_eval is None or eval_loss < self.best_eval):
-            self.best_eval, self.best_step, self.evals_since_best = eval_loss, self.step, 0
-            return None
+        finite = math.isfinite(eval_loss)
+        if finite and within_limit(self.base_general, general_loss, limit):
+            if self.best_eval is None or not self.best_within or eval_loss < self.best_eval:
+                self._best(eval_loss, general_loss, True)
+                return None
+        elif finite and not self.best_within and _less(general_loss, self.best_general):
+            self._best(eval_loss, general_loss, False, progress=False)
+        elif finite and self.best_eval is None:  # the first evaluation, and it forgot too much
+            self._best(eval_loss, general_loss, False, progress=False)
         self.evals_since_best += 1
         if patience and self.evals_since_best >= patience:
-            return StopReason(StopCause.EARLY_STOPPING, self.step,
-                              f"early stopping: eval loss has not improved for {self.evals_since_best} "
-                              f"evaluations since step {self.best_step}")
+            text = (f"eval loss has not improved for {self.evals_since_best} evaluations since step {self.best_step}"
+                    if self.best_within else f"none of {self.evals_since_best} evaluations forgot within the limit")
+            return StopReason(StopCause.EARLY_STOPPING, self.step, f"early stopping: {text}")
         return None
+
+    def _best(self, eval_loss: float, general_loss: float | None, within: bool, progress: bool = True) -> None:
+        self.best_eval, self.best_step, self.best_general, self.best_within = eval_loss, self.step, general_loss, within
+        if progress:
+            self.evals_since_best = 0
+
+    def forgetting_text(self, limit: float) -> str:
+        """What the kept evaluation forgot, for the account of the weights kept ("" when not measured)."""
+        rise = self.forgetting()
+        if rise is None:
+            return ""
+        if self.best_within:
+            return f"general loss {rise:+.1%} against the base model" + (f", within the {limit:.0%} limit" if limit else "")
+        return (f"no evaluation stayed within the {limit:.0%} forgetting limit; this one forgot least "
+                f"(general loss {rise:+.1%} against the base model)")
+
+
+def _less(value: float | None, than: float | None) -> bool:
+    return value is not None and (than is None or value < than)
 
 
 @dataclass(frozen=True)
@@ -120,6 +158,7 @@ class TrainResult:
     memory: dict[str, Any] = field(default_factory=dict)  # measured peak against the plan's (`resource_use.compare`)
     general: dict[str, Any] = field(default_factory=dict)  # status.json's general_knowledge (`runs/forgetting.py`)
     eval_on_training_rows: bool = False  # the evaluation rows are training rows too (`Plan.evaluates_training_rows`)
+    forgetting: float | None = None  # the kept weights' general loss rise (`general_text.py`); None: not measured
 
     @classmethod
     def finished(cls, position: Position, stop: StopReason | None, pace: RunPace, output_path: Path,
@@ -131,7 +170,7 @@ class TrainResult:
                    tokens_per_s=pace.tokens_per_s, output_path=output_path, stop=stop,
                    base_eval_loss=position.base_eval, kept=kept.get("kept"), last_output=kept.get("last_output"),
                    samples=samples, held_out=held_out, memory=memory,
-                   eval_on_training_rows=bool(kept.get("eval_on_training_rows")))
+                   eval_on_training_rows=bool(kept.get("eval_on_training_rows")), forgetting=position.forgetting())
 
     @property
     def stop_reason(self) -> str | None:

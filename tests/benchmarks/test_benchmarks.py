@@ -74,11 +74,11 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
     results = tmp_path / "quality.json"
     summary = run("quality.py", "--model", str(tiny_models["qwen2"]), "--data-dir", str(data), "--rows", "12,6,4",
                   "--only", "code:base,code:quality,code:tune,code:unsloth,code:trl,code:default,code:equal-time,"
-                  "identity:base,identity:highspeed", "--trials", "2", "--results", str(results),
+                  "identity:base,identity:highspeed", "--trials", "2", "--seeds", "1", "--results", str(results),
                   "--work", str(tmp_path / "work"))
     assert set(summary["code"]) == {"base", "quality", "tune", "unsloth", "trl", "default", "equal-time"}
     assert set(summary["identity"]) == {"base", "highspeed"}
-    code = summary["code"]
+    code = {config: seeds["0"] for config, seeds in summary["code"].items()}  # by seed: one, here
     quality, base = code["quality"], code["base"]
     assert quality["test_ppl"] == pytest.approx(math.exp(quality["test_loss"]))
     assert quality["steps"] >= 1 and quality["kept_step"] <= quality["steps"]
@@ -92,7 +92,7 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
         assert result["test_loss"] != pytest.approx(base["test_loss"], abs=1e-6), config  # it trained
         assert result["wall_seconds"] > 0 and 0 <= result["general"] <= result["general_asked"] and result["load"] >= 0
     assert 1 <= code["equal-time"]["steps"]
-    assert 0.0 <= summary["identity"]["base"]["identity_accuracy"] <= 1.0 and base["test_loss"] > 0
+    assert 0.0 <= summary["identity"]["base"]["0"]["identity_accuracy"] <= 1.0 and base["test_loss"] > 0
     assert json.loads(results.read_text()) == summary
     shown = run_text("quality.py", "--table", "--results", str(results))
     assert all(f"| code | {config} |" in shown for config in ("unsloth", "trl", "equal-time"))

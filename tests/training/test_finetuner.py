@@ -156,7 +156,9 @@ def test_run_directory_follows_the_contract(tmp_path, tiny_models):
     said = reporter.activities
     assert said[0] == "loading the model" and said[-1] is None
     assert "evaluating 1/2" in said and "saving checkpoint 5" in said and "saving the trained weights" in said
-    for waiting in ("evaluating 1/2", "saving checkpoint 5"):
+    # An evaluation measures forgetting after its own rows (48 general rows in 12 micro-batches), then ends.
+    assert said[said.index("evaluating 1/2") + 1] == "measuring forgetting 0/12"
+    for waiting in ("measuring forgetting 11/12", "saving checkpoint 5"):
         assert said[said.index(waiting) + 1] is None
     assert any("eval_loss" in r for r in rows)
     status = json.loads(run_dir.status_path.read_text())
