@@ -136,7 +136,7 @@ def analyse(run: RunDirectory) -> RunReport:
             report.recommend(change, text)
     else:
         _quality(report, plan, status, evals)
-    forgetting = forgetting_findings(status.get("general_knowledge"), plan)
+    forgetting = forgetting_findings(status.get("general_knowledge"), plan, status.get("forgetting"))
     stopping = stop_findings(report.samples, status, plan.data_report, plan.epochs, forgot=bool(forgetting[1]))
     for findings, advice in (stopping, forgetting):
         report.findings += [Finding(*finding) for finding in findings]

@@ -74,25 +74,41 @@ def clearly_fewer(base: Score, trained: Score) -> int | None:
     return None
 
 
-def forgetting_findings(recorded: Any, plan: Any) -> tuple[list[tuple[str, ...]], list[tuple[str, str]]]:
+def forgetting_findings(recorded: Any, plan: Any, measured: Any = None) -> tuple[list[tuple[str, ...]], list[tuple[str, str]]]:
     """`report`'s finding (topic, verdict, detail, and the verdict's short number) on the general questions, and
-    its advice (what it changes, text) when the trained model answers clearly fewer."""
+    its advice (what it changes, text) when the trained model answers clearly fewer. `measured`: status.json's
+    `forgetting`, the kept weights' general loss rise (`training/general_text.py`), said beside the scores."""
     scores = general_scores(recorded)
     if not scores:
         return [], []
     base, trained = scores.get("base"), scores.get("trained")
+    rise = f"; the loss on general text {measured:+.1%} against the base model's" if _number(measured) else ""
     detail = (f"{general_line(recorded)} of llmcustoms' general questions (arithmetic, capitals, science, units, "
-              "code) answered right, greedily: what the model knows outside your data")
+              f"code) answered right, greedily: what the model knows outside your data{rise}")
     if base is None or trained is None:
         return [(TOPIC, f"{trained or base} right", detail)], []
     fewer = clearly_fewer(base, trained)
     if fewer is None:
         verdict = "kept" if trained.share >= base.share else "about as many as the base model"
         return [(TOPIC, verdict, detail, f"{base} -> {trained}")], []
+    advice = (f"the trained model answers {fewer} fewer of the general questions than the base model ({trained} "
+              f"against {base}{rise}): training wore away some of what it knew outside your data. To keep more "
+              f"of it, try {', '.join(_ways_to_keep(plan, measured))}")
+    return [(TOPIC, "fewer than the base model", detail, f"{base} -> {trained}")], [("forgetting", advice)]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ways_to_keep(plan: Any, measured: Any) -> list[str]:
+    """What keeps more of what the model knew, in the order the quality benchmark found them
+    to work (docs/benchmarks.md, "Forgetting"): when the kept weights' general loss rose,
+    weights chosen within a tighter forgetting limit (from the same run's evaluations), then
+    a lower rate, fewer epochs, a smaller rank."""
     smaller = (f"a smaller LoRA rank (--lora-r {max(plan.lora.r // 2, 1)})" if plan.lora is not None
                else "LoRA instead of full fine-tuning (--method lora)")
-    advice = (f"the trained model answers {fewer} fewer of the general questions than the base model ({trained} "
-              f"against {base}): training wore away some of what it knew outside your data. To keep more of it, "
-              f"try a lower learning rate (--lr {plan.lr / 2:.1e}), fewer epochs (--epochs {plan.epochs / 2:g}), "
-              f"{smaller}, or mix general chat rows into your data")
-    return [(TOPIC, "fewer than the base model", detail, f"{base} -> {trained}")], [("forgetting", advice)]
+    ways = [f"a tighter forgetting limit (--forgetting-limit {max(0.01, round(measured / 2, 2)):g})"] \
+        if _number(measured) and measured > 0.02 else []
+    return ways + [f"a lower learning rate (--lr {plan.lr / 2:.1e})", f"fewer epochs (--epochs {plan.epochs / 2:g})",
+                   smaller, "or mix general chat rows into your data"]
