@@ -1,16 +1,19 @@
 """`llmcustoms tune`: an Optuna study around the same `FineTuner` and `Plan` as `train`.
 
-Each trial is a short real training run, scored by eval loss on one fixed,
-seeded held-out split. What is searched, and each trial's plan, are in
-`commands/tune_space.py`: the preset's own values are the study's first trial,
-so the best trial is never worse than the preset on that score. Trials report
-their eval loss at the rungs of successive halving, which stops all but the
-best third at each. After the search the best trial and the preset are trained
-for a whole run and only the winner is written (`commands/tune_confirm.py`).
+Each trial is a short real training run, scored twice (Optuna's two
+objectives, both minimized): by eval loss on one fixed, seeded held-out split,
+and by forgetting, its general-text loss over the base model's
+(`commands/tune_pareto.py`). What is searched, and each trial's plan, are in
+`commands/tune_space.py`: the preset's own values are the study's first trial.
+Trials are judged by eval loss at the rungs of successive halving, which stops
+all but the best third at each. After the search the pick (the lowest eval
+loss among the trials forgetting no more than the preset's own) and the preset
+are trained for a whole run and only the winner is written
+(`commands/tune_confirm.py`).
 The study lives in a storage (SQLite in the output directory by default), so
 running the same command again continues it, and several processes can share
 one study through an RDB or journal storage. `commands/tune_studies.py` holds the study's
-name, storage, identity and sampler; this module runs its trials.
+name, storage and sampler, `tune_identity.py` its identity; this module runs its trials.
 
 Ctrl-C or SIGTERM in a trial stops it after the micro-batch: the trial is
 recorded as interrupted (Optuna's `pruned`, with the signal in its
@@ -35,13 +38,14 @@ from llmcustoms.planning.presets import TrainingPreset
 from llmcustoms.runs import run_lock as runlock
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.commands.tune_confirm import FullLengthCheck, enqueue_preset, preset_trial
-from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, SearchSpace, make_pruner, preset_point,
-                                            search_space, trial_plan, trial_steps)
-from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, check_identity, choose_study,
-                                              claim, default_name, duplicate_of, fail_stale_trials, open_storage,
-                                              redact_storage, storage_full, stored_choices, study_dir, study_identity,
-                                              taking_turns)
-from llmcustoms.commands.tune_results import StudyOutcome, best_trial, trial_rows, write_best_preset, write_trials_csv
+from llmcustoms.commands.tune_identity import check_identity, choose_study, study_identity
+from llmcustoms.commands.tune_pareto import BaseGeneral, objective_values, pick, points, write_pareto
+from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, SearchSpace, goes_on, preset_point, search_space,
+                                            trial_plan, trial_steps)
+from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, claim, default_name,
+                                              duplicate_of, fail_stale_trials, open_storage, redact_storage,
+                                              storage_full, stored_choices, study_dir, taking_turns)
+from llmcustoms.commands.tune_results import StudyOutcome, trial_rows, write_best_preset, write_trials_csv
 
 __all__ = ["LR_FIND_SPAN", "LR_SPAN", "SearchSpace", "TuneSettings", "prepare_study", "run_study", "search_space"]
 
@@ -95,9 +99,10 @@ def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest
     steps = trial_steps(base, request.max_steps, request.budget_tokens, mean_tokens)
     name, note = choose_study(request.storage, output_dir, request.study_name or default_name(options.data, base.model),
                               request.study_name is not None, study_identity(base, steps))
+    given = base.sources.get("forgetting_limit", "default") != "default"  # a flag, the environment, .env
     settings = TuneSettings(trials=request.trials, steps=steps, study_name=name, study_dir=study_dir(output_dir, name),
                             storage=request.storage, sampler=request.sampler, timeout=request.timeout, seed=base.seed,
-                            confirm=request.confirm, note=note)
+                            confirm=request.confirm, note=note, forgetting_limit=base.forgetting_limit if given else None)
     return PreparedStudy(prepared, hardware, settings, search_space(base, hardware),
                          round(steps * base.effective_batch_size * mean_tokens))
 
@@ -117,8 +122,8 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
               warn: Callable[[str], None] = lambda text: None, say: Callable[[str], None] = lambda text: None,
               reporter_for: Callable[[str], Reporter] | None = None) -> StudyOutcome:
     """Run `settings.trials` more trials of the study (creating it if needed;
-    the preset's point first, unless the study has it), check the best at full
-    length, and write the winner. `say` tells how the check goes. A storage that
+    the preset's point first, unless the study has it), write the Pareto front
+    (`pareto.json`), check the pick at full length, and write the winner. `say` tells how the check goes. A storage that
     fails (a full disk, a lost database) ends it with one message: what the
     storage holds stays, and the same command continues it. `reporter_for(what)`
     is the Reporter of one training run ("trial 3"): a trial's steps take
@@ -143,9 +148,12 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
         with taking_turns(settings.storage, settings.study_dir):  # two `tune` starting at once queue it once
             enqueue_preset(outcome.study, space.preset)
         trials.optimize()
-        outcome.rows = trial_rows(outcome.study)
+        outcome.rows = trial_rows(outcome.study, settings.forgetting_limit)
         write_trials_csv(outcome.rows, settings.study_dir / "trials.csv")
-        if best_trial(outcome.study) is not None:
+        outcome.points = points(outcome.study)
+        outcome.pick = pick(outcome.points, settings.forgetting_limit) if outcome.points else None
+        if outcome.pick is not None:
+            write_pareto(settings.study_dir / "pareto.json", outcome.points, outcome.pick)
             # Two `tune` of one study check at full length in turn: the second reads
             # what the first trained (kept in the study) instead of training it again.
             with taking_turns(settings.storage, settings.study_dir, lambda: say(
@@ -190,6 +198,7 @@ class StudyTrials:
         self.outcome = StudyOutcome(study=study, trials_this_run=0, steps_run=0, steps_budgeted=0, best_preset_path=None,
                                     confirm=settings.confirm, lr_centre=settings.lr_centre)
         self.redraws = 0  # trials skipped for drawing an earlier trial's values
+        self.base = BaseGeneral()  # forgetting's zero, measured by this process's first run
 
     def optimize(self) -> None:
         """`settings.trials` trials, plus one for each skipped as a repeat (`tune_studies.duplicate_of`)."""
@@ -207,7 +216,7 @@ class StudyTrials:
         except KeyboardInterrupt:  # Ctrl-C between trials (in one, the trial records it)
             self.outcome.signum = signal.SIGINT
 
-    def objective(self, trial: Any) -> float:
+    def objective(self, trial: Any) -> tuple[float, float]:
         import optuna
 
         claim(trial)  # first: another `tune` of this study must see the trial is alive
@@ -222,7 +231,8 @@ class StudyTrials:
         with runlock.owning(run_dir.path, "running a trial in it"):
             return self.run_trial(trial, params, run_dir)
 
-    def run_trial(self, trial: Any, params: dict[str, Any], run_dir: RunDirectory) -> float:
+    def run_trial(self, trial: Any, params: dict[str, Any], run_dir: RunDirectory) -> tuple[float, float]:
+        """The trial's held-out loss and forgetting (`tune_pareto.objective_values`), or TrialPruned."""
         import optuna
 
         from llmcustoms.training.finetuner import FineTuner
@@ -232,11 +242,11 @@ class StudyTrials:
         plan = trial_plan(self.prepared.plan, params, self.settings.steps)
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
-        last: dict[str, float] = {}
         tuner = FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
                           self.reporter_for(f"trial {trial.number}"), faults=self.faults,
-                          on_evaluate=self._pruning_report(trial, last),
-                          save_artifacts=False, baseline=False)  # every trial starts from the same base model
+                          on_evaluate=self._pruning_report(trial), save_artifacts=False,
+                          baseline=self.base.baseline())  # every trial starts from the same base model: one measures it
+        self.base.start(tuner)
         started, steps_before = time.perf_counter(), self.outcome.steps_run
         try:
             result = tuner.run()
@@ -248,6 +258,7 @@ class StudyTrials:
         except KeyboardInterrupt:  # a second Ctrl-C: the trial stops at once
             self._interrupted(trial, signal.SIGINT, tuner.position.step)
         finally:
+            self.base.learn(tuner)
             self.outcome.steps_run = steps_before + tuner.position.step
             self.outcome.steps_budgeted += self.settings.steps
             _note_trial(trial, run_dir, tuner.position.step, self.settings.steps, time.perf_counter() - started)
@@ -262,7 +273,9 @@ class StudyTrials:
             # its score is final: `train` would have stopped here too, keeping its best
             trial.set_user_attr("reason", f"{result.stop.text}: stopped at step {result.stop.step} of "
                                           f"{self.settings.steps}, as `train` would")
-        return last.get("eval_loss", float("nan"))
+        # The kept evaluation's pair (`Position.early_stop`): its eval loss is the lowest, unless a lower one forgot
+        # more than the plan's limit, which `train` would not keep either.
+        return objective_values(result.best_eval_loss, result.forgetting)
 
     def _interrupted(self, trial: Any, signum: int, step: int) -> None:
         """A trial stopped by a signal: recorded as interrupted (pruned, for Optuna:
@@ -278,20 +291,26 @@ class StudyTrials:
 
     def after_trial(self, study: Any, trial: Any) -> None:
         self.outcome.trials_this_run += 1
-        _refresh(study, self.on_update)
+        _refresh(study, self.on_update, self.settings.forgetting_limit)
 
     def conclude(self, preset: TrainingPreset, say: Callable[[str], None]) -> None:
-        """After the trials: check the best at full length (unless --no-confirm),
-        then write the winner as the study's preset. Nothing is written when a
-        signal stopped the study or the check: the same command checks it."""
+        """After the trials: check the pick (`tune_pareto.pick`) at full length
+        (unless --no-confirm), then write the winner as the study's preset. When
+        no trial qualifies the preset's own values are written: there is nothing
+        to check. Nothing is written when a signal stopped the study or the
+        check: the same command checks it."""
         from llmcustoms.recovery.recovery_system import TrainingInterrupted
 
         outcome, base = self.outcome, self.prepared.plan
-        point, best = self.space.preset or preset_point(base), best_trial(self.study)
-        if self.settings.confirm:
+        point, chosen = self.space.preset or preset_point(base), outcome.pick.point
+        best = None if chosen is None else next(t for t in self.study.trials if t.number == chosen.trial)
+        if best is None:
+            outcome.search_won = False
+        elif self.settings.confirm:
             if outcome.interrupted:
                 return
-            check = FullLengthCheck(self.prepared, self.settings, self.study, self.faults, self.reporter_for, say)
+            check = FullLengthCheck(self.prepared, self.settings, self.study, self.faults, self.reporter_for, say,
+                                    self.base)
             try:
                 outcome.confirmation = check.run(best, preset_trial(self.study, point), point)
             except TrainingInterrupted as stopped:
@@ -301,21 +320,22 @@ class StudyTrials:
             if outcome.interrupted:
                 return
             outcome.search_won = outcome.confirmation.search_won
-        said = _winner_said(outcome.confirmation, best, len(self.study.trials))
-        params = best.params if outcome.search_won else point
-        outcome.best_preset_path = write_best_preset(self.study, base, preset, self.prepared, self.settings, params, said)
+        said = _winner_said(outcome.confirmation, outcome.pick, len(self.study.trials))
+        params = best.params if best is not None and outcome.search_won else point
+        outcome.best_preset_path = write_best_preset(base, preset, self.prepared, self.settings, params, said)
 
-    def _pruning_report(self, trial: Any, last: dict[str, float]) -> Callable[[int, float], bool]:
-        """The trial's `on_evaluate`: reports to Optuna the trial's lowest eval
-        loss so far (kept in `last`: the trial's value at its end) and says
-        whether the pruner stops the trial. The lowest, not the latest: `train`
+    def _pruning_report(self, trial: Any) -> Callable[[int, float], bool]:
+        """The trial's `on_evaluate`: keeps the trial's lowest eval loss so far
+        and, at each rung, says whether successive halving stops the trial
+        (`tune_space.goes_on`, by that loss). The lowest, not the latest: `train`
         keeps its best evaluation's weights, so a point that is best at step 18
         and overfits after is worth its step 18 (on code the preset's trial
-        ended at 0.8855, and `train` would have kept 0.8444). The pruner sees
+        ended at 0.8855, and `train` would have kept 0.8444). The halving sees
         every trial's values at the rungs, the preset's too, but never stops
         the preset's (the mark the others are measured against) nor a trial at
         its last step (it is finished)."""
-        reported: set[int] = set()
+        last: dict[str, float] = {}
+        judged: set[int] = set()
         steps_before = self.outcome.steps_run
         stoppable = not trial.user_attrs.get("preset")
 
@@ -323,14 +343,14 @@ class StudyTrials:
             self.full_disk.steps = steps_before + step
             if "eval_loss" not in last or (math.isfinite(eval_loss) and not eval_loss >= last["eval_loss"]):
                 last["eval_loss"] = eval_loss  # a NaN or infinite loss is kept only until a finite one comes
-            if step not in reported:  # a rollback replays steps; each is reported once
-                reported.add(step)
-                trial.report(last["eval_loss"], step)
+            stop = False
+            if step in self.settings.rungs and step not in judged:  # a rollback replays steps; each rung judges once
+                judged.add(step)
+                stop = not goes_on(self.study, trial, step, last["eval_loss"]) and stoppable
             # the live row shows the trial's score (its lowest so far), as its row will when it ends
-            _refresh(self.study, self.on_update, running=(trial.number, step, last["eval_loss"]))
-            if step >= self.settings.steps:
-                return False
-            return trial.should_prune() and stoppable
+            _refresh(self.study, self.on_update, self.settings.forgetting_limit,
+                     running=(trial.number, step, last["eval_loss"]))
+            return stop
 
         return report
 
@@ -342,24 +362,28 @@ def open_study(settings: TuneSettings, space: SearchSpace, storage: Any) -> Any:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial's traceback: the table gives its reason
     sampler = TrialSeededSampler(lambda seed: make_sampler(settings.sampler, space, seed), settings.seed)
     try:
+        # Held-out loss and forgetting (`tune_pareto.py`). Optuna prunes no study of two objectives:
+        # the trials' `on_evaluate` applies successive halving itself (`tune_space.goes_on`).
         return optuna.create_study(study_name=settings.study_name, storage=storage, sampler=sampler,
-                                   pruner=make_pruner(settings.steps), direction="minimize", load_if_exists=True)
+                                   pruner=optuna.pruners.NopPruner(), directions=["minimize", "minimize"],
+                                   load_if_exists=True)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(f"Cannot open the study {settings.study_name} in {settings.where}: "
                           f"{redact_storage(str(exc), settings.storage)}",
                           "Use an Optuna storage URL such as sqlite:///study.db, postgresql://..., or journal:FILE.") from None
 
 
-def _winner_said(check: Any, best: Any, trials: int) -> str:
-    """The preset file's description of what it holds."""
+def _winner_said(check: Any, chosen: Any, trials: int) -> str:
+    """The preset file's description of what it holds: the pick (`tune_pareto.Pick`) and the check's verdict."""
+    said, count = chosen.said.rstrip("."), f"{trials} trials in all"
+    if chosen.point is None or (check is not None and check.same):
+        return f"{said}; {count}."
     if check is None:
-        return f"best of {trials} trials, eval loss {best.value:.4f} (trial {best.number}), not checked at full length."
-    if check.same:
-        return f"the preset's own values, the best of {trials} trials (trial {best.number})."
+        return f"{said}; {count}; not checked at full length."
     if check.search_won:
-        return (f"best of {trials} trials (trial {best.number}); at full length ({check.steps} steps) its "
+        return (f"{said}; {count}; at full length ({check.steps} steps) its "
                 f"validation loss {check.best:.4f} beat the preset's {_loss(check.preset)}.")
-    return (f"the preset's own values: the best of {trials} trials (trial {best.number}) did not beat them at "
+    return (f"the preset's own values: the pick ({said}; {count}) did not beat them at "
             f"full length ({check.steps} steps; validation loss {_loss(check.best)} vs {_loss(check.preset)}).")
 
 
@@ -377,9 +401,9 @@ def _note_trial(trial: Any, run_dir: RunDirectory, steps: int, budget: int, seco
         trial.set_user_attr("recoveries", [f"{r['kind']} at step {r['step']}: {r['action']}" for r in recoveries])
 
 
-def _refresh(study: Any, on_update: Callable[[list[dict[str, Any]]], None],
+def _refresh(study: Any, on_update: Callable[[list[dict[str, Any]]], None], limit: float | None,
              running: tuple[int, int, float] | None = None) -> None:
-    rows = trial_rows(study)
+    rows = trial_rows(study, limit)
     if running is not None:
         number, step, loss = running
         for row in rows:

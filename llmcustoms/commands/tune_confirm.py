@@ -1,11 +1,12 @@
-"""After `tune`'s search: is its best trial really better than the preset?
+"""After `tune`'s search: is its pick (`tune_pareto.pick`) really better than the preset?
 
 Trials are short, and a point that leads after S steps may not lead after a
-whole run (a high lr learns fast and then overshoots). So the best trial's
+whole run (a high lr learns fast and then overshoots). So the picked trial's
 values and the preset's own are each trained for as long as `train` would run
 them (`tune_space.full_plan`; the preset's is the base plan itself), and
 compared on the held-out rows by the eval loss of the weights `train` keeps
-(its best evaluation). Only the winner is written as the study's preset.
+(its best evaluation within the forgetting limit). Only the winner is written
+as the study's preset.
 
 - When the trials were already as long as a whole run, their own evaluations
   are those numbers: nothing is trained again.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llmcustoms.commands.preparation import PreparedRun
+from llmcustoms.commands.tune_pareto import BaseGeneral, trial_loss
 from llmcustoms.commands.tune_space import full_plan
 from llmcustoms.commands.tune_studies import TuneSettings
 from llmcustoms.reporting import Reporter
@@ -65,21 +67,14 @@ class Confirmation:
         return self.best / self.preset - 1
 
 
-def kept_loss(trial: Any) -> float | None:
-    """A trial's lowest finite eval loss: what `train` would have kept of it."""
-    values = [v for v in trial.intermediate_values.values() if v is not None and math.isfinite(v)]
-    if trial.value is not None and math.isfinite(trial.value):
-        values.append(trial.value)
-    return min(values) if values else None
-
-
 def plan_key(plan: Any) -> str:
     """What a full-length result depends on, as a short key: the searched values and the run's shape."""
     shape = {"lr": plan.lr, "warmup_steps": plan.warmup_steps, "total_steps": plan.total_steps,
              "lora": [plan.lora.r, plan.lora.alpha, plan.lora.dropout] if plan.lora else None,
              "batch": [plan.micro_batch_size, plan.effective_batch_size], "max_seq_len": plan.max_seq_len,
              "seed": plan.seed, "eval_every": plan.eval_every, "patience": plan.early_stopping_patience,
-             "scheduler": plan.lr_scheduler, "method": plan.method}
+             "scheduler": plan.lr_scheduler, "method": plan.method,
+             "forgetting_limit": plan.forgetting_limit}  # it decides which evaluation `train` keeps
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -87,13 +82,14 @@ class FullLengthCheck:
     """The best trial's values and the preset's, each trained for a whole run."""
 
     def __init__(self, prepared: PreparedRun, settings: TuneSettings, study: Any, faults: Any,
-                 reporter_for: Callable[[str], Reporter], say: Callable[[str], None]):
-        """`reporter_for(what)`: the Reporter of a whole run's training (`tune.run_study`'s)."""
+                 reporter_for: Callable[[str], Reporter], say: Callable[[str], None], base: BaseGeneral | None = None):
+        """`reporter_for(what)`: the Reporter of a whole run's training (`tune.run_study`'s); `base`:
+        the base model's general loss, so the runs keep their weights within the forgetting limit as `train` does."""
         self.prepared, self.settings, self.study, self.faults = prepared, settings, study, faults
-        self.reporter_for, self.say = reporter_for, say
+        self.reporter_for, self.say, self.base = reporter_for, say, base or BaseGeneral()
 
     def run(self, best: Any, preset_trial: Any, point: dict[str, Any]) -> Confirmation:
-        """`best`: the search's best trial; `preset_trial`: the complete trial of
+        """`best`: the search's pick (`tune_pareto.pick`); `preset_trial`: the complete trial of
         the preset's `point`, if any. A signal in a run raises TrainingInterrupted."""
         base = self.prepared.plan
         check = Confirmation(steps=base.total_steps, best_trial=best.number)
@@ -102,7 +98,7 @@ class FullLengthCheck:
             return check
         if preset_trial is not None and self.settings.steps >= base.total_steps:
             check.from_trials = True
-            check.best, check.preset = kept_loss(best), kept_loss(preset_trial)
+            check.best, check.preset = trial_loss(best), trial_loss(preset_trial)
             return check
         started = time.perf_counter()
         check.preset = self._loss(base, "the preset", check)
@@ -142,7 +138,9 @@ class FullLengthCheck:
             run_dir.write_plan(plan)
             prepared = self.prepared
             tuner = FineTuner(plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir,
-                              self.reporter_for(what), faults=self.faults, save_artifacts=False, baseline=False)
+                              self.reporter_for(what), faults=self.faults, save_artifacts=False,
+                              baseline=self.base.baseline())
+            self.base.start(tuner)
             check.runs += 1
             try:
                 result = tuner.run()
@@ -150,6 +148,7 @@ class FullLengthCheck:
                 return None, failed.report["reason"]
             finally:
                 check.steps_run += tuner.position.step
+                self.base.learn(tuner)
         if tuner.signals.received is not None:  # it came in the last step: the run is whole, the command stops after
             raise TrainingInterrupted(tuner.signals.received, tuner.position.step)
         loss = result.best_eval_loss
@@ -171,7 +170,7 @@ def preset_trial(study: Any, point: dict[str, Any] | None) -> Any:
     if point is None:
         return None
     return next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                 if t.params == point and t.value is not None and math.isfinite(t.value)), None)
+                 if t.params == point and trial_loss(t) is not None), None)
 
 
 def enqueue_preset(study: Any, point: dict[str, Any] | None) -> bool:

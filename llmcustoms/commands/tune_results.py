@@ -1,13 +1,12 @@
 """What a tuning study has found: a row per trial (for the live table and
-trials.csv), the counts of its trials by state, and the winner (the best
-trial, or the preset's own values when the best did not beat them at full
-length: `tune_confirm`) as a preset file `train --preset FILE` accepts.
-`commands/tune.py` runs the trials."""
+trials.csv), the counts of its trials by state, and the winner (the picked
+trial, `tune_pareto.pick`, or the preset's own values when none qualifies or
+the pick did not beat them at full length: `tune_confirm`) as a preset file
+`train --preset FILE` accepts. `commands/tune.py` runs the trials."""
 
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,8 @@ import yaml
 
 from llmcustoms.planning.plan import Plan
 from llmcustoms.commands.preparation import PreparedRun
+from llmcustoms.commands.tune_pareto import pareto_front, pick, points, trial_forgetting, trial_loss
+from llmcustoms.commands.tune_space import RUNG_ATTR
 from llmcustoms.commands.tune_studies import TuneSettings
 from llmcustoms.planning.presets import TUNABLE_FIELDS, TrainingPreset, load_families, parse_preset
 
@@ -34,6 +35,8 @@ class StudyOutcome:
     confirmation: Any = None  # `tune_confirm.Confirmation`; None: not checked (--no-confirm, interrupted, no best)
     search_won: bool = True  # what best_preset.yaml holds: the search's best, or the preset's own values
     lr_centre: float | None = None  # lr-find's suggestion the lr range was centred on
+    points: list[Any] = field(default_factory=list)  # the complete trials (`tune_pareto.Point`)
+    pick: Any = None  # `tune_pareto.Pick`: the trial checked and written; None: no trial completed
 
     @property
     def interrupted(self) -> bool:
@@ -44,8 +47,16 @@ class StudyOutcome:
         states = ("complete", "pruned", "fail", "interrupted", "running")
         return {state: sum(1 for r in self.rows if r["state"] == state) for state in states}
 
+    def front(self) -> list[Any]:
+        """The Pareto front of the complete trials (`tune_pareto.pareto_front`)."""
+        return pareto_front(self.points)
+
+    def not_measured(self) -> list[int]:
+        """The complete trials whose forgetting is unknown: out of the front and the pick."""
+        return [p.trial for p in self.points if p.forgetting is None]
+
     def best_row(self) -> dict[str, Any] | None:
-        """The complete trial with the lowest eval loss, as its table row."""
+        """The picked trial (`tune_pareto.pick`), as its table row."""
         return next((r for r in self.rows if r["best"]), None)
 
     def preset_row(self) -> dict[str, Any] | None:
@@ -53,33 +64,29 @@ class StudyOutcome:
         return next((r for r in self.rows if r["preset"] and r["state"] == "complete"), None)
 
 
-def best_trial(study: Any) -> Any:
-    from optuna.trial import TrialState
-
-    complete = [t for t in study.trials if t.state == TrialState.COMPLETE and t.value is not None and math.isfinite(t.value)]
-    return min(complete, key=lambda t: t.value) if complete else None
-
-
-def trial_rows(study: Any) -> list[dict[str, Any]]:
+def trial_rows(study: Any, limit: float | None = None) -> list[dict[str, Any]]:
     """One row per trial, for the live table and trials.csv; `best` marks the
-    complete trial with the lowest eval loss."""
+    trial the pick chooses (`tune_pareto.pick`, `limit`: --forgetting-limit as
+    given). A pruned trial's eval loss is its last rung's."""
     rows = []
     for t in study.trials:
         state = "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        rows.append({"trial": t.number, "state": state, "eval_loss": t.value,
+        rungs = t.user_attrs.get(RUNG_ATTR, {})
+        loss = trial_loss(t) if t.values else (rungs[max(rungs, key=int)] if rungs else None)
+        rows.append({"trial": t.number, "state": state, "eval_loss": loss, "forgetting": trial_forgetting(t),
                      **{k: t.params.get(k) for k in ("lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio")},
                      "steps": t.user_attrs.get("steps"), "budget": t.user_attrs.get("budget"),
                      "seconds": t.user_attrs.get("seconds"), "preset": bool(t.user_attrs.get("preset")),
                      "reason": "; ".join(filter(None, [t.user_attrs.get("reason")] + t.user_attrs.get("recoveries", []))),
                      "best": False})
-    done = [r for r in rows if r["state"] == "complete" and r["eval_loss"] is not None]
-    if done:
-        min(done, key=lambda r: r["eval_loss"])["best"] = True
+    chosen = pick(points(study), limit).point
+    for row in rows:
+        row["best"] = chosen is not None and row["trial"] == chosen.trial
     return rows
 
 
 def write_trials_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    columns = ["trial", "state", "eval_loss", "lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio",
+    columns = ["trial", "state", "eval_loss", "forgetting", "lr", "lora_r", "alpha_ratio", "lora_dropout", "warmup_ratio",
                "steps", "seconds", "reason", "budget", "preset"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -88,18 +95,14 @@ def write_trials_csv(rows: list[dict[str, Any]], path: Path) -> None:
             writer.writerow({k: row.get(k) for k in columns})
 
 
-def write_best_preset(study: Any, base: Plan, preset: TrainingPreset, prepared: PreparedRun,
-                      settings: TuneSettings, params: dict[str, Any] | None = None, said: str | None = None) -> Path:
-    """`params` (by default the best trial's) as a preset file `train --preset
-    FILE` accepts, `said` its description's last sentence. The preset's
+def write_best_preset(base: Plan, preset: TrainingPreset, prepared: PreparedRun, settings: TuneSettings,
+                      params: dict[str, Any], said: str) -> Path:
+    """`params` (a trial's, or the preset's own point) as a preset file `train
+    --preset FILE` accepts, `said` its description's last sentence. The preset's
     adjustments for this dataset's size and this model's size are folded in, so
     the tuned values are the ones that apply."""
     from llmcustoms.models.loading import describe_model
 
-    best = best_trial(study)
-    if params is None:
-        params = best.params
-        said = f"best of {len(study.trials)} trials, eval loss {best.value:.4f} (trial {best.number})."
     model = describe_model(base.model, load_families(), "plan", base.trust_remote_code)
     values = preset.resolve(prepared.dataset.rows, model.arch.params, base.objective).values
     values.update(lr=float(params["lr"]), warmup_ratio=float(params["warmup_ratio"]))

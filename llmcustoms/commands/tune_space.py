@@ -10,9 +10,10 @@ of successive halving.
   study's first trial: each choice holds the preset's value and the lr range
   holds its lr, so the point is one the space can draw and the best trial is
   never worse than the preset on the trials' eval loss.
-- **The rungs** (`rungs`): a trial of S steps is evaluated every S/9 steps; at
-  S/9 and S/3 only the best third of the trials that got there go on
-  (`SuccessiveHalvingPruner`, reduction factor 3). `commands/tune.py` runs it.
+- **The rungs** (`rungs`, `goes_on`): a trial of S steps is evaluated every
+  S/9 steps; at S/9 and S/3 only the best third of the trials that got there
+  go on, by held-out loss (successive halving, reduction factor 3).
+  `commands/tune.py` runs it.
 """
 
 from __future__ import annotations
@@ -194,40 +195,30 @@ def rungs(steps: int) -> tuple[int, ...]:
     return tuple(s for s in (first * REDUCTION ** k for k in range(RUNGS)) if s < steps)
 
 
-def make_pruner(steps: int) -> Any:
-    """Successive halving at `rungs(steps)`; nothing to prune in a trial too short for a rung."""
-    import optuna
-
-    judged = rungs(steps)
-    if not judged:
-        return optuna.pruners.NopPruner()
-    return HalvingPruner(optuna.pruners.SuccessiveHalvingPruner(min_resource=judged[0], reduction_factor=REDUCTION))
+# Each trial's eval loss at the rungs it reached, by step (a user attribute: the halving compares them).
+RUNG_ATTR = "rung_losses"
 
 
-class HalvingPruner:
-    """Optuna's successive halving, blind to the trials that failed: one that
-    diverged after a good start (a high lr, often) sets no bar for the others."""
+def goes_on(study: Any, trial: Any, step: int, loss: float) -> bool:
+    """Successive halving at a rung (`rungs`): records the trial's `loss` there
+    and says whether it is among the best third of the losses every trial that
+    reached the step had there (the first two there: the lowest goes on).
+    Optuna's `SuccessiveHalvingPruner` rule, reduction factor 3, applied here:
+    Optuna prunes no study of two objectives (`Trial.should_prune` refuses), and
+    this one judges the first, held-out loss, alone (forgetting is judged at the
+    pick, `tune_pareto.py`). Failed trials set no bar: one that diverged after a
+    good start (a high lr, often) would stop the others for nothing."""
+    from optuna.trial import TrialState
 
-    def __init__(self, halving: Any):
-        self.halving = halving
-
-    def prune(self, study: Any, trial: Any) -> bool:
-        return self.halving.prune(_WithoutFailed(study), trial)
-
-
-class _WithoutFailed:
-    """A study as `SuccessiveHalvingPruner.prune` reads it (its trials, its
-    direction, the storage it records rung values in), less its failed trials."""
-
-    def __init__(self, study: Any):
-        self.study = study
-        self.direction = study.direction
-        self._storage = study._storage
-
-    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[Any]:
-        from optuna.trial import TrialState
-
-        return [t for t in self.study.get_trials(deepcopy=deepcopy, states=states) if t.state != TrialState.FAIL]
+    if math.isnan(loss):
+        return False
+    key = str(step)  # user attributes are JSON: their keys are text
+    trial.set_user_attr(RUNG_ATTR, {**trial.user_attrs.get(RUNG_ATTR, {}), key: loss})
+    others = [t.user_attrs[RUNG_ATTR][key] for t in study.get_trials(deepcopy=False, states=(
+        TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
+        if t.number != trial.number and key in t.user_attrs.get(RUNG_ATTR, {})]
+    competing = sorted([*others, loss])
+    return loss <= competing[max(1, len(competing) // REDUCTION) - 1]
 
 
 def _lora(base: Plan, params: dict[str, Any]) -> LoraSettings | None:

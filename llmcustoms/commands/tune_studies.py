@@ -1,13 +1,11 @@
-"""A tuning study's name, storage and identity: what `tune.run_study` runs trials in.
+"""A tuning study's name and storage: what `tune.run_study` runs trials in.
 
 - The name is a plain name, checked as a run name is: the study's directory,
   `tune-NAME`, stays inside --output-dir.
 - A storage URL is shown, logged and put in messages only without its password
   (`shown_storage`, `redact_storage`).
-- A study's identity (the data and its checksum, the model, the held-out rows,
-  the trial budget) is stored with it: trials on other data or another budget
-  do not compare, so such a study is not continued. With a default name a new
-  study beside it is started, and said so; with --study-name it is an error.
+- A study's identity (what its trials must share to compare) is in
+  `commands/tune_identity.py`.
 - A trial whose process died (kill -9, a lost machine) stays `running` in the
   storage: `fail_stale_trials` marks it failed when the next `tune` starts,
   if no process holds its directory's lock; a database server's storage also
@@ -21,8 +19,6 @@
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import re
 import socket
@@ -78,7 +74,10 @@ class TuneSettings:
     seed: int = 42
     lr_centre: float | None = None  # the lr range's centre, from `lr-find`'s saved suggestion
     confirm: bool = True  # train the best and the preset at full length before writing the preset (`tune_confirm`)
-    note: str = ""  # why the study is not the one of the name asked for (`choose_study`)
+    note: str = ""  # why the study is not the one of the name asked for (`tune_identity.choose_study`)
+    # --forgetting-limit as the user gave it (None: not given): then no trial forgetting more is
+    # picked, instead of none forgetting more than the preset's own trial (`tune_pareto.pick`).
+    forgetting_limit: float | None = None
 
     @property
     def where(self) -> str:
@@ -249,76 +248,6 @@ class FullDisk:
         full = self.from_step is not None and self.steps >= self.from_step
         if full and not statement.lstrip().upper().startswith(("SELECT", "PRAGMA")):
             raise sqlite3.OperationalError(SQLITE_FULL)  # what SQLite raises, wrapped by SQLAlchemy as it would be
-
-
-def study_identity(plan: Any, steps: int) -> dict[str, Any]:
-    """What trials must share to compare: the data (and its content), the model, the held-out rows, the budget."""
-    return {"data": plan.data, "data_sha256": plan.data_sha256, "eval_data_sha256": plan.eval_data_sha256,
-            "model": plan.model, "eval_rows": plan.eval_rows, "steps": steps}
-
-
-def differences(stored: dict[str, Any], identity: dict[str, Any]) -> list[str]:
-    """How `identity` differs from a study's, in words; a key the study lacks (an
-    older one) is not a difference."""
-    said = []
-    if stored.get("data", identity["data"]) != identity["data"]:
-        said.append(f"other data ({Path(stored['data']).name}, not {Path(identity['data']).name})")
-    elif any(stored.get(k, identity[k]) != identity[k] for k in ("data_sha256", "eval_data_sha256")):
-        said.append(f"other content of {Path(identity['data']).name} (the data changed since; its checksum differs)")
-    if stored.get("model", identity["model"]) != identity["model"]:
-        said.append(f"another model ({stored['model']})")
-    if stored.get("eval_rows", identity["eval_rows"]) != identity["eval_rows"]:
-        said.append(f"{stored['eval_rows']} held-out rows, not {identity['eval_rows']}")
-    if stored.get("steps", identity["steps"]) != identity["steps"]:
-        said.append(f"{stored['steps']} optimizer steps per trial, not {identity['steps']} (--max-steps, --budget-tokens)")
-    return said
-
-
-def stored_identity(storage: Any, name: str) -> dict[str, Any] | None:
-    """The identity a study of that name was started with; None when there is no such study."""
-    try:
-        study_id = storage.get_study_id_from_name(name)
-    except KeyError:
-        return None
-    return storage.get_study_user_attrs(study_id).get("identity", {})
-
-
-def choose_study(url: str | None, output_dir: Path, name: str, named: bool, identity: dict[str, Any]) -> tuple[str, str]:
-    """The study to run trials in, and a note when it is not the one of that name
-    (which was started on other data or another budget). `named`: the user
-    chose the name, so it is an error instead."""
-    found = _identity_of(url, output_dir, name)
-    said = differences(found, identity) if found is not None else []
-    if not said:
-        return name, ""
-    if named:
-        raise ConfigError(f"The study '{name}' was started on {'; '.join(said)}: its trials would not compare with new ones.",
-                          "Use another --study-name to start a new study beside it (it is kept), or the data "
-                          "and flags it was started with to continue it.")
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    other = f"{name}-{digest}"
-    found_other = _identity_of(url, output_dir, other)
-    verb = "continuing the study" if found_other is not None and not differences(found_other, identity) else "a new study"
-    return other, f"The study '{name}' was started on {'; '.join(said)}: {verb} '{other}' beside it (it is kept)."
-
-
-def _identity_of(url: str | None, output_dir: Path, name: str) -> dict[str, Any] | None:
-    path = study_dir(output_dir, name)
-    if url is None and not (path / "study.db").is_file():
-        return None  # the default storage is not created only to look
-    return stored_identity(open_storage(url, path), name)
-
-
-def check_identity(study: Any, identity: dict[str, Any]) -> None:
-    """A study compares trials on one dataset, model and budget; refuse to mix others in.
-    A study from before a key was part of the identity takes it on."""
-    stored = study.user_attrs.get("identity")
-    said = differences(stored or {}, identity)
-    if said:
-        raise ConfigError(f"The study '{study.study_name}' was started on {'; '.join(said)}.",
-                          "Use another --study-name (or --output-dir) for this dataset, model and budget.")
-    if stored != identity:
-        study.set_user_attr("identity", identity)
 
 
 def claim(trial: Any) -> None:

@@ -33,6 +33,8 @@ def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> 
                                   f"{base.grad_accum}, {base.max_seq_len} tokens"))
     table.add_row("budget per trial", f"{settings.steps} optimizer steps (about {tokens_per_trial:,} tokens), "
                                       f"eval loss on {base.eval_rows} held-out rows")
+    table.add_row("scored by", _objectives(settings) if base.objective == "sft" else
+                  "held-out loss (forgetting is measured only when training on replies: not for preference pairs)")
     table.add_row("pruning", _pruning(settings))
     table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}"
                             + (f", timeout {settings.timeout:g} s" if settings.timeout else ""))
@@ -41,32 +43,43 @@ def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> 
     console.print(table)
 
 
+def _objectives(settings: Any) -> str:
+    """The two objectives and the rule of the pick (`tune_pareto.pick`)."""
+    limit = settings.forgetting_limit
+    rule = ", forgetting not limited (--forgetting-limit 0)" if limit == 0 else (
+        " among the trials forgetting no more than "
+        + ("the preset's own trial" if limit is None else f"--forgetting-limit ({_rise(limit)})"))
+    return f"held-out loss and forgetting (general-text loss against the base model's); the pick: the lowest " \
+           f"held-out loss{rule}"
+
+
 def _pruning(settings: Any) -> str:
     if not settings.rungs:
         return "none: a trial this short has no step to be judged at"
     at = " and ".join(map(str, settings.rungs))
     return (f"successive halving: at steps {at} of {settings.steps}, only the best third of the trials that "
-            "got there go on (the preset's trial always does)")
+            "got there go on, by held-out loss (the preset's trial always does)")
 
 
 def _check(settings: Any, base: Any) -> str:
     """What follows the trials: the full-length check and its cost, or not."""
     if not settings.confirm:
-        return "the best trial is written as the preset, unchecked (--no-confirm)"
+        return "the pick is written as the preset, unchecked (--no-confirm)"
     if settings.steps >= base.total_steps:
-        return ("the best trial against the preset's own: trials are whole runs here, so nothing is trained "
+        return ("the pick against the preset's own: trials are whole runs here, so nothing is trained "
                 "again; the better is written as the preset")
     runs = 2 * base.total_steps
-    return (f"the best trial and the preset each trained for a whole run ({base.total_steps} steps; "
+    return (f"the pick and the preset each trained for a whole run ({base.total_steps} steps; "
             f"{runs:,} steps in all, as much as {runs / settings.steps:.1f} trials; less if known from "
             "before) and compared on the held-out rows; the better is written as the preset (--no-confirm "
             "skips it)")
 
 
-TRIAL_COLUMNS = ("#", "state", "eval loss", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time")
+TRIAL_COLUMNS = ("#", "state", "eval loss", "forgetting", "lr", "r", "alpha/r", "dropout", "warmup", "steps", "time")
 # The same columns at 80: shorter headers, so that every value is whole (Rich
 # would cut the widest columns short, numbers included, to fit the line).
-NARROW_TRIAL_COLUMNS = ("#", "state", "loss", "lr", "r", "alpha/r", "drop", "warm", "steps", "time")
+NARROW_TRIAL_COLUMNS = ("#", "state", "loss", "forgot", "lr", "r", "alpha/r", "drop", "warm", "steps", "time")
+FRONT_COLUMNS = ("#", "eval loss", "forgetting", "lr", "r", "alpha/r", "dropout", "warmup", "")
 TRIAL_COLOURS = {"complete": "green", "pruned": "yellow", "fail": "red", "running": "cyan", "interrupted": "yellow"}
 
 
@@ -77,7 +90,9 @@ def trials_table(rows: list[dict[str, Any]]) -> WideOrNarrow:
     wide = Table(title="Trials")
     for column in (*TRIAL_COLUMNS, "note"):
         wide.add_column(column, no_wrap=column != "note")
-    narrow = Table(title="Trials", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    # No padding: the box's blank rule alone parts the columns, or the forgetting column would not fit 80.
+    narrow = Table(title="Trials", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True,
+                   padding=(0, 0))
     for column in NARROW_TRIAL_COLUMNS:
         narrow.add_column(column, no_wrap=True)
     notes = []
@@ -96,10 +111,22 @@ def _trial_cells(r: dict[str, Any]) -> list[str]:
     if r["best"]:
         loss = f"[bold green]{loss}[/]"
     steps = _blank(r["steps"]) + (f"/{r['budget']}" if r.get("budget") and r["steps"] is not None else "")
-    return [str(r["trial"]), f"[{TRIAL_COLOURS.get(r['state'], 'white')}]{r['state']}[/]", loss,
-            "" if r["lr"] is None else f"{r['lr']:.2e}", _blank(r["lora_r"]), _blank(r["alpha_ratio"]),
-            _blank(r["lora_dropout"]), _blank(r["warmup_ratio"]), steps,
-            "" if r["seconds"] is None else f"{r['seconds']:.0f}s"]
+    # A complete trial that could not measure forgetting says so (`tune_pareto.py`); the others have none yet.
+    forgot = _rise(r.get("forgetting")) if r.get("forgetting") is not None else (
+        "[dim]unknown[/]" if r["state"] == "complete" else "")
+    return [str(r["trial"]), f"[{TRIAL_COLOURS.get(r['state'], 'white')}]{r['state']}[/]", loss, forgot,
+            *_param_cells(r), steps, "" if r["seconds"] is None else f"{r['seconds']:.0f}s"]
+
+
+def _param_cells(params: dict[str, Any]) -> list[str]:
+    """A trial's lr, rank, alpha/rank, dropout and warmup, as cells."""
+    return ["" if params.get("lr") is None else f"{params['lr']:.2e}", _blank(params.get("lora_r")),
+            _blank(params.get("alpha_ratio")), _blank(params.get("lora_dropout")), _blank(params.get("warmup_ratio"))]
+
+
+def _rise(value: float) -> str:
+    """Forgetting as a signed share, as `tune_pareto.rise` shows it: +3.12%, -0.40%."""
+    return f"{value:+.2%}"
 
 
 def _blank(value: Any) -> str:
@@ -226,23 +253,43 @@ def show_study_outcome(outcome: Any, data_path: str, model: str | None) -> None:
         console.print(f"Learning rates were searched around lr-find's suggestion, {outcome.lr_centre:.1e}.")
     if outcome.interrupted:
         console.print("[yellow]Interrupted.[/] The study is saved; run the same command again to continue it.")
-    best = outcome.best_row()
-    if best is None:
+    if outcome.pick is None:
         console.print("No trial completed yet, so there is no best preset.")
         return
-    console.print(f"Best trial: {best['trial']}, eval loss {best['eval_loss']:.4f} (lr {best['lr']:.2e}"
-                  + (f", r {best['lora_r']}, alpha/r {best['alpha_ratio']:g}, dropout {best['lora_dropout']:g}"
-                     if best["lora_r"] is not None else "") + f", warmup {best['warmup_ratio']:g}).")
-    _show_verdict(outcome, best)
+    _show_front(outcome)
+    console.print(f"[bold]Pick:[/] {escape(outcome.pick.said)}")
+    best = outcome.best_row()
+    if best is not None:
+        _show_verdict(outcome, best)
     if outcome.best_preset_path is None:
         console.print("Stopped before the full-length check was done, so no preset was written: the same command "
                       "continues the study and checks its best.")
         return
-    console.print(f"Wrote {escape(str(outcome.best_preset_path))} and "
-                  f"{escape(str(outcome.best_preset_path.parent / 'trials.csv'))}.")
+    folder = outcome.best_preset_path.parent
+    console.print(f"Wrote {escape(str(outcome.best_preset_path))}, {escape(str(folder / 'trials.csv'))} and "
+                  f"{escape(str(folder / 'pareto.json'))}.")
     command = f"llmcustoms train {data_path} --preset {outcome.best_preset_path}" + (f" --model {model}" if model else "")
     console.print("Train with it:")
     console.print("  " + escape(command), soft_wrap=True)  # never broken: it is meant to be copied
+
+
+def _show_front(outcome: Any) -> None:
+    """The Pareto front (`tune_pareto.pareto_front`): no trial is better on both held-out loss and forgetting."""
+    front, picked = outcome.front(), outcome.pick.point
+    if front:
+        table = Table(title="Pareto front: held-out loss against forgetting", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False)
+        for column in FRONT_COLUMNS:
+            table.add_column(column, no_wrap=column != "")
+        for p in front:
+            mark = ", ".join(filter(None, ["picked" if picked is not None and p.trial == picked.trial else "",
+                                           "the preset's own values" if p.preset else ""]))
+            table.add_row(str(p.trial), f"{p.eval_loss:.4f}", _rise(p.forgetting), *_param_cells(p.params), mark)
+        console.print(table)
+    unknown = outcome.not_measured()
+    if unknown:
+        console.print(f"Forgetting was not measured in trial(s) {', '.join(map(str, unknown))}: they are left out "
+                      "of the front" + (", and of the pick." if outcome.pick.bound is not None else "."))
 
 
 def _show_verdict(outcome: Any, best: dict[str, Any]) -> None:

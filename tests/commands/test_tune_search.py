@@ -23,8 +23,8 @@ from llmcustoms.cli import app
 from llmcustoms.commands import lr_find as lrfind
 from llmcustoms.commands.preparation import TrainOptions, prepare_run
 from llmcustoms.commands.tune import PreparedStudy, TuneSettings, run_study
-from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, preset_point, rungs, search_space, trial_patience,
-                                            trial_plan)
+from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, RUNG_ATTR, preset_point, rungs, search_space,
+                                            trial_patience, trial_plan)
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.presets import load_preset
 from llmcustoms.training import finetuner
@@ -37,31 +37,43 @@ HARDWARE = Hardware.cpu_only()
 
 class Rigged:
     """A FineTuner that trains nothing. At each evaluation the plan would make it
-    reports `Rigged.curve(plan, step)`, as the real one does through `on_evaluate`."""
+    reports `Rigged.curve(plan, step)`, as the real one does through `on_evaluate`:
+    an eval loss, or an eval loss and a general-text loss (forgetting's, against
+    `Rigged.base_general`, which a run with `baseline` measures; `tune` gives the
+    others the number, as it does real ones). Its position keeps, by the real
+    rule, what `train` would keep."""
 
     curve = staticmethod(lambda plan, step: 1.0)
+    base_general = 2.0
     runs: list = []  # the plans run, in order
+    baselines: list = []  # whether each run evaluated the base model itself
 
     def __init__(self, plan, tokenizer, train, evaluation, run_dir, reporter, faults=None, on_evaluate=None,
                  save_artifacts=True, baseline=True, **_):
-        self.plan, self.on_evaluate = plan, on_evaluate
+        self.plan, self.on_evaluate, self.baseline = plan, on_evaluate, baseline
         self.position = Position()  # its early_stop is the real rule
         self.signals = SimpleNamespace(received=None)
 
     def run(self):
         Rigged.runs.append(self.plan)
-        best = None
+        Rigged.baselines.append(self.baseline)
+        if self.baseline:
+            self.position.base_eval, self.position.base_general = 10.0, Rigged.base_general
         for step in range(1, self.plan.total_steps + 1):
             self.position.step = step
             if step % self.plan.eval_every == 0 or step == self.plan.total_steps:
-                loss = Rigged.curve(self.plan, step)
-                best = loss if best is None else min(best, loss)
+                value = Rigged.curve(self.plan, step)
+                loss, general = value if isinstance(value, tuple) else (value, Rigged.base_general)
                 if self.on_evaluate is not None and self.on_evaluate(step, loss):
-                    return SimpleNamespace(stop=StopReason(StopCause.CALLER, step, ""), best_eval_loss=best)
-                stop = self.position.early_stop(loss, self.plan.early_stopping_patience)
+                    return self._result(StopReason(StopCause.CALLER, step, ""))
+                stop = self.position.early_stop(loss, self.plan.early_stopping_patience, general,
+                                                self.plan.forgetting_limit)
                 if stop is not None:
-                    return SimpleNamespace(stop=stop, best_eval_loss=best)
-        return SimpleNamespace(stop=None, best_eval_loss=best)
+                    return self._result(stop)
+        return self._result(None)
+
+    def _result(self, stop):
+        return SimpleNamespace(stop=stop, best_eval_loss=self.position.best_eval, forgetting=self.position.forgetting())
 
 
 @pytest.fixture
@@ -69,6 +81,7 @@ def rigged(monkeypatch):
     """Trials and full-length runs go to `Rigged`; set `rigged.curve` to choose their losses."""
     monkeypatch.setattr(finetuner, "FineTuner", Rigged)
     monkeypatch.setattr(Rigged, "runs", [])
+    monkeypatch.setattr(Rigged, "baselines", [])
     return Rigged
 
 
@@ -90,6 +103,13 @@ def settings_for(tmp_path, trials: int, **changes) -> TuneSettings:
 
 def study_of(settings) -> optuna.Study:
     return optuna.load_study(study_name=settings.study_name, storage=f"sqlite:///{settings.study_dir / 'study.db'}")
+
+
+def new_study(settings) -> optuna.Study:
+    """The study `tune` would make (two objectives), made before it runs, to queue trials in."""
+    settings.study_dir.mkdir(parents=True)
+    return optuna.create_study(study_name=settings.study_name, storage=f"sqlite:///{settings.study_dir / 'study.db'}",
+                               directions=["minimize", "minimize"])
 
 
 def tune(prepared, settings, **kwargs):
@@ -147,8 +167,7 @@ def test_a_second_invocation_of_a_study_tries_new_points(tmp_path, prepared, rig
 
 def test_an_interrupted_preset_trial_is_tried_again(tmp_path, prepared, rigged):
     settings = settings_for(tmp_path, 1, confirm=False)
-    settings.study_dir.mkdir(parents=True)
-    study = optuna.create_study(study_name="s", storage=f"sqlite:///{settings.study_dir / 'study.db'}")
+    study = new_study(settings)
     study.enqueue_trial(preset_point(prepared.plan), user_attrs={"preset": True})
     trial = study.ask()
     search_space(prepared.plan, HARDWARE).suggest(trial)  # the enqueued values
@@ -216,10 +235,10 @@ def test_trials_are_judged_by_the_eval_loss_train_would_keep_not_the_latest(tmp_
                    on_update=lambda rows: live.extend(r["eval_loss"] for r in rows if r["state"] == "running"))
     preset, other = study_of(settings).trials
     assert live and max(live) == pytest.approx(0.80)  # its score, never the latest (1.0 at step 2, 1.2 at 3)
-    assert preset.value == pytest.approx(0.90) and other.value == pytest.approx(0.80)
+    assert preset.values[0] == pytest.approx(0.90) and other.values[0] == pytest.approx(0.80)
     assert other.state.name == "COMPLETE" and other.user_attrs["steps"] > 3  # 1.2 at step 3: not pruned
-    last = max(preset.intermediate_values)  # 1.1 there, after its best at step 3
-    assert other.intermediate_values[3] == pytest.approx(0.80) and preset.intermediate_values[last] == pytest.approx(0.90)
+    assert other.user_attrs[RUNG_ATTR] == pytest.approx({"1": 0.80, "3": 0.80})  # the rungs saw its best, not 1.2
+    assert preset.user_attrs[RUNG_ATTR] == pytest.approx({"1": 1.30, "3": 0.90})
     assert [r["best"] for r in outcome.rows] == [False, True]
 
 
@@ -239,7 +258,7 @@ def test_a_trial_stops_early_where_train_would_and_keeps_its_score(tmp_path, pre
     outcome = tune(prepared, settings)
     [trial] = study_of(settings).trials
     assert trial_plan(plan, trial.params, 40).early_stopping_patience == waits
-    assert trial.state.name == "COMPLETE" and trial.value == pytest.approx(0.5)
+    assert trial.state.name == "COMPLETE" and trial.values[0] == pytest.approx(0.5)
     assert trial.user_attrs["steps"] == stops_at and outcome.steps_run == stops_at
     assert "as `train` would" in outcome.rows[0]["reason"]
 
@@ -256,8 +275,7 @@ def test_the_presets_trial_is_never_stopped(tmp_path, prepared, rigged):
     # the preset is the worst, and still improving (an early stop is not a pruning)
     rigged.curve = lambda plan, step: 1.0 + distance(plan.lr, 4 * base_lr) - 0.01 * step
     settings = settings_for(tmp_path, 3, confirm=False)
-    settings.study_dir.mkdir(parents=True)
-    study = optuna.create_study(study_name="s", storage=f"sqlite:///{settings.study_dir / 'study.db'}")
+    study = new_study(settings)
     for lr in (4 * base_lr, 3 * base_lr):  # an older study: two good trials before the preset's
         study.enqueue_trial({**preset_point(prepared.plan), "lr": lr})
     tune(prepared, settings)
@@ -278,8 +296,7 @@ def test_a_trial_that_failed_after_a_good_start_sets_no_bar(tmp_path, prepared, 
 
     rigged.curve = curve
     settings = settings_for(tmp_path, 3, confirm=False)
-    settings.study_dir.mkdir(parents=True)
-    study = optuna.create_study(study_name="s", storage=f"sqlite:///{settings.study_dir / 'study.db'}")
+    study = new_study(settings)
     for lr in (8 * base_lr, 2 * base_lr):
         study.enqueue_trial({**preset_point(prepared.plan), "lr": lr})
     tune(prepared, settings)

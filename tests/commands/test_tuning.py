@@ -50,7 +50,8 @@ def test_a_study_continues_where_it_stopped_and_its_best_preset_trains(tmp_path,
     assert [int(r["trial"]) for r in rows] == [0, 1, 2, 3, 4]
     preset_path = tmp_path / "tune-s" / "best_preset.yaml"
     preset = yaml.safe_load(preset_path.read_text())
-    best = min((t for t in study.trials if t.value is not None and t.state.name == "COMPLETE"), key=lambda t: t.value)
+    # --no-confirm: the pick is written (the lowest held-out loss among the trials forgetting no more than the preset's).
+    best = study.trials[json.loads((tmp_path / "tune-s" / "pareto.json").read_text())["pick"]["trial"]]
     assert preset["lr"] == pytest.approx(best.params["lr"]) and preset["lora_r"] == best.params["lora_r"]
     assert f"llmcustoms train {DATA_FILES['alpaca']} --preset {preset_path} --model" in second.output
 
@@ -71,7 +72,7 @@ def test_successive_halving_stops_a_bad_trial(tmp_path, tiny_models):
     settings = TuneSettings(trials=3, steps=10, study_name="prune", study_dir=tmp_path / "prune", confirm=False)
     settings.study_dir.mkdir()
     study = optuna.create_study(study_name="prune", storage=f"sqlite:///{settings.study_dir / 'study.db'}",
-                                direction="minimize")
+                                directions=["minimize", "minimize"])  # as `tune` makes it: loss and forgetting
     good = {"lr": 1e-2, "warmup_ratio": 0.0, "lora_r": 16, "alpha_ratio": 2.0, "lora_dropout": 0.0}
     for params in (good, good, {**good, "lr": 1e-4}):  # the third barely learns: built to be bad
         study.enqueue_trial(params)

@@ -46,13 +46,13 @@ def cells(line: str) -> str:
 # ------------------------------------------------------------------ tune
 
 TRIALS = [
-    {"trial": 0, "state": "complete", "eval_loss": 1.23456, "best": False, "lr": 2.0e-4, "lora_r": 16,
+    {"trial": 0, "state": "complete", "eval_loss": 1.23456, "forgetting": 0.0312, "best": False, "lr": 2.0e-4, "lora_r": 16,
      "alpha_ratio": 2.0, "lora_dropout": 0.05, "warmup_ratio": 0.03, "steps": 60, "budget": 60, "seconds": 228.4,
      "reason": "", "preset": True},
     {"trial": 1, "state": "pruned", "eval_loss": 1.5, "best": False, "lr": 2.81e-4, "lora_r": 64, "alpha_ratio": 0.5,
      "lora_dropout": 0.1, "warmup_ratio": 0.1, "steps": 20, "budget": 60, "seconds": 75.0,
      "reason": "pruned at step 20 of 60: not in the best third at step 20"},
-    {"trial": 12, "state": "complete", "eval_loss": 1.1, "best": True, "lr": 1.234e-5, "lora_r": 8,
+    {"trial": 12, "state": "complete", "eval_loss": 1.1, "forgetting": -0.004, "best": True, "lr": 1.234e-5, "lora_r": 8,
      "alpha_ratio": 1.0, "lora_dropout": 0.0, "warmup_ratio": 0.05, "steps": 1000, "budget": 1000,
      "seconds": 2281.0, "reason": ""},
     {"trial": 13, "state": "running", "eval_loss": None, "best": False, "lr": 2.81e-4, "lora_r": 32,
@@ -64,9 +64,9 @@ TRIALS = [
 ]
 # Each trial's values, in the table's order: the row must read them whole.
 TRIAL_ROWS = {
-    0: r"0 complete 1\.2346 2\.00e-04 16 2 0\.05 0\.03 60/60 228s",
+    0: r"0 complete 1\.2346 \+3\.12% 2\.00e-04 16 2 0\.05 0\.03 60/60 228s",
     1: r"1 pruned 1\.5000 2\.81e-04 64 0\.5 0\.1 0\.1 20/60 75s",
-    12: r"12 complete 1\.1000 1\.23e-05 8 1 0 0\.05 1000/1000 2281s",
+    12: r"12 complete 1\.1000 -0\.40% 1\.23e-05 8 1 0 0\.05 1000/1000 2281s",
     13: r"13 running 2\.81e-04 32 2 0\.05 0 40/60 22812s",
     1014: r"1014 interrupted 2\.81e-04 128 0\.5 0\.05 0",
 }
