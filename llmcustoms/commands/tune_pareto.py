@@ -37,8 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.planning.plan import DEFAULT_FORGETTING_LIMIT
 
+# The bound when the preset's own trial measured no forgetting (it failed) and none was given:
+# the general text's loss at most 10% above the base model's.
+FALLBACK_BOUND = 0.1
 # Optuna's second value for a trial whose forgetting is unknown: far above any real rise.
 UNMEASURED = 1e6
 
@@ -142,7 +144,7 @@ def pick(found: list[Point], limit: float | None) -> Pick:
     elif preset is not None:
         rule, bound, what = "preset", preset.forgetting, f"the preset's own trial ({rise(preset.forgetting)})"
     else:
-        rule, bound = "default", DEFAULT_FORGETTING_LIMIT
+        rule, bound = "default", FALLBACK_BOUND
         what = f"the default limit ({rise(bound)}; the preset's own trial measured no forgetting)"
     qualifying = [p for p in found if p.forgetting is not None and p.forgetting <= bound]
     if not qualifying:

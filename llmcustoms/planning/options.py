@@ -201,7 +201,7 @@ OPTIONS: tuple[Option, ...] = (
            flag="--early-stopping-patience", env="EARLY_STOPPING_PATIENCE", preset="early_stopping_patience",
            plan="early_stopping_patience", minimum=0, commands=_BOTH),
     Option("forgetting_limit", float, "How much the loss on general text may rise over the base model's for "
-           "weights to be kept (0.1: 10%; 0: no limit). Default: 0.1.", flag="--forgetting-limit",
+           "weights to be kept (0.1: 10%). Default: 0, no limit (measured and reported only).", flag="--forgetting-limit",
            env="FORGETTING_LIMIT", plan="forgetting_limit", minimum=0, commands=PLANNING),
     Option("save_every", int, "Checkpoint every N optimizer steps.", flag="--save-every", env="SAVE_EVERY",
            plan="save_every", minimum=1, commands=_BOTH),

@@ -85,9 +85,11 @@ class LoraSettings:
     target_modules: tuple[str, ...]
 
 
-# The general text's loss may rise 10% over the base model's in the weights kept: the benchmark's
-# runs that answered the forgetting check's questions as the base model did stayed under it.
-DEFAULT_FORGETTING_LIMIT = 0.1
+# No limit unless asked: forgetting is measured and reported, the weights kept chosen by eval loss.
+# A 10% limit on SmolLM2-135M (identity data, lr 5e-4) kept 41 of 67 general questions instead
+# of 32, but stopped at step 10 of 80: test loss 0.641 against 0.171, the taught name in 0% of
+# answers against 83% (docs/benchmarks.md, "Forgetting"). A default must not cost what the data teaches.
+DEFAULT_FORGETTING_LIMIT = 0.0
 
 
 @dataclass(frozen=True)

@@ -141,9 +141,10 @@ def test_the_summary_shows_the_scores_and_an_old_run_nothing(tmp_path):
     assert "general questions" not in captured.get()
 
 
-def test_report_names_the_measured_forgetting_and_first_advises_a_tighter_limit(tmp_path, plan):
+def test_report_names_the_measured_forgetting_and_first_advises_the_setting_that_reduced_it(tmp_path, plan):
     """A run that forgot: its report says the number (the questions and the general text's loss
-    rise) and its first advice is weights kept within a tighter --forgetting-limit."""
+    rise) and its first advice is a lower learning rate, which on the benchmark's identity data
+    kept 39 of 67 general questions instead of 31; a forgetting limit comes next, with its cost."""
     run = written_run(tmp_path, plan, samples([True] * 3, [True] * 3),
                       {"general_knowledge": scores(47, 31), "forgetting": 0.159})
     report = analyse(run)
@@ -153,8 +154,10 @@ def test_report_names_the_measured_forgetting_and_first_advises_a_tighter_limit(
     assert advice.startswith("the trained model answers 16 fewer of the general questions than the base model "
                              "(31/67 against 47/67; the loss on general text +15.9% against the base model's)")
     ways = advice.split("try ", 1)[1]
-    assert ways.startswith("a tighter forgetting limit (--forgetting-limit 0.08)"), ways
-    # Without the measure (a run from before it), the first advice is the learning rate.
-    older = written_run(tmp_path / "older", plan, samples([True] * 3, [True] * 3), {"general_knowledge": scores(47, 31)})
-    [advice] = [r for r in analyse(older).recommendations if "general questions" in r]
-    assert advice.split("try ", 1)[1].startswith(f"a lower learning rate (--lr {plan.lr / 2:.1e})")
+    assert ways.startswith(f"a lower learning rate (--lr {plan.lr / 2:.1e}), weights kept within a forgetting "
+                           "limit (--forgetting-limit 0.08; it may stop before your data is learned)"), ways
+    # Where the general loss did not rise (code data: -10%), a limit would keep nothing earlier: not advised.
+    fell = written_run(tmp_path / "fell", plan, samples([True] * 3, [True] * 3),
+                       {"general_knowledge": scores(47, 41), "forgetting": -0.1})
+    [advice] = [r for r in analyse(fell).recommendations if "general questions" in r]
+    assert "--forgetting-limit" not in advice and f"--lr {plan.lr / 2:.1e}" in advice
