@@ -44,14 +44,18 @@ def general_rows(hf_tokenizer: Any, plan: Any) -> Any:
     from llmcustoms.data.tokenization import Tokenizer
     from llmcustoms.models.loading import stop_token_ids
 
-    if plan.objective != "sft":
+    if plan.objective != "sft" or getattr(hf_tokenizer, "eos_token_id", None) is None:
+        return None  # no language-model loss, or a stand-in tokenizer (benchmarks time the loop with one)
+    try:
+        tokenizer = Tokenizer(hf_tokenizer, stop_token_ids=stop_token_ids(plan.model), raw_prompts=plan.raw_prompts)
+        templated = prompts_use_template(hf_tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report)
+        examples = [Example(row, messages=tuple((m["role"], m["content"]) for m in messages)) if templated
+                    else Example(row, prompt=messages[0]["content"] + "\n", completion=messages[1]["content"])
+                    for row, messages in enumerate(general_messages())]
+        rows = TokenRows.from_examples([tokenizer.encode(example) for example in examples]).cut(plan.max_seq_len)
+    except Exception:  # noqa: BLE001 - a template that refuses these turns: the run trains, measuring no forgetting
         return None
-    tokenizer = Tokenizer(hf_tokenizer, stop_token_ids=stop_token_ids(plan.model), raw_prompts=plan.raw_prompts)
-    templated = prompts_use_template(hf_tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report)
-    examples = [Example(row, messages=tuple((m["role"], m["content"]) for m in messages)) if templated
-                else Example(row, prompt=messages[0]["content"] + "\n", completion=messages[1]["content"])
-                for row, messages in enumerate(general_messages())]
-    return TokenRows.from_examples([tokenizer.encode(example) for example in examples]).cut(plan.max_seq_len)
+    return rows
 
 
 def forgetting(base_loss: float | None, loss: float | None) -> float | None:

@@ -95,3 +95,26 @@ def test_a_rigged_run_keeps_the_best_weights_within_the_forgetting_limit(tmp_pat
     assert max_difference(adapter_tensors(run_dir), kept) < 1e-6  # the adapter is step 4's weights
     general = [row["general_loss"] for row in run_dir.read_metrics() if "general_loss" in row]
     assert general == [2.0, 2.5, 2.1, 3.0]  # every evaluation records what it forgot
+
+
+def test_no_general_rows_for_a_stand_in_tokenizer_or_a_template_that_refuses_them(tiny_models):
+    """Forgetting is a measure, never worth the run: without rows the run trains as before."""
+    from dataclasses import replace
+
+    from test_finetuner import FIXTURES, Hardware, TrainOptions, prepare_run
+    from llmcustoms.training.general_text import general_rows
+
+    class PadOnly:  # what the benchmarks time the loop with
+        pad_token_id = 0
+
+    options = TrainOptions(data=str(FIXTURES / "alpaca.jsonl"), model=str(tiny_models["llama"]),
+                           overrides={"max_steps": (2, "flag")})
+    prepared = prepare_run(options, Hardware.cpu_only())
+    assert general_rows(PadOnly(), prepared.plan) is None
+    tokenizer = prepared.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('only system turns') }}"
+    try:
+        assert general_rows(tokenizer, replace(prepared.plan, data_format="sharegpt")) is None
+    finally:
+        tokenizer.chat_template = template
