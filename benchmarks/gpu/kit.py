@@ -1,20 +1,21 @@
 """The GPU kit: every GPU claim of docs/benchmarks.md measured in one call, inside a time budget.
 
-    bash benchmarks/gpu/run.sh OUT_DIR [--part 1|2] [--budget SECONDS] [--only STEP ...]   (on a GPU machine)
-    bash benchmarks/gpu/run.sh --dry-run OUT_DIR                                        (here, tiny shapes)
+    bash benchmarks/gpu/run.sh OUT_DIR --next | --part 1|2|3 [--budget SECONDS] [--only STEP ...]  (on a GPU)
+    bash benchmarks/gpu/run.sh --dry-run OUT_DIR [--part 1,2 | --part 3]                    (here, tiny shapes)
 
-run.sh installs the carried wheels and calls this. The steps come in two parts, one device call
-each (--part 1, the default, then --part 2). It prints its plan first: each step, its time cap
-and the budget they add up to (380 s a part by default: a lent GPU has 15 minutes in all,
-start-up included, and two calls with their start-ups must fit). Each step runs in processes
+run.sh installs the carried wheels and calls this. The steps come in three parts, one device
+call each (--part 1 by default; run.sh --next picks the part whose tables are missing or oldest,
+schedule.py). It prints its plan first: each step, its time cap and the budget they add up to
+(380 s a part by default: a lent GPU has 15 minutes in all, start-up included, and two calls
+with their start-ups must fit). Each step runs in processes
 of its own, is killed at its cap, and writes OUT_DIR/steps/STEP.json and OUT_DIR/logs/STEP.log;
 OUT_DIR/kit.json (every step) and OUT_DIR/summary.md (the tables) are rewritten after each
 step, so a kit stopped from outside still leaves what it measured. A step that fails is
 recorded with its error and the next one runs. The steps themselves are in measurements.py,
 the tables in tables.py.
 
-The dry run is the same script on a CPU with two-layer models: it skips only what needs CUDA
-(the out-of-memory step), so the script is known to work before a GPU sees it. Exit code: 0
+The dry run is the same script on a CPU with two-layer models (every part unless --part says):
+it skips only what needs CUDA (the out-of-memory step), so the script is known to work before a GPU sees it. Exit code: 0
 when every step that ran passed, 1 otherwise.
 """
 
@@ -70,6 +71,8 @@ class Kit:
     started: float
     python: str = sys.executable
     models: dict[str, str] = field(default_factory=dict)
+    model_keys: list[str] = field(default_factory=list)  # what the models step builds: the chosen steps' needs
+    unsloth_site: str = ""  # where run.sh installed Unsloth's own packages (part 3); "" when absent
 
     def remaining(self) -> float:
         return self.budget_s - (time.time() - self.started)
@@ -184,14 +187,32 @@ def default_inputs(dry_run: bool) -> tuple[Path, Path]:
     return data, tokenizer if (tokenizer / "tokenizer.json").exists() else Path()
 
 
+def parts(text: str) -> list[int]:
+    """--part's value: "3" or "1,2"."""
+    chosen = [int(p) for p in text.split(",") if p.strip().isdigit()]
+    if not chosen or any(p not in measurements.PARTS for p in chosen):
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(map(str, measurements.PARTS))}, or several as 1,2")
+    return chosen
+
+
+def unsloth_site(dry_run: bool) -> str:
+    """Unsloth's site: run.sh's (UNSLOTH_SITE) on the GPU; in a dry run, also the CPU site that
+    prepare.sh installs for its import check, when it is there (Unsloth then runs its CPU backend)."""
+    given = os.environ.get("UNSLOTH_SITE", "")
+    if given or not dry_run:
+        return given
+    local = Path.home() / ".cache" / "llmcustoms-dev" / "unsloth-site-cpu"
+    return str(local) if (local / "unsloth").is_dir() else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="where the step files, logs, kit.json and summary.md go")
     parser.add_argument("--budget", type=float, help=f"seconds for the whole kit (default {DEFAULT_BUDGET_S}; "
                         f"{DRY_RUN_BUDGET_S} in a dry run)")
     parser.add_argument("--dry-run", action="store_true", help="on this CPU with tiny shapes, skipping CUDA-only steps")
-    parser.add_argument("--part", type=int, choices=measurements.PARTS,
-                        help="which device call this is (default 1; the dry run runs both)")
+    parser.add_argument("--part", type=parts, help="which device call this is: 1, 2 or 3, or several as 1,2 "
+                        "(default 1; the dry run runs every part)")
     parser.add_argument("--only", action="append", choices=[s.name for s in measurements.STEPS],
                         help="run these steps (repeatable); the models step runs whenever a chosen step needs it")
     parser.add_argument("--data", type=Path, help="chat or instruction rows (default: .gpukit/data/code_alpaca_2k.json)")
@@ -207,8 +228,10 @@ def main() -> None:
     if not kit.data.exists():
         parser.error(f"no data at {kit.data}: run benchmarks/gpu/prepare.sh first, or give --data")
     work.mkdir(parents=True, exist_ok=True)
-    part = args.part or (None if args.dry_run else 1)
-    chosen = measurements.chosen(args.only, part)
+    chosen = [s for part in (args.part or ([None] if args.dry_run else [1])) for s in measurements.chosen(args.only, part)]
+    chosen = list({s.name: s for s in chosen}.values())  # env and models once, though several parts name them
+    kit.model_keys = measurements.models_for(chosen)
+    kit.unsloth_site = unsloth_site(args.dry_run)
     step_caps = caps(kit.budget_s, chosen)
     print_plan(kit, chosen, step_caps)
     results: list[dict] = []

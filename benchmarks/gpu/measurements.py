@@ -33,6 +33,16 @@ SIZES = {
             "batch": "4x1", "memory": ["tiny-lora-b4-s128", "tiny-qlora-b4-s128", "tiny-full-b4-s128"],
             "oom": [], "precision_steps": 2},
 }
+# Part 3: the side by side with Unsloth (peer_speed.py) and the profile of a step (step_trace.py).
+# At least 16k input tokens an optimizer step, sequences of up to 2,048 tokens.
+PEER_SIZES = {
+    "gpu": {"peers_lora": {"shape": "qwen3-1.7b", "steps": 8, "seq": 2048, "tokens": 16384, "micro": 16},
+            "peers_qlora": {"shape": "llama3.1-8b", "steps": 6, "seq": 2048, "tokens": 16384, "micro": 16},
+            "trace": {"shape": "tinyllama-1.1b", "batch": "16x1", "seq": 512, "steps": 6, "active": 3}},
+    "dry": {"peers_lora": {"shape": "tiny-qwen3", "steps": 3, "seq": 256, "tokens": 2048, "micro": 4},
+            "peers_qlora": {"shape": "tiny-llama", "steps": 3, "seq": 256, "tokens": 2048, "micro": 4},
+            "trace": {"shape": "tiny-llama", "batch": "4x1", "seq": 256, "steps": 5, "active": 2}},
+}
 THROUGHPUT_SYSTEMS = ("llmcustoms", "trainer_grouped_bf16", "trainer_liger", "trl_padding_free")
 NEEDS_CUDA = ("trainer_liger",)  # Liger's kernels are Triton: left out of the dry run
 
@@ -51,6 +61,7 @@ class Step:
     run: Callable[[Any, float], dict] = field(repr=False)
     cuda_only: bool = False
     parts: tuple[int, ...] = (1,)  # the device calls (run.sh --part N) this step runs in
+    models: tuple[str, ...] = ()  # the models step builds these for it (keys of SIZES or PEER_SIZES)
 
 
 def sizes(kit) -> dict:
@@ -94,15 +105,29 @@ def check_environment(kit, deadline: float) -> dict:
             **({"error": f"missing: {', '.join(facts['missing'])}"} if facts.get("missing") else {})}
 
 
-def build_models(kit, deadline: float) -> dict:
-    wanted = {key: sizes(kit)[key] for key in ("llama", "qwen")}
-    ran = kit.command("models", python(kit, str(HERE / "buildmodels.py"), str(kit.work / "models"), str(kit.tokenizer),
-                                       str(kit.data), json.dumps(wanted)), deadline)
+def model_shape(kit, key: str) -> str:
+    size = sizes(kit).get(key) or PEER_SIZES["dry" if kit.dry_run else "gpu"][key]
+    return size if isinstance(size, str) else size["shape"]
+
+
+def build(kit, log: str, keys: list[str], deadline: float, where: Path | None = None) -> dict:
+    """Builds the random models of `keys` (into `where`, else the work folder); {key: directory}."""
+    wanted = {key: model_shape(kit, key) for key in keys}
+    ran = kit.command(log, python(kit, str(HERE / "buildmodels.py"), str(where or kit.work / "models"),
+                                  str(kit.tokenizer), str(kit.data), json.dumps(wanted)), deadline)
     built = result_line(ran.output(20000))
     if built is None:
         raise StepFailed(f"no models built (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
     kit.models.update(built)
-    return {"status": "passed", "result": {"shapes": wanted, "directories": built}}
+    return built
+
+
+def build_models(kit, deadline: float) -> dict:
+    """The random models the chosen steps train (kit.model_keys), each built once. The side by
+    side's two large ones are built by their own steps, inside their caps."""
+    built = build(kit, "models", kit.model_keys, deadline)
+    return {"status": "passed", "result": {"shapes": {k: model_shape(kit, k) for k in kit.model_keys},
+                                           "directories": built}}
 
 
 def cuda_tests(kit, deadline: float) -> dict:
@@ -180,6 +205,51 @@ def throughput(method: str) -> Callable[[Any, float], dict]:
         return {"status": "passed" if complete else "failed", "result": summary,
                 **({"error": f"no result for {', '.join(missing)} (see the log)"} if missing else {})}
     return run
+
+
+def peers(method: str) -> Callable[[Any, float], dict]:
+    """llmcustoms, Unsloth and Trainer + PEFT on the same card (peer_speed.py)."""
+    key = f"peers_{method}"
+
+    def run(kit, deadline: float) -> dict:
+        size = PEER_SIZES["dry" if kit.dry_run else "gpu"][key]
+        # Loaded three times, once a system: from memory where there is room (an 8B model is 16 GB).
+        shm = Path("/dev/shm/llmcustoms-kit")
+        build(kit, f"{key}_model", [key], deadline, shm if not kit.dry_run and _free_bytes("/dev/shm") > 40e9 else None)
+        argv = python(kit, str(BENCHMARKS / "peer_speed.py"), "--model", model(kit, key), "--data", str(kit.data),
+                      "--method", method, "--device", "cpu" if kit.dry_run else "cuda", "--steps", str(size["steps"]),
+                      "--seq-len", str(size["seq"]), "--tokens-per-step", str(size["tokens"]),
+                      "--micro-batch", str(size["micro"]), "--unsloth-site", kit.unsloth_site, "--json",
+                      # last, so that a cap stops it rather than a peer: whether --compile pays off (LoRA only)
+                      *[a for s in ("llmcustoms", "unsloth", "trainer_peft") + (("llmcustoms_compile",)
+                        if method == "lora" and not kit.dry_run else ()) for a in ("--only", s)])
+        ran = kit.command(key, argv, deadline)
+        summary = last_json(ran.output(400000))
+        if summary is None:  # stopped part-way: the systems that finished said so one line each
+            done = {l.split(" ", 2)[1]: json.loads(l.split(" ", 2)[2]) for l in ran.output(400000).splitlines()
+                    if l.startswith("done ")}
+            raise StepFailed(f"peer_speed.py ended without a summary (exit {ran.returncode}); finished: "
+                             f"{', '.join(done) or 'none'}", ran.timed_out,
+                             {"result": {"systems": done, "model": Path(model(kit, key)).name, "method": method}})
+        systems = summary["systems"]
+        # Unsloth may be absent only in a dry run without its site (CI): never on the GPU.
+        excused = kit.dry_run and not kit.unsloth_site
+        failed = [n for n, r in systems.items() if isinstance(r, str) and not (excused and n.startswith("unsloth"))]
+        return {"status": "failed" if failed else "passed", "result": summary,
+                **({"error": "; ".join(f"{n}: {systems[n][-300:]}" for n in failed)} if failed else {})}
+    return run
+
+
+def step_trace(kit, deadline: float) -> dict:
+    size = PEER_SIZES["dry" if kit.dry_run else "gpu"]["trace"]
+    argv = python(kit, str(BENCHMARKS / "step_trace.py"), "--model", model(kit, "trace"), "--data", str(kit.data),
+                  "--device", "cpu" if kit.dry_run else "cuda", "--batch", size["batch"], "--seq-len", str(size["seq"]),
+                  "--steps", str(size["steps"]), "--active", str(size["active"]), "--json")
+    ran = kit.command("step_trace", argv, deadline)
+    summary = last_json(ran.output(200000))
+    if summary is None:
+        raise StepFailed(f"step_trace.py gave no result (exit {ran.returncode}): {ran.output(1500)}", ran.timed_out)
+    return {"status": "passed", "result": summary}
 
 
 def memory(kit, deadline: float) -> dict:
@@ -278,21 +348,32 @@ def _run_measures(run: Path) -> dict:
 # holds what a user meets first (the run itself, the speed claim, the out-of-memory recovery),
 # part 2 the rest; `env` and `models` run in both. The caps were set from the first runs on an
 # H200 (2026-11-27, docs/benchmarks.md).
+# Part 3 (a third call) is the side by side with Unsloth: two model builds of 3.4 and 16 GB and
+# three systems per shape, each importing its stack cold. Its env step is shorter: the import
+# times of a first call are known.
 STEPS = [
-    Step("env", 30, "card, driver, torch/CUDA, every package imported", check_environment, parts=(1, 2)),
-    Step("models", 25, "random models at TinyLlama-1.1B's and Qwen2.5-0.5B's shapes", build_models, parts=(1, 2)),
-    Step("user_run", 115, "llmcustoms plan, then train in an 80-column terminal: estimates vs measured", user_run),
-    Step("throughput_lora", 135, "LoRA tokens/s, peak, eval loss: llmcustoms vs Trainer, Liger, TRL", throughput("lora")),
+    Step("env", 30, "card, driver, torch/CUDA, every package imported", check_environment, parts=(1, 2, 3)),
+    Step("models", 25, "the random models the part's steps train, at real shapes", build_models, parts=(1, 2, 3)),
+    Step("user_run", 115, "llmcustoms plan, then train in an 80-column terminal: estimates vs measured", user_run,
+         models=("qwen",)),
+    Step("throughput_lora", 135, "LoRA tokens/s, peak, eval loss: llmcustoms vs Trainer, Liger, TRL", throughput("lora"),
+         models=("llama",)),
     Step("cuda_oom", 75, "a real CUDA out-of-memory recovered; adapter vs an uncapped run", cuda_out_of_memory,
-         cuda_only=True),
+         cuda_only=True, models=("qwen",)),
     Step("test_cuda", 30, "tests/training/test_cuda.py: varlen kernel, Liger loss, 8-bit/paged AdamW", cuda_tests,
          parts=(2,)),
     Step("memory", 125, "memory estimate vs max_memory_allocated: LoRA, QLoRA, full, 7B QLoRA", memory, parts=(2,)),
     Step("throughput_qlora", 105, "QLoRA tokens/s, peak, eval loss: the same systems", throughput("qlora"),
-         parts=(2,)),
-    Step("precision", 65, "bf16 vs fp32 losses on the same steps", precision, parts=(2,)),
+         parts=(2,), models=("llama",)),
+    Step("precision", 65, "bf16 vs fp32 losses on the same steps", precision, parts=(2,), models=("qwen",)),
+    Step("peers_lora", 100, "Qwen3-1.7B LoRA, 2,048-token rows, 16k tokens a step: llmcustoms vs Unsloth vs "
+         "Trainer+PEFT (its model built first)", peers("lora"), parts=(3,)),
+    Step("peers_qlora", 185, "Llama-3.1-8B QLoRA, the same (its 16 GB model built first)", peers("qlora"),
+         parts=(3,)),
+    Step("step_trace", 40, "torch.profiler over llmcustoms' 1.1B LoRA step: kernel time, gaps, syncs, launches",
+         step_trace, parts=(3,), models=("trace",)),
 ]
-PARTS = (1, 2)
+PARTS = (1, 2, 3)
 
 
 def chosen(only: list[str] | None, part: int | None = None) -> list[Step]:
@@ -301,6 +382,11 @@ def chosen(only: list[str] | None, part: int | None = None) -> list[Step]:
     if only:
         return [s for s in STEPS if s.name in only or s.name in ("env", "models")]
     return [s for s in STEPS if part is None or part in s.parts]
+
+
+def models_for(steps: list[Step]) -> list[str]:
+    """The models the `models` step builds for `steps`, each once, in the order first needed."""
+    return list(dict.fromkeys(key for step in steps for key in step.models))
 
 
 if __name__ == "__main__":

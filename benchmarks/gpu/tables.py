@@ -3,6 +3,13 @@ tables can go into docs/benchmarks.md as they are. Reads only what the steps wro
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import model_flops  # noqa: E402  (benchmarks/model_flops.py: LoRA's FLOPs, the cards' peaks)
+
 MIB = 2 ** 20
 GIB = 2 ** 30
 
@@ -18,7 +25,8 @@ def summary(kit_json: dict) -> str:
     parts = [_header(kit_json, steps.get("env"))]
     for name, render in (("test_cuda", _tests), ("user_run", _user_run), ("throughput_lora", _throughput),
                          ("memory", _memory), ("throughput_qlora", _throughput), ("cuda_oom", _oom),
-                         ("precision", _precision)):
+                         ("precision", _precision), ("peers_lora", _peers), ("peers_qlora", _peers),
+                         ("step_trace", _trace)):
         step = steps.get(name)
         if step is not None and step.get("result"):
             parts.append(render(step))
@@ -116,6 +124,48 @@ def _precision(step: dict) -> str:
                       f"{r['mean_step_rel_diff']:.3%}; eval loss {r['eval_loss_rel_diff']:.3%} (tolerance "
                       f"{r['tolerance']:.0%}). bf16 {r['bf16']['tokens_per_s']:,.0f} tokens/s, fp32 "
                       f"{r['fp32']['tokens_per_s']:,.0f} tokens/s."])
+
+
+def _peers(step: dict) -> str:
+    r = step["result"]
+    systems = r.get("systems", {})
+    ours = systems.get("llmcustoms") if isinstance(systems.get("llmcustoms"), dict) else None
+    method = {"lora": "LoRA", "qlora": "QLoRA"}.get(r.get("method"), "?")
+    lines = [f"## Side by side, {method}: {r.get('model', '')}, {r.get('seq_len', '?')}-token "
+             f"rows, {r.get('tokens_per_step', '?')} tokens a step ({r.get('micro_batch', '?')} x "
+             f"{r.get('grad_accum', '?')} rows), {r.get('steps', '?')} steps, the first {r.get('warm_up', '?')} untimed",
+             "", "| system | tokens/s | llmcustoms is | peak memory | MFU | losses, first steps |", "|---|---|---|---|---|---|"]
+    for name, result in systems.items():
+        if isinstance(result, str):
+            lines.append(f"| {name} | {result.splitlines()[-1][:120].replace('|', '/') if result else 'failed'} | | | | |")
+            continue
+        speed = f"{ours['tokens_per_s'] / result['tokens_per_s']:.2f}x" if ours and name != "llmcustoms" else ""
+        peak = f"{result['peak_mem_bytes'] / MIB:,.0f} MiB" if result.get("peak_mem_bytes") else "-"
+        losses = ", ".join(f"{x:.3f}" for x in result.get("losses", [])[:4] if x is not None)
+        lines.append(f"| {name} | {result['tokens_per_s']:,.0f} | {speed} | {peak} | "
+                     f"{_mfu(result['tokens_per_s'], r.get('flops_per_token'), result.get('gpu'))} | {losses} |")
+    return "\n".join(lines)
+
+
+def _trace(step: dict) -> str:
+    r = step["result"]
+    busy = (f"GPU busy {r['busy']:.0%} of a step ({r['kernel_ms']:.1f} ms of kernels), {r['launches']:.0f} kernel "
+            f"launches and {r['syncs']:.0f} host syncs a step" if r.get("busy") is not None else "no GPU kernels (CPU)")
+    lines = [f"## llmcustoms' step, profiled: {r.get('model')}, batch {r.get('batch')}, {r.get('seq_len')} tokens",
+             f"{r['step_ms']:.1f} ms a step of {r['tokens_per_step']:.0f} tokens; {busy}; MFU "
+             f"{_mfu(r['tokens_per_step'] * 1000 / r['step_ms'], r.get('flops_per_token'), r.get('gpu'))}.", ""]
+    if r.get("gaps"):
+        lines += ["Largest gaps between kernels:", "", "| idle | after | before |", "|---|---|---|"]
+        lines += [f"| {g['us']:,.0f} us | `{g['after'][:50]}` | `{g['before'][:50]}` |" for g in r["gaps"]]
+        lines.append("")
+    lines += ["Host operators by their own CPU time, a step:", "", "| operator | ms | calls |", "|---|---|---|"]
+    lines += [f"| `{o['op']}` | {o['self_cpu_ms']:.2f} | {o['calls']} |" for o in r.get("top_host_ops", [])]
+    return "\n".join(lines)
+
+
+def _mfu(tokens_per_s, flops_per_token, gpu) -> str:
+    peak = model_flops.peak_flops(gpu)
+    return f"{tokens_per_s * flops_per_token / peak:.1%}" if peak and flops_per_token and tokens_per_s else "-"
 
 
 def _gib(value) -> str:

@@ -26,7 +26,8 @@ import slim_wheel  # noqa: E402
 
 
 def test_each_part_fits_the_budget_and_its_caps_scale_with_it():
-    # Two calls of the budget, each with a start of about 45 s, must fit 15 minutes of device time.
+    # Two calls of the budget, each with a start of about 45 s, must fit 15 minutes of device time
+    # (three parts: a lent GPU runs the two whose tables are oldest, schedule.py says which).
     assert 2 * (kit.DEFAULT_BUDGET_S + 45) <= 15 * 60
     every = set()
     for part in measurements.PARTS:
@@ -124,14 +125,15 @@ def test_the_dry_run_runs_every_step_on_this_cpu(tmp_path):
     data.write_text("".join(json.dumps({**r, "instruction": f"{r['instruction']} ({k})"}) + "\n"
                             for k in range(5) for r in rows))
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(KIT / "run.sh"), "--dry-run", str(out), "--data", str(data)],
+    done = subprocess.run(["bash", str(KIT / "run.sh"), "--dry-run", str(out), "--data", str(data), "--part", "1,2"],
                           capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "PYTHON": sys.executable, "KIT_STARTED": ""})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "budget 1200 s" in done.stdout and "cap" in done.stdout  # the plan is printed first
     report = json.loads((out / "kit.json").read_text())
     statuses = {s["name"]: s["status"] for s in report["steps"]}
-    assert statuses == {s.name: "skipped" if s.cuda_only else "passed" for s in measurements.STEPS}
+    assert statuses == {s.name: "skipped" if s.cuda_only else "passed" for s in measurements.STEPS
+                        if {1, 2} & set(s.parts)}
     steps = {s["name"]: s for s in report["steps"]}
     for name in statuses:
         assert json.loads((out / "steps" / f"{name}.json").read_text())["status"] == statuses[name]
