@@ -84,6 +84,13 @@ def result_line(text: str) -> dict | None:
     return json.loads(line[len("RESULT "):]) if line else None
 
 
+def finished(ran) -> dict:
+    """{system: result} from the `done NAME {...}` lines a benchmark prints as each system ends:
+    what a run stopped at its cap had measured."""
+    return {l.split(" ", 2)[1]: json.loads(l.split(" ", 2)[2]) for l in ran.output(400000).splitlines()
+            if l.startswith("done ")}
+
+
 def python(kit, *args: str) -> list[str]:
     return [kit.python, *args]
 
@@ -191,8 +198,7 @@ def throughput(method: str) -> Callable[[Any, float], dict]:
         ran = kit.command(name, argv, deadline)
         summary = last_json(ran.output(200000))
         if summary is None:  # stopped part-way: the systems that finished said so one line each
-            done = {l.split(" ", 2)[1]: json.loads(l.split(" ", 2)[2]) for l in ran.output(400000).splitlines()
-                    if l.startswith("done ")}
+            done = finished(ran)
             raise StepFailed(f"throughput.py ended without a summary (exit {ran.returncode}); "
                              f"finished: {', '.join(done) or 'none'}", ran.timed_out,
                              {"result": {"llmcustoms": done.pop("llmcustoms", None), "baselines": done,
@@ -226,8 +232,7 @@ def peers(method: str) -> Callable[[Any, float], dict]:
         ran = kit.command(key, argv, deadline)
         summary = last_json(ran.output(400000))
         if summary is None:  # stopped part-way: the systems that finished said so one line each
-            done = {l.split(" ", 2)[1]: json.loads(l.split(" ", 2)[2]) for l in ran.output(400000).splitlines()
-                    if l.startswith("done ")}
+            done = finished(ran)
             raise StepFailed(f"peer_speed.py ended without a summary (exit {ran.returncode}); finished: "
                              f"{', '.join(done) or 'none'}", ran.timed_out,
                              {"result": {"systems": done, "model": Path(model(kit, key)).name, "method": method}})
