@@ -69,6 +69,10 @@ GENERAL_PROMPT_TOKENS = 40  # a question in its chat template
 # Every evaluation also measures forgetting on `training/general_text.json`: 48 rows, 3,321 tokens
 # in SmolLM2's chat template (its default system turn included), a forward each.
 GENERAL_TEXT_ROWS, GENERAL_TEXT_TOKENS = 48, 3300
+# Replay (`training/replay.py`): before the first step the base model answers 48 general prompts,
+# 96 tokens at most, in batches as the general questions are; each step then takes its share more
+# rows of about 110 tokens (a prompt and a reply in the chat template; SmolLM2: 40-130).
+REPLAY_PROMPTS, REPLAY_TOKENS, REPLAY_ROW_TOKENS = 48, 96, 110
 # A CPU decoding step costs a floor however small the batch: Python and kernel calls
 # per layer (SmolLM2-135M: 88 ms of CPU time a token on one thread of the reference
 # machine, `generate` at batch 1, the same in bf16 and fp32: 3 ms for each of its
@@ -92,6 +96,7 @@ CPU_TIME_LIMIT_S = 30 * 60
 # The plan's names for the two rounds of answers (sample replies and general
 # questions): the base model's before the first step, the trained model's after the last.
 BASE_ANSWERS, TRAINED_ANSWERS = "base model's answers", "trained model's answers"
+REPLAY_REPLIES = "replay's replies"
 
 
 def flops_per_token(arch: ModelSpec, method: str, gradient_checkpointing: bool) -> float:
@@ -150,27 +155,37 @@ class Duration:
         return ", ".join(f"{name} {short_duration(s)}" for name, s in self.parts.items() if s >= 1)
 
 
+def replayed_per_step(share: float, step_rows: int) -> int:
+    """Replayed rows a step of `step_rows` rows takes (`training/replay.py`): at least one once replay is on."""
+    return max(1, round(share * step_rows)) if share > 0 else 0
+
+
 def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
                      gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
                      evaluations: int, threads: int = 0, micro_batch: int = 1, memory: dict[str, int] | None = None,
-                     saves: int = 0) -> Duration:
+                     saves: int = 0, replayed: int = 0) -> Duration:
     """Notes the rows truncation cuts or drops; returns the command's estimated
     seconds in parts: training and evaluating (`evaluations` passes over the
     evaluation rows) with `threads` CPU threads in all (`cpu_share.choose_threads`;
     0 on a GPU), in micro-batches of `micro_batch` rows; the sample replies and
     general questions (a run with evaluation rows answers them twice); loading the
-    model (`memory`: the plan's estimate, its weights) and `saves` checkpoints."""
+    model (`memory`: the plan's estimate, its weights) and `saves` checkpoints; `replayed`
+    rows replayed over the run, and the base model's replies they are made of."""
     truncated = stats.rows_truncated(max_seq_len)
     if truncated:
         reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
                        + (f"; {stats.train_rows - train_rows} keep no response and will be dropped"
                           if train_rows < stats.train_rows else ""))
+    if replayed:
+        reasons.append(f"replay: {replayed:,} rows of the base model's own replies to general prompts mixed into the "
+                       "steps, so the model keeps answering such prompts as it did (--replay 0: none)")
     length = stats.mean_length(max_seq_len)
     general = (GENERAL_TEXT_ROWS, GENERAL_TEXT_TOKENS) if stats.eval_rows else (0, 0)  # forgetting, measured with each
-    passes = (rows_trained + evaluations * (stats.eval_rows + general[0]) / 3) / max(1, micro_batch)
-    training = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware, 0.0, threads,
-                                rows_trained / max(1, micro_batch))
-    both = estimate_seconds(arch, method, gradient_checkpointing, rows_trained * length, hardware,
+    trained_tokens = rows_trained * length + replayed * min(REPLAY_ROW_TOKENS, max_seq_len)
+    passes = (rows_trained + replayed + evaluations * (stats.eval_rows + general[0]) / 3) / max(1, micro_batch)
+    training = estimate_seconds(arch, method, gradient_checkpointing, trained_tokens, hardware, 0.0, threads,
+                                (rows_trained + replayed) / max(1, micro_batch))
+    both = estimate_seconds(arch, method, gradient_checkpointing, trained_tokens, hardware,
                             evaluations * (stats.eval_rows * length + general[1]), threads, passes)
     # Sample prompts come from the evaluation rows: without them a run answers nothing.
     answers = answering_seconds(arch, method, gradient_checkpointing, hardware, threads, length) \
@@ -178,17 +193,20 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
     memory = memory or {}
     written = saves * (memory.get("trainable_bytes", 0) + memory.get("optimizer_bytes", 0))
     disk = STARTUP_S + (memory.get("weights_bytes", 0) + written) / DISK_BYTES_PER_S + saves * SAVE_S
-    duration = Duration({"training": training, "evaluations": both - training, BASE_ANSWERS: answers,
-                         TRAINED_ANSWERS: answers, "loading and saving": disk})
+    parts = {"training": training, "evaluations": both - training, BASE_ANSWERS: answers, TRAINED_ANSWERS: answers}
+    if replayed:  # the base model's replies to the replay prompts, before the first step
+        parts[REPLAY_REPLIES] = answering_seconds(arch, method, gradient_checkpointing, hardware, threads, 0.0, True)
+    duration = Duration({**parts, "loading and saving": disk})
     reasons.append(duration_reason(duration.total, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
                                    busy_text(hardware, threads), duration.text()))
     return duration
 
 
 def answering_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool, hardware: Hardware, threads: int,
-                      prompt_tokens: float) -> float:
+                      prompt_tokens: float, replay: bool = False) -> float:
     """One round of answers: the sample prompts (`prompt_tokens` each, one at a time) and
-    the general questions (in batches), by the formula in the module's docstring."""
+    the general questions (in batches), by the formula in the module's docstring; with
+    `replay`, the base model's replies to the replay prompts instead (batched the same way)."""
     measured = hardware.measured_speed(arch.hub_id, method)
     if measured is not None:  # the FLOP/s this machine trains at, as measured
         rate = measured * flops_per_token(arch, method, gradient_checkpointing)
@@ -208,6 +226,10 @@ def answering_seconds(arch: ModelSpec, method: str, gradient_checkpointing: bool
     def generate(prompts: int, prompt_length: float, tokens: int) -> float:
         return prompts * prompt_length * token_flops / rate + tokens * max(floor, prompts * token_flops / rate)
 
+    if replay:
+        batch = min(batch, REPLAY_PROMPTS)
+        seconds = math.ceil(REPLAY_PROMPTS / batch) * generate(batch, GENERAL_PROMPT_TOKENS, REPLAY_TOKENS)
+        return seconds * slowdown(hardware, threads)
     batches = math.ceil(GENERAL_QUESTIONS / batch)
     seconds = (SAMPLE_PROMPTS * generate(1, prompt_tokens, SAMPLE_TOKENS)
                + batches * generate(min(batch, GENERAL_QUESTIONS), GENERAL_PROMPT_TOKENS, GENERAL_TOKENS))

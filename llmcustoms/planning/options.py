@@ -203,6 +203,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("forgetting_limit", float, "How much the loss on general text may rise over the base model's for "
            "weights to be kept (0.1: 10%). Default: 0, no limit (measured and reported only).", flag="--forgetting-limit",
            env="FORGETTING_LIMIT", plan="forgetting_limit", minimum=0, commands=PLANNING),
+    Option("replay", float, "Mix the base model's own replies to general prompts the package ships into "
+           "training, this share of each step's rows (0.25: a quarter more), so the model keeps answering as it "
+           "did. Default: 0, off.", flag="--replay", env="REPLAY", plan="replay", minimum=0, maximum=1,
+           commands=PLANNING),
     Option("save_every", int, "Checkpoint every N optimizer steps.", flag="--save-every", env="SAVE_EVERY",
            plan="save_every", minimum=1, commands=_BOTH),
     Option("keep", int, "Checkpoints to keep (plus the best by eval loss). Default: 3.", flag="--keep",

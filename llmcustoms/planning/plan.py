@@ -127,6 +127,8 @@ class Plan:
     # How far the general text's loss may rise over the base model's in the weights kept
     # (`training/general_text.py`); 0: no limit, as in plans written before it.
     forgetting_limit: float = 0.0
+    # Each step's share of replayed general rows, the base model's own replies (`training/replay.py`); 0: none.
+    replay: float = 0.0
     estimated_seconds: float | None = None
     # What estimated_seconds is made of, by name ("training", "evaluations", ...: `duration.Duration`);
     # None in a plan written before the parts were kept.

@@ -20,7 +20,7 @@ from typing import Any
 from llmcustoms.planning import options
 from llmcustoms.planning.options import Overrides
 from llmcustoms.planning.cpu_share import choose_threads
-from llmcustoms.planning.duration import cpu_choice, expected_seconds
+from llmcustoms.planning.duration import cpu_choice, expected_seconds, replayed_per_step
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryEstimator, parameter_counts
@@ -411,15 +411,15 @@ class Planner:
         schedule = _schedule(r, train_rows, micro, accum * world_size)
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
-        # Every eval_every steps and at the last one, and the base model's first.
-        evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0
+        evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0  # +the base's
         # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
         work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
         threads = choose_threads(r, hardware, world_size)  # CPU threads, from the machine's load
         duration = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
                                     batch.gradient_checkpointing, max_seq_len, train_rows,
                                     round(schedule.total_steps * effective * work), evaluations * evaluation_work,
-                                    threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every))
+                                    threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every),
+                                    schedule.total_steps * replayed_per_step(float(r.get("replay", 0.0)), effective))
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source
@@ -433,7 +433,7 @@ class Planner:
             max_grad_norm=float(r.get("max_grad_norm")), epochs=float(schedule.epochs),
             steps_per_epoch=schedule.steps_per_epoch, total_steps=schedule.total_steps, eval_every=eval_every,
             early_stopping_patience=patience, save_every=save_every,
-            forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)),
+            forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)), replay=float(r.get("replay", 0)),
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
             objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),

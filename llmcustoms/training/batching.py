@@ -139,6 +139,14 @@ class TrainingRows:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.packing = packing and not self.pairs  # training batches as one sequence (`models/packing.py`)
 
+    def mix_in(self, replayed: TokenRows) -> None:
+        """Replayed rows after the data's (`replay.py`): training positions len(train) on."""
+        from llmcustoms.training.replay import MixedRows
+
+        self.train = MixedRows(self.train, replayed)
+        self.lengths = self.lengths + replayed.lengths.tolist()
+        self.current_lengths = self.train.lengths
+
     def cut(self, max_len: int) -> None:
         self.train, self.evaluation = self.train.cut(max_len), self.evaluation.cut(max_len)
         self.general = self.general.cut(max_len) if self.general is not None else None

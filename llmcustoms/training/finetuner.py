@@ -33,6 +33,7 @@ from llmcustoms.runs.best_weights import BestWeights
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
 from llmcustoms.training.evaluation import Evaluation
 from llmcustoms.training.general_text import general_rows
+from llmcustoms.training.replay import mix_in
 from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.losses.choice import loss_for
 from llmcustoms.losses.objective import LoopParts, Loss
@@ -156,6 +157,8 @@ class FineTuner:
         model = self.accelerator.unwrap_model(self.model)
         self.loss.setup(model, LoopParts(self.plan, self.data, self.run_dir, self.processes, self.accelerator.autocast,
                                          self.reporter.activity))
+        self.steps = mix_in(self.data, self.steps, model, self.tokenizer, self.plan, self.run_dir,  # `--replay`
+                            lambda t: self.reporter.message(t, warning=True), self.reporter.activity, self.processes.stop_now)
         # Out-of-memory injection happens inside a forward pass, after the
         # embeddings: `oom` in a training step's, `eval_oom` in an evaluation's.
         model.get_input_embeddings().register_forward_hook(
@@ -394,8 +397,7 @@ class FineTuner:
         self._rollback()
         self._apply_plan(plan)
         self.run_dir.add_recovery(recovery.to_json())
-        self.reporter.message(f"step {recovery.step}: {recovery.what}; {recovery.action}; continuing from step "
-                              f"{self.position.step}", warning=True)
+        self.reporter.message(f"step {recovery.step}: {recovery.what}; {recovery.action}; continuing from step {self.position.step}", warning=True)
 
     def _rollback(self) -> None:
         """Back to the last good checkpoint, or to a fresh start if there is none."""
@@ -426,7 +428,6 @@ class FineTuner:
 
     def _apply_learning_rate(self) -> None:
         set_learning_rate(self.optimizer, self.scheduler, self.plan.lr, self.schedule(self.position.step, self.plan))
-
     # -------------------------------------------------------------------- end
 
     def _finish(self, stop: StopReason | None, seconds: float, tokens: int) -> TrainResult:
@@ -439,8 +440,7 @@ class FineTuner:
         self.reporter.activity(None)
         memory = self.usage.comparison()
         status = self.run_dir.write_status("completed", step=position.step, reason=stop.text if stop else None,
-                                           stop_cause=stop.cause.value if stop else None, memory=memory,
-                                           **position.losses(), **kept)
+                                           stop_cause=stop.cause.value if stop else None, memory=memory, **position.losses(), **kept)
         if stop is not None:
             self.reporter.message(stop.text)
         rows = self.run_dir.read_metrics()

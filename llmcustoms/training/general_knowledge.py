@@ -75,9 +75,10 @@ def is_right(reply: str, answers: tuple[str, ...]) -> bool:
 
 def answer_questions(model: Any, tokenizer: Any, plan: Any, questions: list[str], max_new_tokens: int = MAX_NEW_TOKENS,
                      batch_size: int | None = None, stopped: Callable[[], bool] = lambda: False,
-                     counted: Callable[[int, int], None] = lambda done, total: None) -> list[str]:
+                     counted: Callable[[int, int], None] = lambda done, total: None, said_after: str = BRIEFLY
+                     ) -> list[str]:
     """Greedy replies of `model` to `questions`, each asked alone as the user's
-    turn (followed by `BRIEFLY`), answered in left-padded batches of
+    turn (followed by `said_after`: `BRIEFLY` for the check), answered in left-padded batches of
     `batch_size` (None: `GPU_BATCH_SIZE` on a GPU, all at once on a CPU).
     Raises StopRequested once `stopped()` says so (asked before each batch and after each token).
     `counted(done, total)` is told of each token generated, `total` being every batch's
@@ -109,7 +110,7 @@ def answer_questions(model: Any, tokenizer: Any, plan: Any, questions: list[str]
     for number, start in enumerate(starts):
         if stopped():
             raise StopRequested
-        prompts = [prompt_ids(tokenizer, plan, [{"role": "user", "content": q + BRIEFLY}])[0]
+        prompts = [prompt_ids(tokenizer, plan, [{"role": "user", "content": q + said_after}])[0]
                    for q in questions[start:start + batch_size]]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)

@@ -38,6 +38,13 @@ def general_rows(hf_tokenizer: Any, plan: Any) -> Any:
     prompt and reply when it trains on raw text), the reply learned, cut to
     `plan.max_seq_len`; None for a run that measures no forgetting (preference
     pairs: their loss is not a language-model loss)."""
+    return conversation_rows(hf_tokenizer, plan, general_messages())
+
+
+def conversation_rows(hf_tokenizer: Any, plan: Any, conversations: list[list[dict[str, str]]]) -> Any:
+    """Conversations of a user turn and a reply as the run's own rows (`general_rows`); also the
+    replayed rows (`replay.py`). None for preference pairs, a stand-in tokenizer, or a template
+    that refuses such turns."""
     from llmcustoms.data.chat_templates import prompts_use_template
     from llmcustoms.data.row_formats import Example
     from llmcustoms.data.token_store import TokenRows
@@ -51,9 +58,9 @@ def general_rows(hf_tokenizer: Any, plan: Any) -> Any:
         templated = prompts_use_template(hf_tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report)
         examples = [Example(row, messages=tuple((m["role"], m["content"]) for m in messages)) if templated
                     else Example(row, prompt=messages[0]["content"] + "\n", completion=messages[1]["content"])
-                    for row, messages in enumerate(general_messages())]
+                    for row, messages in enumerate(conversations)]
         rows = TokenRows.from_examples([tokenizer.encode(example) for example in examples]).cut(plan.max_seq_len)
-    except Exception:  # noqa: BLE001 - a template that refuses these turns: the run trains, measuring no forgetting
+    except Exception:  # noqa: BLE001 - a template that refuses these turns: the run trains without them
         return None
     return rows
 

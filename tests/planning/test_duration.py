@@ -35,6 +35,17 @@ def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each(
     assert 10 < parts["loading and saving"] < 30
 
 
+def test_replay_adds_its_rows_to_the_training_time_and_the_base_models_replies_as_a_part():
+    plain = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20})
+    replayed = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20, "replay": 0.25})
+    assert replayed.replay == 0.25 and replayed.total_steps == plain.total_steps  # the same steps, each larger
+    assert replayed.duration_parts["training"] > plain.duration_parts["training"]
+    assert "replay's replies" not in plain.duration_parts and replayed.duration_parts["replay's replies"] > 0
+    rows = 20 * duration.replayed_per_step(0.25, replayed.effective_batch_size)
+    assert any(r.startswith(f"replay: {rows:,} rows of the base model's own replies") for r in replayed.reasons)
+    assert duration.replayed_per_step(0.25, 16) == 4 and duration.replayed_per_step(0.01, 16) == 1
+
+
 def test_a_run_without_evaluation_rows_answers_nothing():
     plan = Planner(TWO_CORES, load_preset("quality"), catalog=CATALOG).plan(
         model(SMOLLM2), replace(stats(), eval_rows=0), {"max_steps": (20, "flag")})
