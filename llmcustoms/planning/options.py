@@ -205,7 +205,7 @@ OPTIONS: tuple[Option, ...] = (
            env="FORGETTING_LIMIT", plan="forgetting_limit", minimum=0, commands=PLANNING),
     Option("replay", float, "Mix the base model's own replies to general prompts the package ships into "
            "training, this share of each step's rows (0.25: a quarter more), so the model keeps answering as it "
-           "did. Default: 0, off.", flag="--replay", env="REPLAY", plan="replay", minimum=0, maximum=1,
+           "did (0: off). Default: 0.25 for supervised rows in one process.", flag="--replay", env="REPLAY", plan="replay", minimum=0, maximum=1,
            commands=PLANNING),
     Option("save_every", int, "Checkpoint every N optimizer steps.", flag="--save-every", env="SAVE_EVERY",
            plan="save_every", minimum=1, commands=_BOTH),

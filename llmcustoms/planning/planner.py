@@ -29,7 +29,7 @@ from llmcustoms.planning.plan import (DEFAULT_FORGETTING_LIMIT, DataStats, LoraS
                                      total_steps)
 from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.planning.sizing import best_fit, does_not_fit, fit_with_optimizer
-from llmcustoms.planning.step_choices import choose_compile, choose_distributed, choose_packing
+from llmcustoms.planning.step_choices import choose_compile, choose_distributed, choose_packing, choose_replay
 
 DEFAULT_SEED, DEFAULT_KEEP_CHECKPOINTS = 42, 3
 MIN_EVALUATIONS, MIN_SAVE_EVERY = 4, 5  # evaluations of even a short run; fewest steps between checkpoints
@@ -407,7 +407,7 @@ class Planner:
         micro = batch.micro_batch_size
         accum, effective = _accumulation(r, target, micro, world_size)
         memory = self._memory(r, model, batch, max_seq_len, precision)
-        packing, compiled = choose_packing(r, hardware, objective, precision), choose_compile(r)
+        packing, compiled, replay = choose_packing(r, hardware, objective, precision), choose_compile(r), choose_replay(r, objective, world_size)
         schedule = _schedule(r, train_rows, micro, accum * world_size)
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
@@ -419,7 +419,7 @@ class Planner:
                                     batch.gradient_checkpointing, max_seq_len, train_rows,
                                     round(schedule.total_steps * effective * work), evaluations * evaluation_work,
                                     threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every),
-                                    schedule.total_steps * replayed_per_step(float(r.get("replay", 0.0)), effective))
+                                    schedule.total_steps * replayed_per_step(replay, effective))
 
         r.sources["model"] = model.source
         r.sources["preset"] = preset_source
@@ -433,7 +433,7 @@ class Planner:
             max_grad_norm=float(r.get("max_grad_norm")), epochs=float(schedule.epochs),
             steps_per_epoch=schedule.steps_per_epoch, total_steps=schedule.total_steps, eval_every=eval_every,
             early_stopping_patience=patience, save_every=save_every,
-            forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)), replay=float(r.get("replay", 0)),
+            forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)), replay=replay,
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
             objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),

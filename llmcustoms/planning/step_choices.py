@@ -1,9 +1,10 @@
 """How the steps run, beyond their shape: how processes share them, padding-free
-packing and torch.compile.
+packing, torch.compile and replay.
 
-Planning, so pure like the rest (no torch). Neither changes what is learned:
-packing gives the same loss as padded rows (`models/packing.py`), and compiling the
-model gives the same function. The optimizer is chosen with the batch it lets
+Planning, so pure like the rest (no torch). Packing and compiling change nothing
+that is learned: packing gives the same loss as padded rows (`models/packing.py`), and
+compiling the model gives the same function. Replay adds rows to each step: the base
+model's own replies to general prompts (`training/replay.py`). The optimizer is chosen with the batch it lets
 fit (`sizing.fit_with_optimizer`).
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.plan import DEFAULT_REPLAY
 
 KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
 
@@ -43,6 +45,14 @@ def choose_compile(r: Any) -> bool:
     if compiled:
         r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")
     return compiled
+
+
+def choose_replay(r: Any, objective: str, world_size: int) -> float:
+    """--replay as given; by default DEFAULT_REPLAY for supervised rows in one process (`training/replay.py`:
+    preference pairs are not a language model's loss, and several processes would each generate the replies)."""
+    if r.given_value("replay") is not None:
+        return float(r.get("replay"))
+    return DEFAULT_REPLAY if objective == "sft" and world_size == 1 else 0.0
 
 
 def choose_distributed(r: Any, world_size: int) -> str:

@@ -14,7 +14,9 @@ replies. The plan's steps, schedule and epochs stay as they are; a step
 costs that share more tokens.
 
 The replies are kept in the run directory (`replay.json`): a resumed run
-or a rollback to step 0 trains on the same rows without generating again.
+or a rollback to step 0 trains on the same rows without generating again;
+and beside the runs (`.base-replies/`, as the base model's other answers),
+so the next run of the same model, or the next `tune` trial, reads them.
 Off, with the reason said, for preference pairs (their loss is not a
 language model's) and with several processes (each would generate).
 """
@@ -22,6 +24,7 @@ language model's) and with several processes (each would generate).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -109,9 +112,7 @@ def why_off(plan: Any) -> str | None:
 
 def replies(model: Any, tokenizer: Any, plan: Any, run_dir: Any, stopped: Callable[[], bool]) -> list[list[dict]]:
     """The (prompt, base reply) conversations: the run's own, when it made them
-    before (a resume, a rollback), else generated now and kept in the run."""
-    from llmcustoms.training.general_knowledge import answer_questions
-
+    before (a resume, a rollback), else kept or generated now (`_answered`) and kept in the run."""
     prompts = replay_prompts()
     path = Path(run_dir.path) / RUN_FILE
     try:
@@ -121,16 +122,32 @@ def replies(model: Any, tokenizer: Any, plan: Any, run_dir: Any, stopped: Callab
         else:
             raise ValueError("other prompts")
     except (OSError, ValueError, AttributeError):
-        training = model.training
-        model.eval()  # no dropout: the base model's own greedy replies
-        try:
-            answers = answer_questions(model, tokenizer, plan, prompts, REPLAY_TOKENS, stopped=stopped, said_after="")
-        finally:
-            model.train(training)
+        answers = _answered(model, tokenizer, plan, Path(run_dir.path).parent, prompts, stopped)
         if getattr(run_dir, "writable", True):
             replace_file(path, json.dumps({"prompts": prompts, "replies": answers}, ensure_ascii=False))
     return [[{"role": "user", "content": p}, {"role": "assistant", "content": a}]
             for p, a in zip(prompts, answers) if a.strip()]
+
+
+def _answered(model: Any, tokenizer: Any, plan: Any, output_dir: Path, prompts: list[str],
+              stopped: Callable[[], bool]) -> list[str]:
+    """The base model's replies: kept beside the runs by an earlier run of the same model
+    (`base_replies.py`: each `tune` trial would otherwise generate them again), or generated now."""
+    from llmcustoms.training.base_replies import answers_key, keep_answers, kept_answers
+    from llmcustoms.training.general_knowledge import answer_questions
+
+    key = answers_key("replay", plan, tokenizer, model, prompts, {"max_new_tokens": REPLAY_TOKENS})
+    kept = kept_answers(output_dir, key, len(prompts))
+    if kept is not None:
+        return kept[0]
+    training, started = model.training, time.perf_counter()
+    model.eval()  # no dropout: the base model's own greedy replies
+    try:
+        answers = answer_questions(model, tokenizer, plan, prompts, REPLAY_TOKENS, stopped=stopped, said_after="")
+    finally:
+        model.train(training)
+    keep_answers(output_dir, key, answers, time.perf_counter() - started, "replay", plan)
+    return answers
 
 
 def mix_in(data: Any, steps: Callable[..., list[list[int]]], model: Any, tokenizer: Any, plan: Any, run_dir: Any,

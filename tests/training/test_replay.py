@@ -85,6 +85,17 @@ def test_a_run_made_again_in_its_directory_reads_its_replies_instead_of_generati
     assert (run_dir.path / replay.RUN_FILE).read_text() == before
 
 
+def test_the_next_run_of_the_same_model_beside_it_reads_the_replies_kept(tmp_path, tiny_models, monkeypatch):
+    _, _, first, _ = train(tmp_path, tiny_models["llama"], name="first", replay=0.25, max_steps=2)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr("llmcustoms.training.general_knowledge.answer_questions", no_generation)
+    _, _, second, _ = train(tmp_path, tiny_models["llama"], name="second", replay=0.25, max_steps=2)
+    assert (second.path / replay.RUN_FILE).read_text() == (first.path / replay.RUN_FILE).read_text()
+
+
 def test_replay_is_off_for_preference_pairs_and_several_processes_and_says_why():
     plan = type("P", (), {"replay": 0.25, "objective": "sft", "world_size": 1})()
     assert replay.why_off(plan) is None
