@@ -64,6 +64,17 @@ def offline_hub(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def no_replay_unless_asked(monkeypatch):
+    """Runs in tests train without replay (`training/replay.py`, on by default) unless a test
+    asks for it with `replay=`/`--replay`: the loop's own tests count rows, steps, tokens and
+    losses of the data alone, as tests that compare runs bit for bit pin the precision.
+    tests/training/test_replay.py tests replay, and the planner's tests its default. The
+    environment reaches the CLI in a subprocess; the default, plans made in this process."""
+    monkeypatch.setenv("LLMCUSTOMS_REPLAY", "0")
+    monkeypatch.setattr("llmcustoms.planning.step_choices.DEFAULT_REPLAY", 0.0)
+
+
 @pytest.fixture
 def clean_environment(monkeypatch, tmp_path):
     """No LLMCUSTOMS_* setting or token from the environment, a cache of the

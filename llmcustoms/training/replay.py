@@ -64,6 +64,11 @@ class MixedRows:
     def cut(self, max_len: int) -> "MixedRows":
         return MixedRows(self.train.cut(max_len), self.replayed.cut(max_len))
 
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):  # a few rows as a list, as TokenRows gives them
+            return self.examples(range(*i.indices(len(self))))
+        return self.examples([i])[0]
+
     def _split(self, positions: Any) -> tuple[list[int], list[int]]:
         n = len(self.train)
         return [int(p) for p in positions if p < n], [int(p) - n for p in positions if p >= n]

@@ -36,14 +36,35 @@ def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each(
 
 
 def test_replay_adds_its_rows_to_the_training_time_and_the_base_models_replies_as_a_part():
-    plain = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20})
+    plain = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20, "replay": 0})
     replayed = plan_for(TWO_CORES, SMOLLM2, {"max_steps": 20, "replay": 0.25})
-    assert replayed.replay == 0.25 and replayed.total_steps == plain.total_steps  # the same steps, each larger
+    assert replayed.replay == 0.25 and plain.replay == 0 and replayed.total_steps == plain.total_steps  # the same steps, each larger
     assert replayed.duration_parts["training"] > plain.duration_parts["training"]
     assert "replay's replies" not in plain.duration_parts and replayed.duration_parts["replay's replies"] > 0
     rows = 20 * duration.replayed_per_step(0.25, replayed.effective_batch_size)
     assert any(r.startswith(f"replay: {rows:,} rows of the base model's own replies") for r in replayed.reasons)
     assert duration.replayed_per_step(0.25, 16) == 4 and duration.replayed_per_step(0.01, 16) == 1
+
+
+def test_replay_is_off_by_default_for_preference_pairs_and_several_processes(monkeypatch):
+    from llmcustoms.planning import plan, step_choices
+    from llmcustoms.planning.step_choices import choose_replay
+
+    monkeypatch.setattr(step_choices, "DEFAULT_REPLAY", plan.DEFAULT_REPLAY)  # the default the tests turn off
+
+    class Given:
+        def __init__(self, values):
+            self.values = values
+
+        def given_value(self, name):
+            return self.values.get(name)
+
+        def get(self, name):
+            return self.values[name]
+
+    assert choose_replay(Given({}), "sft", 1) == 0.25
+    assert choose_replay(Given({}), "dpo", 1) == 0.0 and choose_replay(Given({}), "sft", 2) == 0.0
+    assert choose_replay(Given({"replay": 0.5}), "sft", 1) == 0.5 and choose_replay(Given({"replay": 0}), "sft", 1) == 0.0
 
 
 def test_a_run_without_evaluation_rows_answers_nothing():

@@ -47,7 +47,7 @@ def test_clearly_fewer_is_three_questions_and_five_percent_of_the_set():
 def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("forgetting-plan")
     options = TrainOptions(data=str(FIXTURES / "alpaca.jsonl"), model=str(build_model("llama", root / "llama")),
-                           cache_dir=str(root / "cache"), overrides={"max_steps": (8, "flag")})
+                           cache_dir=str(root / "cache"), overrides={"max_steps": (8, "flag"), "replay": (0.0, "flag")})
     return prepare_run(options, Hardware.cpu_only()).plan
 
 

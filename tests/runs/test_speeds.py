@@ -24,7 +24,7 @@ def plan(hardware: Hardware, eval_rows: int = 100, **overrides):
     stats = DataStats(lengths=tuple([100] * 900), first_loss_positions=tuple([20] * 900), eval_rows=eval_rows)
     choice = choice_from_spec(find_model_spec(SMOL, FAMILIES), FAMILIES, "flag")
     return Planner(hardware, load_preset("quality"), None, ()).plan(
-        choice, stats, {k: (v, "flag") for k, v in {"max_steps": 8, "method": "lora", **overrides}.items()})
+        choice, stats, {k: (v, "flag") for k, v in {"max_steps": 8, "method": "lora", "replay": 0, **overrides}.items()})
 
 
 def steps(*seconds: float, tokens_per_s: float = 100.0) -> list[dict]:
