@@ -54,8 +54,14 @@ DATA_FILES = {
 def offline_hub(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf_home")
     cache = tmp_path_factory.mktemp("llmcustoms_cache")
-    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LLMCUSTOMS_CACHE_DIR")}
+    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LLMCUSTOMS_CACHE_DIR",
+                                          "LLMCUSTOMS_REPLAY")}
     os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LLMCUSTOMS_CACHE_DIR=str(cache))
+    # Module- and session-wide runs too (see `no_replay_unless_asked`).
+    os.environ["LLMCUSTOMS_REPLAY"] = "0"
+    import llmcustoms.planning.step_choices as step_choices
+
+    step_choices.DEFAULT_REPLAY = 0.0
     yield
     for key, value in saved.items():
         if value is None:
@@ -83,6 +89,7 @@ def clean_environment(monkeypatch, tmp_path):
         if name.startswith("LLMCUSTOMS_") or name == "HF_TOKEN":
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path / "cache"))  # never the user's ~/.cache
+    monkeypatch.setenv("LLMCUSTOMS_REPLAY", "0")  # as every test: replay only where asked (`no_replay_unless_asked`)
     monkeypatch.chdir(tmp_path)
 
 

@@ -102,6 +102,7 @@ def test_settings_example_prints_every_variable_explained_for_users_without_the_
 
 def test_settings_shows_those_set_and_where_from_and_refuses_a_bad_one(tmp_path, monkeypatch):
     monkeypatch.delenv("LLMCUSTOMS_CACHE_DIR")  # clean_environment's
+    monkeypatch.delenv("LLMCUSTOMS_REPLAY")  # the suite's (tests/conftest.py)
     result = runner.invoke(app, ["settings"], env={"COLUMNS": WIDE})
     assert result.exit_code == 0 and "No LLMCUSTOMS_ setting is set" in result.output
     (tmp_path / ".env").write_text("HF_TOKEN=hf_secret\nLLMCUSTOMS_PRESET=highspeed\nLLMCUSTOMS_LR=1e-3\n")
