@@ -273,7 +273,9 @@ def assert_refused_from_the_environment(option: options.Option, text: str) -> No
     for in_file in (False, True):
         Path(".env").write_text(f"{option.variable}={text}\n" if in_file else "")
         with pytest.MonkeyPatch.context() as patch:
-            if not in_file:
+            if in_file:  # the process environment would win over .env (LLMCUSTOMS_REPLAY is set for tests)
+                patch.delenv(option.variable, raising=False)
+            else:
                 patch.setenv(option.variable, text)
             with pytest.raises(ConfigError, match=option.variable):
                 load_settings()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import llmcustoms.planning.step_choices as step_choices
+from llmcustoms.planning import plan
 from llmcustoms.planning.presets import load_families, load_preset
 
 ROOT = Path(__file__).parent.parent.parent
@@ -25,7 +27,22 @@ METHOD_RANK = {"qlora": 0, "lora": 1, "full": 2}  # how much of the model trains
 
 
 @pytest.fixture(scope="module")
-def rows():
+def replay_default():
+    """The tables show what a user's run gets: replay at its default, which the
+    suite turns off elsewhere (conftest.py, `no_replay_unless_asked`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("LLMCUSTOMS_REPLAY", raising=False)
+        patch.setattr(step_choices, "DEFAULT_REPLAY", plan.DEFAULT_REPLAY)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_replay_unless_asked(replay_default):
+    """Overrides conftest.py's fixture of this name for this module's tests."""
+
+
+@pytest.fixture(scope="module")
+def rows(replay_default):
     return gpu_plans.plan_rows()
 
 
