@@ -77,6 +77,9 @@ def _typer_info(option: Option) -> Any:
         # The same parser as the environment's: one range, one message.
         return typer.Option(*names, help=_help(option), show_default=False, parser=_parser(option),
                             metavar="<int>" if option.kind is int else "<float>")
+    if option.choices and not isinstance(option.choices, tuple):  # choices that may grow: checked when given
+        return typer.Option(*names, help=_help(option), show_default=False, parser=_parser(option),
+                            metavar=f"[{'|'.join(option.choices)}]")
     return typer.Option(*names, help=_help(option), show_default=False)
 
 
@@ -123,7 +126,7 @@ def _utf8(what: str) -> Callable[[str], str]:
 
 
 def _annotation(option: Option) -> Any:
-    kind: Any = _choice_type(option) if option.choices else option.kind
+    kind: Any = _choice_type(option) if isinstance(option.choices, tuple) and option.choices else option.kind
     return Annotated[Optional[kind], _typer_info(option)]
 
 

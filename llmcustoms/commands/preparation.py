@@ -242,7 +242,7 @@ def _with_run_facts(plan: Plan, options: TrainOptions, dataset: Dataset, split: 
                     start: Any) -> Plan:
     """The plan with where its rows and model came from (for `resume`), and the reasons planning could not know."""
     reasons = ((start.reason,) if start else ()) + ((choice_reason,) if choice_reason else ()) + plan.reasons
-    if plan.objective == "dpo":
+    if plan.objective_kind.pairs:
         reasons += (preference_reason(replace(plan, from_run=start.adapter if start else ""),
                                       options.overrides["objective"][1]),)
     need = disk_need(plan)

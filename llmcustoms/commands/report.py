@@ -129,7 +129,7 @@ def analyse(run: RunDirectory) -> RunReport:
     report = RunReport(name=run.path.name, status=status.get("status", "unknown"), steps=len(train),
                        total_steps=plan.total_steps, samples=side_by_side(run.read_samples()),
                        sample_prompts="prompts of rows it trained on" if plan.evaluates_training_rows else "held-out prompts")
-    if plan.objective == "dpo":  # perplexity means nothing for DPO's loss: its rewards tell
+    if plan.objective_kind.pairs:  # perplexity means nothing for a pair loss: its rewards tell
         findings, advice = preference_findings(plan, rows, status.get("best_eval_step"))
         report.findings += [Finding(*finding) for finding in findings]
         for change, text in advice:

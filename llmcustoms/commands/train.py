@@ -425,7 +425,7 @@ def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     from llmcustoms.commands.preparation import cache_dir
     from llmcustoms.runs.speeds import record_speed
 
-    if plan.objective == "dpo":  # its tokens/s include the reference's forward: not the speed SFT plans from
+    if not plan.objective_kind.token_loss:  # DPO's tokens/s include the reference's forward: not the speed plans are drawn from
         return
     try:
         # The hardware the run used: a CPU-only torch's speed is not the GPU's.

@@ -112,7 +112,7 @@ def write_best_preset(base: Plan, preset: TrainingPreset, prepared: PreparedRun,
                       lora_dropout=float(params["lora_dropout"]))
     data = {"name": f"tuned-{settings.study_name}",
             "description": (f"Tuned by llmcustoms tune on {Path(base.data).name}"
-                            f"{' for preference tuning (DPO)' if base.objective == 'dpo' else ''}: {said}"),
+                            f"{f' for preference tuning ({base.objective.upper()})' if base.objective_kind.pairs else ''}: {said}"),
             "models": list(preset.models),
             **({"cpu_models": list(preset.cpu_models)} if preset.cpu_models else {}),
             **{k: values[k] for k in TUNABLE_FIELDS},

@@ -29,6 +29,7 @@ import torch
 from llmcustoms.losses.dpo_reference import cached_reference
 from llmcustoms.losses.objective import LoopParts
 from llmcustoms.losses.sft import learned_logits, select_logits
+from llmcustoms.planning.objective_kinds import DPO
 from llmcustoms.planning.objectives import needs_cached_reference
 from llmcustoms.runs.preference_report import evaluation_at
 
@@ -60,6 +61,7 @@ def adapter_off_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
 class PreferenceLoss:
     """`loss(model, batch, normaliser)`: summed DPO loss / normaliser (the
     step's pairs), and the `SUMS` of the batch."""
+    objective = DPO
     sums = SUMS
 
     def __init__(self, beta: float):

@@ -18,8 +18,14 @@ meets them:
 - `held_out(rows, step)`: what the result shows of the best evaluation.
 
 SFT (`losses/sft.py`) and DPO (`losses/dpo.py`) are the two implementations;
-`losses/choice.py` picks the plan's. A new objective is a class in this folder
-with these members and a branch in `choice.loss_for` (CONTRIBUTING.md, "A loss or objective").
+`losses/choice.py` picks the plan's. Each names its `Objective`
+(`planning/objective_kinds.py`): what the rest of the tool asks of it (pairs or
+single rows, perplexity, a reference, its share of a step's work). A new
+objective is a class in this folder with these members, its `Objective` in
+`OBJECTIVES` and its loss in `choice.LOSSES` (CONTRIBUTING.md, "A loss or
+objective"). A pair objective's evaluation rows carry DPO's reward fields
+(`eval_reward_accuracy`, `eval_reward_margin`, `eval_chosen_reward`,
+`eval_rejected_reward`): `report` and the result judge pairs by them.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class LoopParts:
 
 
 class Loss(Protocol):
+    objective: Any  # its `planning.objective_kinds.Objective`
     sums: tuple[str, ...]  # the names of the sums `__call__` returns beside the loss; () for none
 
     def setup(self, model: Any, loop: LoopParts) -> None:

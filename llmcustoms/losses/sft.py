@@ -28,6 +28,7 @@ from llmcustoms.data.tokenization import IGNORE_INDEX
 from llmcustoms.losses.objective import LoopParts
 from llmcustoms.models.packing import model_inputs
 from llmcustoms.planning.memory import CHUNK_LOGITS
+from llmcustoms.planning.objective_kinds import SFT
 from llmcustoms.runs.measures import perplexity
 
 
@@ -149,6 +150,7 @@ def token_cross_entropy(model: Any, batch: dict[str, torch.Tensor],
 
 class TokenCrossEntropy:
     """SFT: the mean cross-entropy per learned token; evaluations add perplexity."""
+    objective = SFT
     sums: tuple[str, ...] = ()
 
     def setup(self, model: Any, loop: LoopParts) -> None:

@@ -18,8 +18,11 @@ No torch, no Typer here: planning imports this module.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from llmcustoms.planning.objective_kinds import OBJECTIVES
 
 PREFIX = "LLMCUSTOMS_"
 # The commands whose options come from this table.
@@ -57,7 +60,9 @@ class Option:
     maximum: float | None = None
     max_open: bool = False  # the maximum itself is not allowed
     min_open: bool = False  # the minimum itself is not allowed
-    choices: tuple[str, ...] = ()
+    # The values it takes: a tuple, or a live collection that may grow after import
+    # (`objective_kinds.OBJECTIVES`: an objective a loss adds), read whenever a value is checked.
+    choices: Collection[str] = field(default=(), hash=False)
     commands: frozenset[str] = PLANNING
     argument: bool = False  # a positional argument rather than a --flag
 
@@ -229,10 +234,10 @@ OPTIONS: tuple[Option, ...] = (
            flag="--packing", env="PACKING", plan="packing"),
     Option("compile", bool, "torch.compile the model: slower first steps, faster later ones. Default: off.",
            flag="--compile", env="COMPILE", plan="compile"),
-    # What the run learns: replies (sft), or to prefer the chosen reply of a pair (dpo).
+    # What the run learns: replies (sft), or to prefer the chosen reply of a pair (dpo); `objective_kinds.py`.
     Option("objective", str, "sft (learn the replies) or dpo (learn to prefer the chosen reply of preference "
            "pairs). Default: dpo for preference data, else sft.", flag="--objective", env="OBJECTIVE",
-           plan="objective", choices=("sft", "dpo"), commands=frozenset({TRAIN, PLAN, TUNE})),
+           plan="objective", choices=OBJECTIVES, commands=frozenset({TRAIN, PLAN, TUNE})),
     Option("beta", float, "DPO's beta: how far the model may move from the reference (higher: less).",
            flag="--beta", env="BETA", plan="beta", minimum=0, min_open=True, commands=frozenset({TRAIN, PLAN, TUNE})),
     Option("from_run", str, "Start from a finished run's weights (its adapter goes on training; with DPO its "

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.planning.objective_kinds import Objective, objective_named
 from llmcustoms.planning.plan_values import PlanDamaged, plan_problem
 from llmcustoms.planning.presets import ModelSpec
 
@@ -169,7 +170,7 @@ class Plan:
     # "default" (skip up to 5% of rows), "strict" or "skip"; and what reading found.
     bad_row_policy: str = "default"
     raw_prompts: bool = False
-    # "sft" (learn the replies) or "dpo" (preference pairs); DPO's beta.
+    # "sft" (learn the replies) or "dpo" (preference pairs): `objective_kind`; DPO's beta.
     objective: str = "sft"
     beta: float = 0.1
     # A finished run whose adapter this one starts from (`--from-run`), "" for none.
@@ -235,6 +236,11 @@ class Plan:
 
     def with_warning(self, warning: str) -> "Plan":
         return replace(self, warnings=self.warnings + (warning,))
+
+    @property
+    def objective_kind(self) -> Objective:
+        """What the objective is (`objective_kinds.py`): what every layer asks instead of its name."""
+        return objective_named(self.objective)
 
     @property
     def evaluates_training_rows(self) -> bool:

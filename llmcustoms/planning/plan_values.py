@@ -33,7 +33,7 @@ BELOW_ONE = ("eval_split", "lora.dropout")
 # The words the code acts on: anything else would take no branch, or the wrong one.
 WORDS = {name: BY_NAME[name].choices for name in ("method", "lr_scheduler", "mixed_precision", "optimizer",
                                                      "objective")}
-WORDS["distributed"] = ("none",) + BY_NAME["distributed"].choices
+WORDS["distributed"] = ("none", *BY_NAME["distributed"].choices)
 
 
 class PlanDamaged(ValueError):

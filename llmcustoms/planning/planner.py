@@ -25,6 +25,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryEstimator, parameter_counts
 from llmcustoms.planning.objectives import DEFAULT_BETA
+from llmcustoms.planning.objective_kinds import SFT, objective_named
 from llmcustoms.planning.plan import (DEFAULT_FORGETTING_LIMIT, DataStats, LoraSettings, ModelChoice, Plan,
                                      total_steps)
 from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
@@ -336,8 +337,8 @@ class Planner:
         distributed = choose_distributed(r, world_size)
         shape = {"lora_rank": r.get("lora_r"), "lora_targets": model.target_modules, "trained_fraction": trained_share,
                  "lora_dropout": r.get("lora_dropout") or 0.0}
-        if r.given_value("objective") == "dpo":  # a row is a pair: chosen and rejected in one forward
-            shape["sequences_per_row"] = 2
+        # A pair's chosen and rejected replies go through in one forward.
+        shape["sequences_per_row"] = objective_named(r.given_value("objective") or SFT.name).sequences_per_row
         if distributed == "fsdp" and world_size > 1:
             shape["shards"] = world_size
         preferred = r.get("method")
@@ -395,8 +396,8 @@ class Planner:
         hardware, preset = self.hardware, self.preset
         # CPU processes share the machine's RAM; each GPU process has its own card.
         self.budget = self.machine_budget // world_size if not hardware.has_gpu else self.machine_budget
-        objective = overrides.get("objective", ("sft", ""))[0]
-        preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params, objective)
+        objective = objective_named(overrides.get("objective", (SFT.name, ""))[0])
+        preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params, objective.name)
         r = _Resolver(overrides, preset_values)
         _raise_problems(_given_value_problems(r, hardware, model, stats, world_size))
         r.reasons += preset_values.model_size_reasons(set(overrides), model.arch.params)
@@ -412,8 +413,7 @@ class Planner:
         eval_every, patience, save_every = _evaluation_and_saving(r, stats.eval_rows, schedule)
         lora = _lora_settings(r, batch.method, model)
         evaluations = -(-schedule.total_steps // eval_every) + 1 if eval_every and stats.eval_rows else 0  # +the base's
-        # DPO: two sequences a pair, and the reference's forward (a third of a training step's work) for each.
-        work, evaluation_work = (8 / 3, 4) if objective == "dpo" else (1, 1)
+        work, evaluation_work = objective.step_work, objective.evaluation_work  # DPO: two sequences, a reference
         threads = choose_threads(r, hardware, world_size)  # CPU threads, from the machine's load
         duration = expected_seconds(r.reasons, hardware.as_used(precision), stats, model.arch, batch.method,
                                     batch.gradient_checkpointing, max_seq_len, train_rows,
@@ -436,7 +436,7 @@ class Planner:
             forgetting_limit=float(r.get("forgetting_limit", DEFAULT_FORGETTING_LIMIT)), replay=replay,
             keep_checkpoints=r.get("keep_checkpoints", DEFAULT_KEEP_CHECKPOINTS), seed=r.get("seed", DEFAULT_SEED),
             train_on_prompt=bool(r.get("train_on_prompt", False)), raw_prompts=bool(r.get("raw_prompts", False)),
-            objective=r.get("objective", "sft"), beta=float(r.get("beta", DEFAULT_BETA)),
+            objective=objective.name, beta=float(r.get("beta", DEFAULT_BETA)),
             trust_remote_code=bool(r.get("trust_remote_code", False)),
             allow_pickle_weights=bool(r.get("allow_pickle_weights", False)),
             train_rows=train_rows, eval_rows=stats.eval_rows, lora=lora,

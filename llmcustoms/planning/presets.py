@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from llmcustoms.planning import options
+from llmcustoms.planning.objective_kinds import DPO, OBJECTIVES, objective_named
 from llmcustoms.errors import ConfigError
 
 # Row-count bounds of the dataset-size buckets a preset adjusts for.
@@ -131,12 +132,14 @@ class TrainingPreset:
         """The preset's values for `rows` rows of data and a model of `params`
         parameters: the base values, then the dataset-size bucket's, then the
         model-size class's (so a tiny model's lr wins over a bucket's), then
-        the objective's (DPO's lr wins over both)."""
+        the objective's (DPO's lr wins over both; a pair objective with no values of its
+        own takes DPO's, the pair objective the presets were measured with)."""
         values, bucket = self.for_dataset_size(rows)
         size_class = model_size_class(params)
         by_class = self.by_model_size.get(size_class, {})
         values.update(by_class)
-        by_objective = self.by_objective.get(objective, {})
+        by_objective = self.by_objective.get(objective) or \
+            (self.by_objective.get(DPO.name, {}) if objective_named(objective).pairs else {})
         values.update(by_objective)
         label = f"preset {self.name} ({bucket} dataset)"
         class_label = f"preset {self.name} ({size_class} model)"
@@ -367,7 +370,7 @@ def parse_preset(data: dict[str, Any], source: str, known_models: set[str]) -> T
     problems += _model_list_problems(data, "cpu_models", source, known_models)
     by_dataset = _overrides_by_size(data, "by_dataset_size", ("small", "medium", "large"), source, problems)
     by_model = _overrides_by_size(data, "by_model_size", MODEL_SIZE_CLASSES, source, problems)
-    by_objective = _overrides_by_size(data, "by_objective", ("dpo",), source, problems)
+    by_objective = _overrides_by_size(data, "by_objective", tuple(OBJECTIVES), source, problems)
     if problems:
         raise ConfigError("Invalid preset:\n  " + "\n  ".join(problems),
                           "Compare it with the files in presets/ (`llmcustoms presets` lists them).")

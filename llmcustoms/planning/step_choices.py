@@ -14,16 +14,17 @@ from typing import Any
 
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.objective_kinds import Objective
 from llmcustoms.planning.plan import DEFAULT_REPLAY
 
 KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
 
 
-def choose_packing(r: Any, hardware: Hardware, objective: str, precision: str) -> bool:
+def choose_packing(r: Any, hardware: Hardware, objective: Objective, precision: str) -> bool:
     """On with Ampere or newer GPUs, varlen attention and half precision (what the
     kernels need), for SFT; preference pairs are never packed, and a model with
     its own code may not use transformers' attention functions. `r`: the planner's resolver."""
-    if objective == "dpo":
+    if not objective.packable:
         if r.given_value("packing"):
             r.reasons.append("--packing ignored: preference pairs run as padded pairs")
         r.sources.pop("packing", None)
@@ -47,12 +48,12 @@ def choose_compile(r: Any) -> bool:
     return compiled
 
 
-def choose_replay(r: Any, objective: str, world_size: int) -> float:
+def choose_replay(r: Any, objective: Objective, world_size: int) -> float:
     """--replay as given; by default DEFAULT_REPLAY for supervised rows in one process (`training/replay.py`:
     preference pairs are not a language model's loss, and several processes would each generate the replies)."""
     if r.given_value("replay") is not None:
         return float(r.get("replay"))
-    return DEFAULT_REPLAY if objective == "sft" and world_size == 1 else 0.0
+    return DEFAULT_REPLAY if objective.token_loss and world_size == 1 else 0.0
 
 
 def choose_distributed(r: Any, world_size: int) -> str:

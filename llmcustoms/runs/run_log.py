@@ -101,7 +101,7 @@ def evaluation_line(row: dict[str, Any]) -> str:
 def plan_line(plan: Any) -> str:
     """The plan in one line: model, method, batch and length of the run."""
     processes = f" x {plan.world_size} processes" if plan.world_size > 1 else ""
-    objective = f", {plan.objective}" if plan.objective != "sft" else ""
+    objective = f", {plan.objective}" if plan.objective_kind.pairs else ""  # supervised rows are the default
     return (f"{plan.model} ({plan.method}{objective}, preset {plan.preset}): micro-batch {plan.micro_batch_size} x "
             f"accumulation {plan.grad_accum}{processes} (batch {plan.effective_batch_size}), {plan.total_steps} steps, "
             f"lr {plan.lr:.2e}, sequences up to {plan.max_seq_len} tokens")

@@ -51,7 +51,7 @@ def conversation_rows(hf_tokenizer: Any, plan: Any, conversations: list[list[dic
     from llmcustoms.data.tokenization import Tokenizer
     from llmcustoms.models.loading import stop_token_ids
 
-    if plan.objective != "sft" or getattr(hf_tokenizer, "eos_token_id", None) is None:
+    if not plan.objective_kind.token_loss or getattr(hf_tokenizer, "eos_token_id", None) is None:
         return None  # no language-model loss, or a stand-in tokenizer (benchmarks time the loop with one)
     try:
         tokenizer = Tokenizer(hf_tokenizer, stop_token_ids=stop_token_ids(plan.model), raw_prompts=plan.raw_prompts)

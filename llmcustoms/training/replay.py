@@ -108,7 +108,7 @@ def why_off(plan: Any) -> str | None:
     """Why a plan asking for replay runs without it, or None."""
     if plan.replay <= 0:
         return None
-    if plan.objective != "sft":
+    if not plan.objective_kind.token_loss:
         return "replay is for supervised rows, not preference pairs: this run trains without it"
     if getattr(plan, "world_size", 1) > 1:
         return "replay runs in one process for now: this run on several trains without it"

@@ -292,7 +292,7 @@ class ResourceUse:
         """Measured peak (a resumed run's included) against the plan's prediction,
         for status.json and the summary."""
         plan = self.plan
-        planned_tokens = plan.micro_batch_size * (2 if plan.objective == "dpo" else 1) * plan.max_seq_len
+        planned_tokens = plan.micro_batch_size * plan.objective_kind.sequences_per_row * plan.max_seq_len
         return compare(max(self.peak, self.earlier_peak), plan.memory, self.device is not None,
                        sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None,
                        self.batch_tokens, planned_tokens)

@@ -29,6 +29,7 @@ from llmcustoms.ui.layout import Parts, WideOrNarrow
 from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.planning.access_tokens import hide_tokens
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
+from llmcustoms.planning.objective_kinds import objective_named
 from llmcustoms.runs.preference_report import held_out_line
 from llmcustoms.runs.forgetting import general_line
 from llmcustoms.runs.stop_rates import stop_rate_line
@@ -332,8 +333,8 @@ def runs_table(output_dir: Any, runs: list[Any]) -> WideOrNarrow:
         status = Text(run.status, style=RUN_COLOURS.get(run.status, "white"))
         table.add_row(Text(run.name), Text(model), status, Text(steps), Text(result),
                       Text(" ".join(filter(None, (seconds, memory)))))
-        # Without headers each value says what it is; DPO's result already does.
-        result = result if not result or run.objective == "dpo" else f"eval ppl {result}"
+        # Without headers each value says what it is; a pair objective's result already does.
+        result = result if not result or not objective_named(run.objective).token_loss else f"eval ppl {result}"
         listing += [Text(run.name, style="bold"),
                     Parts([model, status, f"step {steps}", result, seconds and f"trained {seconds}",
                            memory and f"memory {memory}"], indent=2)]
@@ -350,8 +351,8 @@ def _run_values(run: Any) -> tuple[str, str, str, str, str]:
     change = measures.improvement(run.base_eval_loss, run.best_eval_loss)
     if run.best_eval_loss is None:
         result = ""
-    elif run.objective == "dpo":  # perplexity means nothing for DPO's loss
-        result = f"dpo loss {run.best_eval_loss:.3f}"
+    elif not objective_named(run.objective).token_loss:  # perplexity means nothing for DPO's loss
+        result = f"{objective_named(run.objective).loss_label} {run.best_eval_loss:.3f}"
     else:
         result = f"{measures.perplexity(run.best_eval_loss):.4g}" + ("" if change is None else f" ({-change:+.0%})")
     memory = "" if not run.peak_bytes else f"{run.peak_bytes / 1024 ** 3:.1f}G"

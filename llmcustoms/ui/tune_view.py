@@ -33,7 +33,7 @@ def show_search(space: Any, base: Any, settings: Any, tokens_per_trial: int) -> 
                                   f"{base.grad_accum}, {base.max_seq_len} tokens"))
     table.add_row("budget per trial", f"{settings.steps} optimizer steps (about {tokens_per_trial:,} tokens), "
                                       f"eval loss on {base.eval_rows} held-out rows")
-    table.add_row("scored by", _objectives(settings) if base.objective == "sft" else
+    table.add_row("scored by", _objectives(settings) if base.objective_kind.token_loss else
                   "held-out loss (forgetting is measured only when training on replies: not for preference pairs)")
     table.add_row("pruning", _pruning(settings))
     table.add_row("trials", f"{settings.trials} now, sampler {settings.sampler}"

@@ -62,9 +62,11 @@ def test_replay_is_off_by_default_for_preference_pairs_and_several_processes(mon
         def get(self, name):
             return self.values[name]
 
-    assert choose_replay(Given({}), "sft", 1) == 0.25
-    assert choose_replay(Given({}), "dpo", 1) == 0.0 and choose_replay(Given({}), "sft", 2) == 0.0
-    assert choose_replay(Given({"replay": 0.5}), "sft", 1) == 0.5 and choose_replay(Given({"replay": 0}), "sft", 1) == 0.0
+    from llmcustoms.planning.objective_kinds import DPO, SFT
+
+    assert choose_replay(Given({}), SFT, 1) == 0.25
+    assert choose_replay(Given({}), DPO, 1) == 0.0 and choose_replay(Given({}), SFT, 2) == 0.0
+    assert choose_replay(Given({"replay": 0.5}), SFT, 1) == 0.5 and choose_replay(Given({"replay": 0}), SFT, 1) == 0.0
 
 
 def test_a_run_without_evaluation_rows_answers_nothing():
