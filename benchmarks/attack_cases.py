@@ -123,13 +123,13 @@ def other_weights(w: World) -> None:
 
 def holding_the_lock(w: World, run: str) -> None:
     """Another process owns `run` (through its real path), as a `resume` training it would."""
-    from llmcustoms.runs import run_lock as runlock
+    from llmcustoms.runs import run_lock
 
-    code = (f"import time; from llmcustoms.runs import run_lock as runlock\n"
-            f"with runlock.owning({str(w.path(run))!r}, 'training it'):\n    time.sleep(60)")
+    code = (f"import time; from llmcustoms.runs import run_lock\n"
+            f"with run_lock.owning({str(w.path(run))!r}, 'training it'):\n    time.sleep(60)")
     subprocess.Popen([sys.executable, "-c", code], cwd=w.root, start_new_session=True)
     deadline = time.time() + 30
-    while runlock.holder(w.path(run)) is None and time.time() < deadline:
+    while run_lock.holder(w.path(run)) is None and time.time() < deadline:
         time.sleep(0.2)
 
 

@@ -253,7 +253,7 @@ def load(config: Config, plan: Any, mode: Any | None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
     def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         with torch.device("meta") if mode is not None else nullcontext():
@@ -261,7 +261,7 @@ def load(config: Config, plan: Any, mode: Any | None) -> Any:
         return quantize(model, kwargs["quantization_config"], mode) if "quantization_config" in kwargs else model
 
     with mock.patch.object(modeling, "from_pretrained", from_pretrained):
-        model = modeling.load_model(plan)
+        model = loading.load_model(plan)
     return materialize(model, mode)
 
 
@@ -271,7 +271,7 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
 
     from llmcustoms.training import batching, optimization
 
-    from llmcustoms.losses import sft as losses
+    from llmcustoms.losses import sft
     from llmcustoms.losses.choice import loss_for
     from llmcustoms.data.tokenization import TokenizedExample
 
@@ -280,7 +280,7 @@ def simulate(config: Config, fake: bool = True) -> dict[str, Any]:
     with warnings.catch_warnings(), fake_tensors() if fake else nullcontext() as mode:
         warnings.simplefilter("ignore")
         model = load(config, plan, mode)
-        losses.select_logits(model)
+        sft.select_logits(model)
         with mock.patch("torch.cuda.is_available", return_value=True):  # make_optimizer's GPU choice: fused AdamW
             optimizer = optimization.make_optimizer(model, plan)
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -226,10 +226,10 @@ def predict(config: Config, device: str, precision: str) -> dict:
 def run_one(name: str, device: str, precision: str, full_logits: bool = False) -> dict:
     config = next(c for c in ALL_CONFIGS if c.name == name)
     if full_logits:  # the loss as before issue 21: every trained position's logits at once
-        from llmcustoms.losses import sft as losses
+        from llmcustoms.losses import sft
         from llmcustoms.planning import memory
 
-        losses.CHUNK_LOGITS = memory.CHUNK_LOGITS = 2 ** 62
+        sft.CHUNK_LOGITS = memory.CHUNK_LOGITS = 2 ** 62
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(config.arch, model_dir, device)

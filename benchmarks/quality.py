@@ -238,7 +238,7 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
     """Mean loss per reply token over the test file, tokenized as training does."""
     import torch
 
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
     from llmcustoms.training.batching import TrainingRows, count_loss_tokens
     from llmcustoms.data.dataset import usable_examples
     from llmcustoms.losses.sft import select_logits, token_cross_entropy
@@ -246,7 +246,7 @@ def test_loss(model, tokenizer, plan, test: Path) -> float:
     from llmcustoms.data.tokenization import Tokenizer
 
     ensure_chat_template(tokenizer)
-    encoder = Tokenizer(tokenizer, stop_token_ids=modeling.stop_token_ids(plan.model))
+    encoder = Tokenizer(tokenizer, stop_token_ids=loading.stop_token_ids(plan.model))
     rows = [encoder.encode(e) for e in usable_examples(test)]
     batches = TrainingRows([], rows, tokenizer.pad_token_id, 1).evaluation_batches(8)
     total = torch.tensor(sum(count_loss_tokens(b["labels"]) for b in batches))

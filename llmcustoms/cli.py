@@ -57,17 +57,17 @@ def train(run_name: flags.RunName = None, overwrite: flags.Overwrite = False, ye
     """Fine-tune a model on DATA into a run directory.
 
     Saves a LoRA adapter (or the full model), with checkpoints along the way."""
-    from llmcustoms.commands import train as training
+    from llmcustoms.commands import train as train_command
 
-    launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
+    launch = train_command.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
         if not launch.needs_relaunch():
             quiet_libraries()
         session = _session(values, env_file, quiet)
         options = session.train_options()
         if launch.needs_relaunch():
-            raise typer.Exit(training.launch_train(options, session, launch, run_name, overwrite, yes))
-        result = training.train(options, session, run_name, overwrite, yes, confirm=ui().confirm)
+            raise typer.Exit(train_command.launch_train(options, session, launch, run_name, overwrite, yes))
+        result = train_command.train(options, session, run_name, overwrite, yes, confirm=ui().confirm)
     if result is not None:
         print(result.output_path) if session.quiet else ui().show_summary(result)
 
@@ -85,16 +85,16 @@ def resume(run_dir: flags.ResumeRun = None, from_step: flags.FromStep = None, re
 
     From the last good checkpoint or --from one, with any number of processes; --epochs or --max-steps
     changes its length."""
-    from llmcustoms.commands import train as training
+    from llmcustoms.commands import train as train_command
 
-    launch = training.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
+    launch = train_command.Launch(num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     with ending():
         session = _session(values, env_file, quiet, allowed).resuming(from_step, reset_optimizer, epochs,
                                                                       model_changed_ok, max_steps)
         if launch.needs_relaunch():
-            raise typer.Exit(training.launch_resume(run_dir, session, launch))
+            raise typer.Exit(train_command.launch_resume(run_dir, session, launch))
         quiet_libraries()
-        result = training.resume(run_dir, session)
+        result = train_command.resume(run_dir, session)
     if result is not None:
         print(result.output_path) if session.quiet else ui().show_summary(result)
 
@@ -108,11 +108,11 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending(json_errors=json_output):
         quiet_libraries()
-        from llmcustoms.training import preflight
-        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
-        from llmcustoms.planning.hardware import GIB, Hardware
         from llmcustoms.commands.preparation import prepare_run
+        from llmcustoms.planning.hardware import GIB, Hardware
+        from llmcustoms.training import preflight
         from llmcustoms.training.base_replies import planned_with_kept_answers
+        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
         session = _session(values, env_file)
         options = session.train_options()
@@ -142,11 +142,11 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
     Learning rate, warmup and LoRA shape; the best is written as a preset `train` accepts."""
     with ending():
         quiet_libraries()
-        from llmcustoms.ui import tune_view as view
-        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
         from llmcustoms.commands.lr_find import centre_study
-        from llmcustoms.planning.presets import load_preset
         from llmcustoms.commands.tune import StudyRequest, prepare_study, run_study
+        from llmcustoms.planning.presets import load_preset
+        from llmcustoms.ui import tune_view
+        from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
         session = _session(values, env_file)
         options = session.train_options()
@@ -155,12 +155,12 @@ def tune(trials: flags.Trials = 20, max_steps: flags.TrialSteps = None, budget_t
             study = prepare_study(options, session.output_dir, request, progress)
         show_prepared(study.prepared, options.data)
         study = study if lr_find is False else centre_study(study, session.output_dir, run_missing=bool(lr_find))
-        view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
-        with view.TrialsDisplay() as display:
+        tune_view.show_search(study.space, study.prepared.plan, study.settings, study.tokens_per_trial)
+        with tune_view.TrialsDisplay() as display:
             outcome = run_study(study.prepared, load_preset(options.preset or "quality"), study.hardware,
                                 study.settings, on_update=display.update, warn=display.warn, say=display.say,
                                 reporter_for=display.reporter)
-    view.show_study_outcome(outcome, options.data, options.model)
+    tune_view.show_study_outcome(outcome, options.data, options.model)
     if outcome.signum is not None:
         raise typer.Exit(128 + outcome.signum)  # 130 for Ctrl-C, 143 for SIGTERM
 
@@ -184,14 +184,14 @@ def lr_find(steps: flags.LrSteps = None, start_lr: flags.StartLr = 1e-7, end_lr:
 def hardware() -> None:
     """Show this machine and which models and methods fit it."""
     with ending():
-        from llmcustoms.models import hub_access as hubaccess
+        from llmcustoms.models import hub_access
         from llmcustoms.planning.fitting import fit_table
-        from llmcustoms.training.preflight import usable_hardware
         from llmcustoms.planning.presets import load_families
+        from llmcustoms.training.preflight import usable_hardware
         from llmcustoms.ui.hardware_view import show_hardware
 
         fits = fit_table(machine := usable_hardware(), load_families())
-        show_hardware(machine, fits, {m.hub_id: hubaccess.availability(m.hub_id) for m in fits.models})
+        show_hardware(machine, fits, {m.hub_id: hub_access.availability(m.hub_id) for m in fits.models})
 
 
 @app.command(cls=flags.Command)
@@ -209,8 +209,8 @@ def setup(data: flags.SetupData = None, env_file: flags.SetupEnvFile = Path(".en
 
     Checks your data, picks a goal and a model that fits, and writes .env."""
     with ending():
-        from llmcustoms.training.preflight import usable_hardware
         from llmcustoms.commands.setup import run_wizard
+        from llmcustoms.training.preflight import usable_hardware
 
         try:
             command = run_wizard(usable_hardware(), env_file, data)
@@ -278,8 +278,8 @@ def generate(run: flags.RunArg, prompt: flags.PromptArg = None, prompt_option: f
 
     Greedy by default; the reply goes to stdout, what is being loaded to stderr."""
     with ending():
-        from llmcustoms.ui import dialog
         from llmcustoms.models.generation import open_trained
+        from llmcustoms.ui import dialog
 
         if (prompt is None) == (prompt_option is None):
             raise LlmcustomsError("Give one prompt.", f'For example: llmcustoms generate {run} "What do bees make?"')
@@ -297,8 +297,8 @@ def chat(run: flags.RunArg, checkpoint: flags.Checkpoint = None, max_new_tokens:
 
     Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat."""
     with ending():
-        from llmcustoms.ui import dialog
         from llmcustoms.models.generation import open_trained
+        from llmcustoms.ui import dialog
 
         trained = open_trained(run, checkpoint, ui().waiting, ui().print_warning, allowed=allowed)
         start = trained.conversation_start(system)  # a template that refuses a system turn: said now

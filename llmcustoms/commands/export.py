@@ -37,21 +37,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs import overwriting, run_lock as runlock
-from llmcustoms.commands.export_gguf import (GgufOptions, check_gguf_options, check_vocabulary, write_gguf_export,
-                                             write_small_file)
+from llmcustoms.commands.export_gguf import GgufOptions, check_gguf_options, check_vocabulary, write_gguf_export, write_small_file
 from llmcustoms.commands.merging import load_merged
 from llmcustoms.commands.model_card import has_chat_template, model_card
-from llmcustoms.planning.disk_space import TOKENIZER_BYTES, size
 from llmcustoms.errors import ConfigError
-from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.models.generation import Say, Waiting
 from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
+from llmcustoms.planning.disk_space import TOKENIZER_BYTES, size
 from llmcustoms.recovery import faults
+from llmcustoms.runs import overwriting, run_lock
 from llmcustoms.runs.disk_writes import disk_full_code
-from llmcustoms.training.preflight import bytes_under, check_export_space, free_space, mount_point
+from llmcustoms.runs.file_modes import make_readable
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import model_name, trained_output
+from llmcustoms.training.preflight import bytes_under, check_export_space, free_space, mount_point
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -95,7 +94,7 @@ def export_run(path: Path, output: Path, merge: bool, dtype: str = "auto", overw
     if trained.resolve() in output.absolute().resolve().parents:  # it would be copied into itself
         raise ConfigError(f"--output {output} is inside the run's trained weights ({trained}).",
                           "Choose a --output folder outside the run directory.")
-    with runlock.exporting(output):  # another export to `output` would clear this one's partial folder
+    with run_lock.exporting(output):  # another export to `output` would clear this one's partial folder
         _clear_leftovers(output)
         _check_output(output, overwrite, {what: Path(given_path) for what, given_path in given.items() if given_path})
         partial = _start_partial(output)

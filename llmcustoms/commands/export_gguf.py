@@ -19,7 +19,7 @@ from typing import Any
 
 from llmcustoms.commands.merging import MergedModel, load_merged
 from llmcustoms.errors import ConfigError
-from llmcustoms.models import modelfile as ollama
+from llmcustoms.models import modelfile
 from llmcustoms.models.generation import Waiting
 from llmcustoms.models.gguf_writing import QUANTS
 from llmcustoms.models.loading import Allowed
@@ -63,12 +63,12 @@ def check_vocabulary(plan: Any, trained: Path, allowed: Allowed) -> None:
     from transformers import AutoTokenizer
 
     from llmcustoms.data import stop_tokens
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
     from llmcustoms.models.gguf_vocab import tokens_past_rows
 
     trust = plan.trust_remote_code and allowed.remote_code
-    tokenizer = modeling.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
-    config = modeling.load_config(str(trained) if plan.method == "full" else plan.model, trust)
+    tokenizer = loading.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
+    config = loading.load_config(str(trained) if plan.method == "full" else plan.model, trust)
     end_of_turn = stop_tokens.end_of_turn(tokenizer, templated=bool(tokenizer.chat_template)).token_id
     tokens_past_rows(tokenizer, config.vocab_size, end_of_turn)
 
@@ -77,18 +77,18 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
                       waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
     """Write model.gguf and the Modelfile into `partial`; what the checks found
     (a line each) and, when one failed, why."""
+    from llmcustoms.commands.merging import common_system_prompt
     from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata
-    from llmcustoms.models.llama_cpp_run import llama_cpp_check
     from llmcustoms.models.gguf_vocab import tokens_past_rows
     from llmcustoms.models.gguf_writing import check_exportable, write_gguf
-    from llmcustoms.commands.merging import common_system_prompt
+    from llmcustoms.models.llama_cpp_run import llama_cpp_check
 
     with waiting(f"Merging the adapter into {model_name(plan.model)}" if plan.method != "full"
                  else f"Loading the trained {model_name(plan.model)}") as say:
         merged = load_merged(plan, trained, dtype, say, allowed)
     architecture = check_exportable(merged.model.config)
     pieces, stops, end_of_turn = _chat_shape(merged)
-    modelfile = ollama.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan))  # refused before the writing
+    modelfile_text = modelfile.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan))  # refused before the writing
     rows = merged.model.config.vocab_size
     past = tokens_past_rows(merged.tokenizer, rows, end_of_turn)
     weights = sum(p.numel() for p in merged.model.parameters())
@@ -98,7 +98,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     with waiting(f"Writing {GGUF_NAME} ({options.quant})") as say:
         written = write_gguf(merged.model, merged.tokenizer, path, options.quant, _general_name(run.path.name),
                              end_of_turn, counting(say, f"Writing {GGUF_NAME}: tensor"))
-    write_small_file(partial / "Modelfile", modelfile)
+    write_small_file(partial / "Modelfile", modelfile_text)
     lines = [f"{GGUF_NAME}: {written.bytes / 2**20:.1f} MiB, {written.architecture}, {written.tensors} tensors, "
              f"{options.quant}",
              "Modelfile: " + ("TEMPLATE matches the run's chat template on every probe conversation"
@@ -133,7 +133,7 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     return tuple(lines), ("; ".join(problems) if problems else None)
 
 
-def _chat_shape(merged: MergedModel) -> tuple[ollama.Pieces | None, list[str], int | None]:
+def _chat_shape(merged: MergedModel) -> tuple[modelfile.Pieces | None, list[str], int | None]:
     """The template's pieces for the Modelfile (None when Go cannot mirror it),
     the tokens a reply stops at, and the end-of-turn token's id."""
     from llmcustoms.data import stop_tokens
@@ -145,8 +145,8 @@ def _chat_shape(merged: MergedModel) -> tuple[ollama.Pieces | None, list[str], i
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
     bos = tokenizer.bos_token if starts_with_bos(tokenizer) else None
-    pieces = ollama.template_pieces(render, bos) if tokenizer.chat_template else None
-    if pieces is not None and ollama.mismatches(pieces, render, bos):
+    pieces = modelfile.template_pieces(render, bos) if tokenizer.chat_template else None
+    if pieces is not None and modelfile.mismatches(pieces, render, bos):
         pieces = None
     end_of_turn = stop_tokens.end_of_turn(tokenizer, templated=bool(tokenizer.chat_template)).token_id
     stops = [tokenizer.convert_ids_to_tokens(i) for i in dict.fromkeys([end_of_turn, tokenizer.eos_token_id])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmcustoms.models import hub_access as hubaccess
+from llmcustoms.models import hub_access
 from llmcustoms.models.loading import looks_like_path
 from llmcustoms.planning.presets import load_families
 from llmcustoms.runs.run_directory import list_runs
@@ -40,7 +40,7 @@ def _usable_here(model: str) -> bool:
     if looks_like_path(model):
         path = Path(model).expanduser()
         return (path / "config.json").is_file() or (path.is_file() and path.suffix.lower() == ".gguf")
-    return hubaccess.is_hub_id(model) and hubaccess.is_cached(model)
+    return hub_access.is_hub_id(model) and hub_access.is_cached(model)
 
 
 def _cached_language_models() -> list[str]:
@@ -55,7 +55,7 @@ def _cached_language_models() -> list[str]:
     types = {model_type for family in load_families().values() for model_type in family.model_types}
     found = []
     for repo in sorted(repos, key=lambda r: r.last_accessed, reverse=True):  # the one used last first
-        if repo.repo_type != "model" or not hubaccess.is_cached(repo.repo_id):
+        if repo.repo_type != "model" or not hub_access.is_cached(repo.repo_id):
             continue
         config = try_to_load_from_cache(repo.repo_id, "config.json")
         try:

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.objectives import needs_cached_reference
+from llmcustoms.planning.train_options import TrainOptions
 
 DEFAULT_STEPS = 100
 START_LR, END_LR = 1e-7, 1.0
@@ -254,10 +254,10 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     """The body of `lr-find`: prepare as `train` would, run the range test,
     save and show it. A curve with no suggestion ends in an error (exit 2),
     after the curve is shown and saved."""
-    from llmcustoms.ui import tune_view as tuneview
-    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
-    from llmcustoms.training.preflight import usable_hardware
     from llmcustoms.commands.preparation import prepare_run
+    from llmcustoms.training.preflight import usable_hardware
+    from llmcustoms.ui import tune_view
+    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
     test.check()
     with PreparationProgress() as progress:
@@ -265,7 +265,7 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     show_prepared(prepared, options.data)
     result, path = _run_and_save(prepared, test, output_dir)
     lr = result.suggestion.lr
-    tuneview.show_lr_find(result, sample_rows(result.curve, result.suggestion), path,
+    tune_view.show_lr_find(result, sample_rows(result.curve, result.suggestion), path,
                           next_commands(options, output_dir, lr) if lr else [],
                           _notes(result, test, prepared.plan.total_steps),
                           shown=rows_shown(len(result.curve)))
@@ -275,9 +275,9 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
 
 
 def _run_and_save(prepared: Any, test: RangeTest, output_dir: Path) -> tuple[RangeTestResult, Path]:
-    from llmcustoms.ui import tune_view as tuneview
+    from llmcustoms.ui import tune_view
 
-    with tuneview.RangeTestDisplay(test.steps_for(prepared.plan.total_steps)) as display:
+    with tune_view.RangeTestDisplay(test.steps_for(prepared.plan.total_steps)) as display:
         result = run_range_test(prepared, test, on_step=display.update)
     return result, save(result, result_path(output_dir, prepared.plan))
 
@@ -294,7 +294,7 @@ def centre_study(study: Any, output_dir: Path, run_missing: bool = True) -> Any:
     """`tune`: the study (`tune.PreparedStudy`) with its lr range centred on the
     saved range test for this model and data; with none saved, on one run now
     (`run_missing`, `tune --lr-find`) or the study as it is."""
-    from llmcustoms.ui import tune_view as tuneview
+    from llmcustoms.ui import tune_view
 
     plan = study.prepared.plan
     path = result_path(output_dir, plan)
@@ -303,14 +303,14 @@ def centre_study(study: Any, output_dir: Path, run_missing: bool = True) -> Any:
     if result is None:
         if not run_missing:
             return study
-        tuneview.show_lr_find_starting(path)
+        tune_view.show_lr_find_starting(path)
         result, path = _run_and_save(study.prepared, RangeTest(), output_dir)
     lr = result.suggestion.lr
     if lr is None:
         if not run_missing:
             return study
         raise no_suggestion_error(result.suggestion, result.steps)
-    tuneview.show_lr_centre(path, lr, ran)
+    tune_view.show_lr_centre(path, lr, ran)
     return replace(study, settings=replace(study.settings, lr_centre=lr), space=study.space.centred(lr))
 
 

@@ -70,26 +70,26 @@ def common_system_prompt(plan: Any) -> str | None:
 
 def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed) -> MergedModel:
     """The run's model, merged and checked; `say` hears each stage."""
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
-    modeling.quiet_libraries()
+    loading.quiet_libraries()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trust = plan.trust_remote_code and allowed.remote_code
     # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
-    tokenizer = modeling.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
+    tokenizer = loading.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
     prompts = check_prompts(plan)
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     if plan.method == "full":
         say(f"Loading the trained {model_name(plan.model)}")
-        model = modeling.from_pretrained(AutoModelForCausalLM, str(trained), dtype=torch_dtype, trust_remote_code=trust)
+        model = loading.from_pretrained(AutoModelForCausalLM, str(trained), dtype=torch_dtype, trust_remote_code=trust)
         return MergedModel(model.eval(), tokenizer, _dtype_name(model), prompts)
     from peft import PeftModel
 
     say(f"Loading {model_name(plan.model)}")
-    base = modeling.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
-                                     use_safetensors=modeling.safetensors_only(allowed.pickle_weights))
+    base = loading.from_pretrained(AutoModelForCausalLM, plan.model, dtype=torch_dtype, trust_remote_code=trust,
+                                     use_safetensors=loading.safetensors_only(allowed.pickle_weights))
     adapted = PeftModel.from_pretrained(base, adapter_weights(trained)).eval()
     before = answers(adapted, tokenizer, prompts, counting(say, "Answering the check prompts with the adapter"))
     say("Merging the adapter in")

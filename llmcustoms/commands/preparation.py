@@ -15,29 +15,28 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from llmcustoms.models import hub_access as hubaccess
-from llmcustoms.models.gguf_folder import gguf_folder, is_gguf, source_quantization
-
-from llmcustoms.data.dataset import Dataset, read_dataset
-from llmcustoms.planning.data_advice import data_facts
 from llmcustoms.data.data_files import fingerprint
-from llmcustoms.planning.disk_space import disk_need
-from llmcustoms.errors import ConfigError, DataError, ModelError
-from llmcustoms.planning.hardware import GIB, Hardware
-from llmcustoms.planning.memory import SAFETY_MARGIN, parameter_counts
-from llmcustoms.models.from_run import with_starting_point
-from llmcustoms.planning.objectives import check_eval_data, preference_reason, with_objective
+from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.data.pair_rows import PairRows
-from llmcustoms.planning.plan import DataStats, Plan
-from llmcustoms.planning.planner import Planner
 from llmcustoms.data.row_formats import is_preference
-from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
-from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.runs.speeds import with_measured_speeds
 from llmcustoms.data.splits import MAX_EVAL_ROWS, overlap_warning, rows_also_trained, split_rows
-from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
 from llmcustoms.data.token_cache import cache_dir, stored_rows, tokenization_cache_key
 from llmcustoms.data.token_store import TokenRows
+from llmcustoms.errors import ConfigError, DataError, ModelError
+from llmcustoms.models import hub_access
+from llmcustoms.models.from_run import with_starting_point
+from llmcustoms.models.gguf_folder import gguf_folder, is_gguf, source_quantization
+from llmcustoms.planning.data_advice import data_facts
+from llmcustoms.planning.disk_space import disk_need
+from llmcustoms.planning.hardware import GIB, Hardware
+from llmcustoms.planning.memory import SAFETY_MARGIN, parameter_counts
+from llmcustoms.planning.objectives import check_eval_data, preference_reason, with_objective
+from llmcustoms.planning.plan import DataStats, Plan
+from llmcustoms.planning.planner import Planner
+from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
+from llmcustoms.runs.speeds import with_measured_speeds
 
 DEFAULT_PRESET = "quality"
 # Without a tokenizer (planning offline), lengths are estimated from characters.
@@ -59,13 +58,13 @@ def given_model_reason(name: str, families: dict | None = None) -> str | None:
         kept = {"f16": "float16", "bf16": "bfloat16"}.get(quantization, "float32")
         return (f"model {Path(name).name}: a GGUF file ({quantization}), read through transformers' GGUF reader "
                 f"and dequantized to {kept} once, into {folder}")
-    where = hubaccess.availability(name)
-    if where == hubaccess.UNAVAILABLE:
-        return (f"model {name}: {hubaccess.offline_note()}, and it is not in the local "
+    where = hub_access.availability(name)
+    if where == hub_access.UNAVAILABLE:
+        return (f"model {name}: {hub_access.offline_note()}, and it is not in the local "
                 "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
     spec = find_model_spec(name, families or {})
     family = (families or {}).get(spec.family) if spec else None
-    if where == hubaccess.DOWNLOADABLE and family is not None and family.hub_licence:
+    if where == hub_access.DOWNLOADABLE and family is not None and family.hub_licence:
         return f"model {name}: to download, and gated: {family.hub_licence}"
     return None
 
@@ -74,11 +73,11 @@ def _given_model(options: TrainOptions, families: dict, trust_remote_code: bool,
     """The --model given, described, and what the plan says of it. A GGUF file is
     read into its folder first, its tensors counted on `progress` (a minute's
     wait for a 135M model on a busy CPU), rather than on first use, uncounted."""
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
-    if is_gguf(options.model) and modeling.looks_like_path(options.model):  # as `model_location` reads it
+    if is_gguf(options.model) and loading.looks_like_path(options.model):  # as `model_location` reads it
         gguf_folder(Path(options.model), lambda done, total: progress("gguf", done, total))
-    model = modeling.describe_model(options.model, families, options.model_source, trust_remote_code)
+    model = loading.describe_model(options.model, families, options.model_source, trust_remote_code)
     return model, given_model_reason(options.model, families)
 
 
@@ -136,13 +135,13 @@ class Tokenized:
 def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset: Dataset,
               eval_dataset: Dataset | None, train_on_prompt: bool, progress: Progress) -> Tokenized:
     """Every usable row of the data (and of --eval-data) tokenized, untruncated."""
-    from llmcustoms.models import loading as modeling
     from llmcustoms.data.chat_templates import ensure_chat_template, prompts_use_template
     from llmcustoms.data.row_formats import base_format
     from llmcustoms.data.tokenization import Tokenizer
+    from llmcustoms.models import loading
 
     used_fallback = ensure_chat_template(hf_tokenizer)
-    stop_ids = modeling.stop_token_ids(model_name)
+    stop_ids = loading.stop_token_ids(model_name)
     raw_prompts = bool(options.override("raw_prompts", False))
     tokenizer = Tokenizer(hf_tokenizer, train_on_prompt=train_on_prompt, stop_token_ids=stop_ids, raw_prompts=raw_prompts)
     started = time.perf_counter()
@@ -175,7 +174,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     (the `plan` command) a model that is not downloaded is planned from preset
     facts and character-based length estimates instead of failing. `dataset`:
     `options.data` already read with `options.policy` (`setup` plans each model with it)."""
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
     options, start = with_starting_point(options)
     if dataset is None:
@@ -194,7 +193,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
                         split.eval_dataset.path.name, split.eval_dataset.format_description)
     read_seconds = dataset.seconds + (split.eval_dataset.seconds if split.eval_dataset else 0.0)
 
-    candidates = [modeling.choice_from_spec(find_model_spec(m, families), families, "planner")
+    candidates = [loading.choice_from_spec(find_model_spec(m, families), families, "planner")
                   for m in preset.model_candidates(hardware.has_gpu)]
 
     def estimate() -> DataStats:  # from characters: to choose the model, or to plan without its tokenizer
@@ -203,15 +202,15 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     if options.model:
         model, choice_reason = _given_model(options, families, trust_remote_code, progress)
     else:
-        usable, offline_reason = hubaccess.usable_candidates(candidates)
+        usable, offline_reason = hub_access.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)
         choice_reason += offline_reason
     # Before the tokenizer and the data's tokens: a model train would refuse to load is refused now.
-    modeling.check_weight_files(model.name, bool(options.override("allow_pickle_weights", False)))
+    loading.check_weight_files(model.name, bool(options.override("allow_pickle_weights", False)))
 
     tokenized = None
     try:
-        hf_tokenizer = modeling.load_tokenizer(model.name, trust_remote_code)
+        hf_tokenizer = loading.load_tokenizer(model.name, trust_remote_code)
     except ModelError:  # not downloaded: `plan` goes on with estimated lengths
         if tokenizer_required:
             raise
@@ -287,7 +286,6 @@ def _cut_to_plan(prepared: PreparedRun, tokenized: Tokenized, train_full: TokenR
     if isinstance(train_full, TokenRows) and not plan.train_on_prompt:
         # With --train-on-prompt a row is one run of learned tokens; a pair's replies are counted by DPO.
         from llmcustoms.data.reply_counts import unlearned_replies
-
         from llmcustoms.data.token_store import MAX_ROW_CHARS
 
         dataset = prepared.dataset

@@ -24,8 +24,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from llmcustoms.runs import measures
 from llmcustoms.errors import ConfigError
+from llmcustoms.runs import measures
 from llmcustoms.runs.forgetting import forgetting_findings
 from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.runs.preference_report import preference_findings

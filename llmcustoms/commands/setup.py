@@ -22,25 +22,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from llmcustoms.ui import dialog
-
-from llmcustoms.models import hub_access as hubaccess
 from llmcustoms.commands import example_data
+from llmcustoms.commands.env_writing import check_writable, write_env
+from llmcustoms.commands.preparation import estimated_stats, prepare_run
 from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
+from llmcustoms.data.splits import eval_fraction, split_eval
+from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
+from llmcustoms.models import hub_access
+from llmcustoms.models.loading import looks_like_path
 from llmcustoms.planning.access_tokens import hide_tokens, looks_like_token
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S, human_duration
-from llmcustoms.commands.env_writing import check_writable, write_env
-from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
 from llmcustoms.planning.fitting import fitting_models
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.models.loading import looks_like_path
 from llmcustoms.planning.plan import DataStats, Plan
 from llmcustoms.planning.planner import DEFAULT_SEED, Planner
-from llmcustoms.commands.preparation import estimated_stats, prepare_run
-from llmcustoms.data.splits import eval_fraction, split_eval
 from llmcustoms.planning.presets import TrainingPreset, builtin_preset_names, find_model_spec, load_families, load_preset
 from llmcustoms.planning.settings import PREFIX, read_env_file
 from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.ui import dialog
 
 GOALS = {
     "highspeed": "a quick first result: small adapter, short sequences, one or two epochs",
@@ -241,7 +240,7 @@ class ModelOffer:
 
     @property
     def usable(self) -> bool:
-        return self.where != hubaccess.UNAVAILABLE
+        return self.where != hub_access.UNAVAILABLE
 
     @property
     def estimate(self) -> str:
@@ -265,9 +264,9 @@ def model_offers(hardware: Hardware, preset: TrainingPreset, stats: DataStats, s
     offers = disk_offers(runs, {fit.hub_id for fit in fitting}, plan_for) if plan_for and runs else []
     for fit in fitting:
         choice = choice_from_spec(find_model_spec(fit.hub_id, families), families, "planner")
-        offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hubaccess.availability(fit.hub_id))
+        offer = ModelOffer(fit.hub_id, fit.params, fit.method, fit.total_bytes, None, hub_access.availability(fit.hub_id))
         try:
-            on_disk = plan_for is not None and offer.where in (hubaccess.LOCAL, hubaccess.CACHED)
+            on_disk = plan_for is not None and offer.where in (hub_access.LOCAL, hub_access.CACHED)
             plan = plan_for(fit.hub_id) if on_disk else optimizer.plan(choice, stats, {})
         except LlmcustomsError:  # does not fit, or `plan` would refuse it: no time to give
             offers.append(offer)
@@ -284,7 +283,7 @@ def disk_offers(runs: Path, catalog: set[str], plan_for: PlanFor) -> list[ModelO
 
     offers = []
     for name, origin in models_on_disk(runs, catalog):
-        offer = ModelOffer(name, 0, "?", 0, None, hubaccess.availability(name), origin)
+        offer = ModelOffer(name, 0, "?", 0, None, hub_access.availability(name), origin)
         try:
             plan = plan_for(name)
             params = describe_model(name, load_families(), "env").arch.params
@@ -306,7 +305,7 @@ def suggested_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats
     families = load_families()
     where = {offer.hub_id: offer.where for offer in offers}
     fitting = [m for m in preset.model_candidates(hardware.has_gpu) if m in where]
-    usable = [m for m in fitting if where[m] != hubaccess.UNAVAILABLE]
+    usable = [m for m in fitting if where[m] != hub_access.UNAVAILABLE]
     candidates = [choice_from_spec(find_model_spec(m, families), families, "planner") for m in usable]
     if candidates:
         try:
@@ -341,7 +340,7 @@ def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_
     this disk); accept a number, a Hub id or a model directory."""
     offers = model_offers(hardware, preset, stats, seq_len, plan_for, runs)
     suggested, reason = suggested_model(hardware, preset, stats, offers)
-    dialog.show_model_choices(offers, seq_len, suggested, reason, hubaccess.offline_note())
+    dialog.show_model_choices(offers, seq_len, suggested, reason, hub_access.offline_note())
     hint, why = "Give a number from the list, a Hub id, or the path of a model directory.", None
     # A path is long to show as the default: its number in the list answers the same.
     default = next((str(i) for i, o in enumerate(offers, 1) if o.hub_id == suggested and o.origin), suggested)
@@ -352,7 +351,7 @@ def ask_model(hardware: Hardware, preset: TrainingPreset, stats: DataStats, seq_
             why = f"No model was given, and {reason}."
         if why is None:
             offer = next((o for o in offers if o.hub_id == name), None)
-            where = offer.where if offer else hubaccess.availability(name)
+            where = offer.where if offer else hub_access.availability(name)
             detail = f"estimated training time here {offer.estimate}" if offer else local_estimate(name, plan_for)
             dialog.show_model_accepted(name, where, detail)
             return name
@@ -374,9 +373,9 @@ def checked_model(answer: str, offers: list[ModelOffer]) -> tuple[str, str | Non
     if looks_like_path(answer):  # as `train` reads --model
         path = Path(answer).expanduser()
         return str(path.resolve()), model_directory_problem(answer, path)
-    if not hubaccess.is_hub_id(answer):
+    if not hub_access.is_hub_id(answer):
         return answer, f"{answer!r} is neither a directory here nor a Hub id (organisation/name)."
-    if hubaccess.availability(answer) == hubaccess.UNAVAILABLE:
+    if hub_access.availability(answer) == hub_access.UNAVAILABLE:
         return answer, (f"{answer} is not a directory here nor in the local Hugging Face cache, and the Hub cannot "
                         "be reached to download it.")
     return answer, None

@@ -19,14 +19,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.planning.options import Given
-from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.training import launching
-from llmcustoms.runs import overwriting, read_only, run_lock as runlock
-from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.models.loading import Allowed
+from llmcustoms.planning.options import Given
 from llmcustoms.planning.settings import Settings, load_settings
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.runs import overwriting, read_only, run_lock
+from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
+from llmcustoms.training import launching
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Session:
 
     @property
     def output_dir(self) -> Path:
-        return runlock.folder_for_runs(Path(self.settings.get("output_dir") or "runs"))
+        return run_lock.folder_for_runs(Path(self.settings.get("output_dir") or "runs"))
 
     def tracker(self) -> str:
         """The metrics tracker asked for; an error now if its package is missing."""
@@ -129,7 +129,7 @@ def launch_train(options: TrainOptions, session: Session, launch: Launch, run_na
     argv += [] if run_name else ["--run-name", name]
     argv += [] if yes else ["--yes"]  # the processes cannot ask
     # The launcher owns the run for all its processes (and their restarts); they do not lock it.
-    with runlock.owning(target.path, "starting another run in it"):
+    with run_lock.owning(target.path, "starting another run in it"):
         target.check_available(overwrite, overwriting.given_paths(options))
         return launch.relaunch(argv, target.path, session.resume_options())
 
@@ -145,19 +145,19 @@ def train(options: TrainOptions, session: Session, run_name: str | None, overwri
     from llmcustoms.runs.run_directory import RunDirectory
 
     if run_name and not launching.inside_launch():
-        with runlock.owning(RunDirectory.inside(session.output_dir, run_name).path, "starting another run in it"):
+        with run_lock.owning(RunDirectory.inside(session.output_dir, run_name).path, "starting another run in it"):
             return _train(options, session, run_name, overwrite, yes, confirm)
     return _train(options, session, run_name, overwrite, yes, confirm)
 
 
 def _train(options: TrainOptions, session: Session, run_name: str | None, overwrite: bool, yes: bool,
            confirm: Callable[[str], bool]) -> Any:
-    from llmcustoms.ui import console as ui
-    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
-    from llmcustoms.training.preflight import check_disk_space, usable_hardware
     from llmcustoms.commands.preparation import no_progress, prepare_run
     from llmcustoms.runs.run_directory import RunDirectory, default_run_name
     from llmcustoms.training.base_replies import planned_with_kept_answers
+    from llmcustoms.training.preflight import check_disk_space, usable_hardware
+    from llmcustoms.ui import console
+    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
     tracker = session.tracker()
     world = launching.world_size()
@@ -179,18 +179,18 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
     prepared = replace(prepared, plan=plan)
     if not quiet:
         show_prepared(prepared, options.data)
-        ui.show_plan(plan, hardware)
+        console.show_plan(plan, hardware)
         if not yes and not confirm("Start training?"):
             return None
     # Re-entrant: a named run is held already; a run named just now is locked here, before it is made.
-    with nullcontext() if launching.inside_launch() else runlock.owning(run_dir.path, "starting another run in it"):
+    with nullcontext() if launching.inside_launch() else run_lock.owning(run_dir.path, "starting another run in it"):
         if launching.is_main_process():
             run_dir.create(overwrite or world > 1, keep)  # the launching process already checked
             run_dir.write_plan(plan)
             # Bad rows skipped, advice: from the start. Its training time starts with the loop, the model loaded.
             run_dir.write_status("running", training=False, step=0, data=plan.data_report)
         if not quiet:
-            ui.print_path("Run directory", run_dir.path)
+            console.print_path("Run directory", run_dir.path)
         wait_for_all_processes(world)
         return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
 
@@ -199,7 +199,7 @@ def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int
     # A damaged run, a finished one, a bad --from or --epochs fail here, once, not in every process.
     target = _resumable(run_dir, session)
     options = session.resume_options()
-    with runlock.owning(target.path, "resuming it"):  # for all the processes it starts
+    with run_lock.owning(target.path, "resuming it"):  # for all the processes it starts
         return launch.relaunch(["resume", str(target.path)] + options + session.start_options(), target.path, options)
 
 
@@ -232,14 +232,14 @@ def resume(run_dir: Path | None, session: Session) -> Any:
     if launching.inside_launch():
         return _resume(run_dir, session)
     directory = _resumable(run_dir, session)
-    with runlock.owning(directory.path, "resuming it"):
+    with run_lock.owning(directory.path, "resuming it"):
         return _resume(directory.path, session)
 
 
 def _resume(run_dir: Path | None, session: Session) -> Any:
-    from llmcustoms.ui import console as ui
-    from llmcustoms.training.preflight import check_disk_space
     from llmcustoms.commands.preparation import prepare_resume
+    from llmcustoms.training.preflight import check_disk_space
+    from llmcustoms.ui import console
 
     directory = _resumable(run_dir, session)
     plan = session.allowed.applied_to(directory.read_plan())
@@ -261,13 +261,13 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
             directory.add_recovery(recovery.to_json())
             directory.clear_restart()
         for warning in prepared.plan.warnings[len(plan.warnings):]:
-            ui.print_warning(warning)
+            console.print_warning(warning)
     wait_for_all_processes(world)
     quiet = session.quiet or not launching.is_main_process()
     if not quiet:
         at = session.start.step if session.start.step is not None else directory.read_status().get("step", 0)
-        ui.console.print(f"Resuming [bold]{ui.escape(str(directory.path))}[/] "
-                         f"({ui.escape(plan.model)}, step {at} of {prepared.plan.total_steps})")
+        console.console.print(f"Resuming [bold]{console.escape(str(directory.path))}[/] "
+                         f"({console.escape(plan.model)}, step {at} of {prepared.plan.total_steps})")
     return run_training(prepared, directory, quiet, resume=session.start, tracker=session.tracker(),
                         faults_spent_through=restart["step"] if restart else 0,
                         cache=session.settings.get("cache_dir"))
@@ -276,8 +276,8 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
 def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
     """The resumed run's plan after the failure a process reported (the same on
     every process), or the failure report if recovery has run out of options."""
-    from llmcustoms.ui import console as ui
     from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingRecoverySystem
+    from llmcustoms.ui import console
 
     try:
         plan, recovery = TrainingRecoverySystem().after_oom(prepared.plan, int(restart["step"]))
@@ -286,7 +286,7 @@ def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: A
         if launching.is_main_process():
             directory.write_status("failed", reason=failed.report["reason"], suggestions=failed.report["suggestions"])
             directory.clear_restart()
-            ui.show_failure(failed.report, directory.path)
+            console.show_failure(failed.report, directory.path)
         raise
     return replace(prepared, plan=plan), recovery
 
@@ -306,18 +306,18 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
     """Train (or resume); show how it ended if it did not finish, and re-raise;
     train.log says how it ended either way. `cache`: the cache directory, where
     the measured speed is kept."""
-    from llmcustoms.ui import console as ui
     from llmcustoms.recovery.faults import FaultInjector
-    from llmcustoms.training.finetuner import FineTuner
     from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted
     from llmcustoms.runs.run_log import LoggingReporter, completed_text, plan_line
-    from llmcustoms.training.samples import run_samples
     from llmcustoms.runs.tracking import TrackingReporter
+    from llmcustoms.training.finetuner import FineTuner
+    from llmcustoms.training.samples import run_samples
+    from llmcustoms.ui import console
     from llmcustoms.ui.train_view import make_reporter
 
     main = launching.is_main_process()
     # One writer of train.log, as of every file of the run: the main process. The plan: the ETA counts the end too.
-    reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, ui.console, ui.err_console, prepared.plan),
+    reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, console.console, console.err_console, prepared.plan),
                                                      tracker if main else "none", run_dir, prepared.plan),
                                run_dir.log_path if main and run_dir.writable else None)
     reporter.log.write("info", ("resuming: " if resume else "starting: ") + plan_line(prepared.plan))
@@ -352,27 +352,27 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
 
 
 def _say_interrupted(stop: Any, run_dir: Any, log: Any) -> None:
-    from llmcustoms.ui import console as ui
+    from llmcustoms.ui import console
 
     command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
                else f"llmcustoms resume {run_dir.path}")
     kept = "a checkpoint of it was saved" if stop.step else "no step had finished yet"
-    ui.print_notice(f"Stopped at step {stop.step}; {kept}.", f"Continue with: {command}")
+    console.print_notice(f"Stopped at step {stop.step}; {kept}.", f"Continue with: {command}")
     log.write("warning", f"interrupted: stopped at step {stop.step}; {kept}.\nContinue with: {command}")
 
 
 def _say_failed(failed: Any, plan: Any, run_dir: Any, log: Any, main: bool) -> None:
     """The failure panel, the bug's traceback (not a full disk's: `preflight.as_disk_full`),
     and (from the main process) failure.json."""
-    from llmcustoms.ui import console as ui
     from llmcustoms.training.preflight import as_disk_full
+    from llmcustoms.ui import console
 
     cause = failed.__cause__
     agreed = failed.report["kind"] == "disk_full"  # at a checkpoint, where every process stops together
     if main:
         as_disk_full(failed, run_dir)
     if main or not agreed:  # one panel for what every process knows
-        ui.show_failure(failed.report, run_dir.path)
+        console.show_failure(failed.report, run_dir.path)
     if cause is not None and failed.report["kind"] != "disk_full":  # a bug, not a recoverable condition: show where
         import traceback
 
@@ -388,10 +388,10 @@ def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> Non
     the model, saving the weights). A user error is the CLI's to say; a full disk is
     said, and raised as `TrainingFailed` (exit 1, no traceback); anything else is a
     bug: status.json and failure.json say so, and it goes on with its traceback."""
-    from llmcustoms.ui import console as ui
+    from llmcustoms.recovery.recovery_system import TrainingFailed, create_failure_report
     from llmcustoms.runs.failure_report import describe
     from llmcustoms.training.preflight import disk_full_failure
-    from llmcustoms.recovery.recovery_system import TrainingFailed, create_failure_report
+    from llmcustoms.ui import console
 
     if isinstance(error, LlmcustomsError):
         log.write("error", f"stopped: {error}")
@@ -401,7 +401,7 @@ def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> Non
     report = full or create_failure_report("error", tuner.plan, step, describe(error))
     run_dir.write_status("failed", step=step, reason=report["reason"], suggestions=report["suggestions"])
     if full is not None:
-        ui.show_failure(full, run_dir.path)
+        console.show_failure(full, run_dir.path)
     _report_failure(run_dir, tuner.plan, error, report, log)
     if full is not None:
         raise TrainingFailed(full) from error
@@ -409,21 +409,21 @@ def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> Non
 
 def _report_failure(run_dir: Any, plan: Any, error: BaseException, report: dict[str, Any], log: Any) -> None:
     """failure.json, where it is said, and the ending in train.log."""
-    from llmcustoms.ui import console as ui
     from llmcustoms.runs.failure_report import save_failure_report
     from llmcustoms.runs.run_log import failed_text
+    from llmcustoms.ui import console
 
     said = save_failure_report(run_dir, plan, error, report)
     if said:
-        ui.err_console.print(ui.escape(said), soft_wrap=True)  # the path whole, to copy
+        console.err_console.print(console.escape(said), soft_wrap=True)  # the path whole, to copy
     log.write("error", failed_text(report, said))
 
 
 def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     """This run's measured speed, for the next plan's duration (`runs/speeds.py`)."""
-    from llmcustoms.training.preflight import usable_hardware
     from llmcustoms.commands.preparation import cache_dir
     from llmcustoms.runs.speeds import record_speed
+    from llmcustoms.training.preflight import usable_hardware
 
     if not plan.objective_kind.token_loss:  # DPO's tokens/s include the reference's forward: not the speed plans are drawn from
         return
@@ -435,14 +435,14 @@ def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
 
 
 def _exit_for_restart(restart: Any, run_dir: Any) -> None:
-    from llmcustoms.ui import console as ui
+    from llmcustoms.ui import console
 
     if restart.rank == launching.process_rank():  # one message, from the process that failed
         what = f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's collectives."
         if launching.restarts_on_request():
-            ui.print_error(what + " Every process restarts from the last checkpoint with a smaller micro-batch.", None)
+            console.print_error(what + " Every process restarts from the last checkpoint with a smaller micro-batch.", None)
         else:
-            ui.print_error(what, f"Continue with: {launching.resume_hint(run_dir.path)} "
+            console.print_error(what, f"Continue with: {launching.resume_hint(run_dir.path)} "
                                  "(it lowers the micro-batch first)")
     sys.stderr.flush()
     # Not a normal exit: the other processes wait in a collective this one

@@ -29,23 +29,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.reporting import Reporter, SilentReporter
-from llmcustoms.errors import ConfigError
-from llmcustoms.planning.hardware import Hardware
 from llmcustoms.commands.preparation import PreparedRun
-from llmcustoms.planning.presets import TrainingPreset
-from llmcustoms.runs import run_lock as runlock
-from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.commands.tune_confirm import FullLengthCheck, enqueue_preset, preset_trial
 from llmcustoms.commands.tune_identity import check_identity, choose_study, study_identity
 from llmcustoms.commands.tune_pareto import BaseGeneral, objective_values, pick, points, write_pareto
-from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, SearchSpace, goes_on, preset_point, search_space,
-                                            trial_plan, trial_steps)
-from llmcustoms.commands.tune_studies import (FullDisk, TuneSettings, TrialSeededSampler, claim, default_name,
-                                              duplicate_of, fail_stale_trials, open_storage, redact_storage,
-                                              storage_full, stored_choices, study_dir, taking_turns)
 from llmcustoms.commands.tune_results import StudyOutcome, trial_rows, write_best_preset, write_trials_csv
+from llmcustoms.commands.tune_space import (
+    LR_FIND_SPAN,
+    LR_SPAN,
+    SearchSpace,
+    goes_on,
+    preset_point,
+    search_space,
+    trial_plan,
+    trial_steps,
+)
+from llmcustoms.commands.tune_studies import (
+    FullDisk,
+    TrialSeededSampler,
+    TuneSettings,
+    claim,
+    default_name,
+    duplicate_of,
+    fail_stale_trials,
+    open_storage,
+    redact_storage,
+    storage_full,
+    stored_choices,
+    study_dir,
+    taking_turns,
+)
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.presets import TrainingPreset
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.reporting import Reporter, SilentReporter
+from llmcustoms.runs import run_lock
+from llmcustoms.runs.run_directory import RunDirectory
 
 __all__ = ["LR_FIND_SPAN", "LR_SPAN", "SearchSpace", "TuneSettings", "prepare_study", "run_study", "search_space"]
 
@@ -83,8 +103,8 @@ class PreparedStudy:
 
 def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
-    from llmcustoms.training.preflight import usable_hardware
     from llmcustoms.commands.preparation import no_progress, prepare_run
+    from llmcustoms.training.preflight import usable_hardware
 
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
@@ -228,16 +248,16 @@ class StudyTrials:
             raise optuna.TrialPruned(f"same values as trial {same}")
         # Trial numbers are unique in a shared study; the lock keeps a stray second `tune` out anyway.
         run_dir = RunDirectory(self.settings.study_dir / f"trial-{trial.number:04d}")
-        with runlock.owning(run_dir.path, "running a trial in it"):
+        with run_lock.owning(run_dir.path, "running a trial in it"):
             return self.run_trial(trial, params, run_dir)
 
     def run_trial(self, trial: Any, params: dict[str, Any], run_dir: RunDirectory) -> tuple[float, float]:
         """The trial's held-out loss and forgetting (`tune_pareto.objective_values`), or TrialPruned."""
         import optuna
 
+        from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
         from llmcustoms.training.finetuner import FineTuner
         from llmcustoms.training.position import StopCause
-        from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
 
         plan = trial_plan(self.prepared.plan, params, self.settings.steps)
         run_dir.create(overwrite=True)

@@ -32,7 +32,7 @@ from llmcustoms.commands.tune_pareto import BaseGeneral, trial_loss
 from llmcustoms.commands.tune_space import full_plan
 from llmcustoms.commands.tune_studies import TuneSettings
 from llmcustoms.reporting import Reporter
-from llmcustoms.runs import run_lock as runlock
+from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory
 
 FULL_LENGTH_ATTR = "full_length"
@@ -133,7 +133,7 @@ class FullLengthCheck:
         from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
         from llmcustoms.training.finetuner import FineTuner
 
-        with runlock.owning(run_dir.path, "checking a trial at full length in it"):
+        with run_lock.owning(run_dir.path, "checking a trial at full length in it"):
             run_dir.create(overwrite=True)
             run_dir.write_plan(plan)
             prepared = self.prepared

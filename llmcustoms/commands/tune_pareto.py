@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 # The bound when the preset's own trial measured no forgetting (it failed) and none was given:
 # the general text's loss at most 10% above the base model's.
 FALLBACK_BOUND = 0.1

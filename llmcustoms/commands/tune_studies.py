@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
-from llmcustoms.runs import run_lock as runlock
 from llmcustoms.commands.tune_space import rungs
 from llmcustoms.errors import ConfigError
+from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory
 
 # A trial's process says it is alive this often in an RDB storage; one silent
@@ -290,8 +290,8 @@ def fail_stale_trials(storage: Any, study: Any, path: Path) -> int:
             trial_dir = path / f"trial-{trial.number:04d}"
             started = trial.datetime_start
             recent = started is None or datetime.now() - started < timedelta(seconds=UNCLAIMED_GRACE_S)
-            gone = not recent and (trial_dir.is_dir() or runlock.lock_path(trial_dir).exists()) \
-                and runlock.holder(trial_dir) is None
+            gone = not recent and (trial_dir.is_dir() or run_lock.lock_path(trial_dir).exists()) \
+                and run_lock.holder(trial_dir) is None
         if not gone:
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)

@@ -33,9 +33,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from llmcustoms.errors import ModelError
 from llmcustoms.data.row_formats import Example, Message, base_format
-
+from llmcustoms.errors import ModelError
 
 # What a piece of rendered text is (see the module's docstring).
 PROMPT, REPLY, UNLEARNED = "prompt", "reply", "unlearned"

@@ -32,11 +32,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Iterator
 
-from llmcustoms.data import raw_rows as rawrows
-from llmcustoms.errors import DataError
-from llmcustoms.data.raw_rows import (NOT_UNICODE, TOO_DEEP, TOO_LONG, BeyondLimits, RawRow, lone_surrogate, parse_json,
-                                      unix_line_endings)
+from llmcustoms.data import raw_rows
+from llmcustoms.data.raw_rows import (
+    NOT_UNICODE,
+    TOO_DEEP,
+    TOO_LONG,
+    BeyondLimits,
+    RawRow,
+    lone_surrogate,
+    parse_json,
+    unix_line_endings,
+)
 from llmcustoms.data.table_files import read_arrow_rows, read_csv, read_parquet
+from llmcustoms.errors import DataError
 
 __all__ = ["RawRow", "SUPPORTED_SUFFIXES", "fingerprint", "read_rows"]
 
@@ -58,7 +66,7 @@ def not_json(msg: str, column: int) -> str:
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
     row = 0
     with open(path, "rb") as f:
-        for line_no, line in rawrows.lines(f):
+        for line_no, line in raw_rows.lines(f):
             if line is None:
                 row += 1
                 yield RawRow(row, line_no, problem=TOO_LONG)
@@ -86,7 +94,7 @@ def _text_lines(f: IO[bytes]) -> Iterator[tuple[int, str | None, str | None, boo
     ended in "\\r\\n" or held a lone "\\r", bytes read). A lone "\\r" breaks a line,
     as in an editor; a line that is not UTF-8 or is too long has a problem."""
     number = 0
-    for line_no, line in rawrows.lines(f):
+    for line_no, line in raw_rows.lines(f):
         if line is None:
             number += 1
             yield number, None, TOO_LONG, False, 0
@@ -148,7 +156,7 @@ def _paragraph(row: int, lines: Iterator[tuple[int, str | None, str | None, bool
     kept, size, first, breaks = [], 0, 0, False
     for number, text, problem, other_break, read in lines:
         first, breaks, size = first or number, breaks or other_break, size + read
-        if problem or size > rawrows.MAX_ROW_BYTES:
+        if problem or size > raw_rows.MAX_ROW_BYTES:
             return RawRow(row, first, problem=problem or TOO_LONG)  # the rest of it is skipped unkept
         kept.append(text)
     return RawRow(row, first, value={"text": "\n".join(kept)}, line_endings=breaks)
@@ -267,11 +275,11 @@ def _array_elements(text: _TextStream) -> Iterator[RawRow]:
                     raise text.fail(exc.pos, exc.msg) from None
             except (ValueError, RecursionError):  # the json module's limits: nesting, digits
                 raise _unreadable_row(text, row + 1, TOO_DEEP) from None
-            if len(text.buffer) - text.pos > rawrows.MAX_ROW_BYTES:
+            if len(text.buffer) - text.pos > raw_rows.MAX_ROW_BYTES:
                 raise _unreadable_row(text, row + 1, TOO_LONG)
             text.more(size)
             size *= 2
-        if end - text.pos > rawrows.MAX_ROW_BYTES:  # parsed whole, but too long all the same
+        if end - text.pos > raw_rows.MAX_ROW_BYTES:  # parsed whole, but too long all the same
             raise _unreadable_row(text, row + 1, TOO_LONG)
         row += 1
         # Parsed, so the array reads on past it: a bad row like any other.
@@ -302,10 +310,10 @@ def _is_json_lines(text: _TextStream) -> bool:
     """Whether a .json file that is not an array is JSON Lines (many are):
     a first line that is JSON, and more after it."""
     text.compact()
-    while "\n" not in text.buffer and len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+    while "\n" not in text.buffer and len(text.buffer) <= raw_rows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
         pass
     first_line, _, rest = text.buffer.partition("\n")
-    if len(first_line) > rawrows.MAX_ROW_BYTES:
+    if len(first_line) > raw_rows.MAX_ROW_BYTES:
         return True  # too long for a row either way: JSON Lines reading says so, and reads on
     if not rest.strip() and text.more(JSON_CHUNK):
         rest = text.buffer.partition("\n")[2]
@@ -321,9 +329,9 @@ def _is_json_lines(text: _TextStream) -> bool:
 def _single_object(text: _TextStream) -> dict:
     """The one row of a .json file that holds a single object."""
     name = text.path.name
-    while len(text.buffer) <= rawrows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
+    while len(text.buffer) <= raw_rows.MAX_ROW_BYTES and text.more(JSON_CHUNK):
         pass
-    if len(text.buffer) > rawrows.MAX_ROW_BYTES:
+    if len(text.buffer) > raw_rows.MAX_ROW_BYTES:
         raise DataError(f"{name}: the JSON object is {TOO_LONG}.", JSON_HINT)
     try:
         value = parse_json(text.buffer)

@@ -30,9 +30,9 @@ import numpy as np
 
 from llmcustoms.data.chat_turns import reasoning_parts
 from llmcustoms.data.data_files import RawRow, read_rows
-from llmcustoms.errors import DataError
 from llmcustoms.data.row_formats import DETECTION_ROWS, FORMAT_DESCRIPTIONS, Example, RowProblem, detect_format, to_example
 from llmcustoms.data.suspicious import SuspiciousRows
+from llmcustoms.errors import DataError
 
 # The share of bad rows skipped without being asked to; more stops the run.
 BAD_ROW_SHARE = 0.05

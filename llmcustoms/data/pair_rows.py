@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from llmcustoms.data.tokenization import TokenizedExample
 from llmcustoms.data.token_store import TokenRows
+from llmcustoms.data.tokenization import TokenizedExample
 
 
 def _halves(positions: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -40,11 +40,19 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from llmcustoms.data.chat_turns import (OPENAI_ROLES, SHAREGPT_ROLES, Message, RowProblem, ToolCall, chat_turns,
-                                  tools_field, with_call_ids)
+from llmcustoms.data.chat_turns import (
+    OPENAI_ROLES,
+    SHAREGPT_ROLES,
+    Message,
+    RowProblem,
+    ToolCall,
+    chat_turns,
+    tools_field,
+    with_call_ids,
+)
 from llmcustoms.data.data_files import RawRow
-from llmcustoms.errors import DataError
 from llmcustoms.data.preference_pairs import PREFERENCE_FORMATS, preference_format, to_pair
+from llmcustoms.errors import DataError
 
 __all__ = ["Example", "Message", "RowProblem", "ToolCall", "FORMAT_DESCRIPTIONS", "FORMAT_REQUIRED_FIELDS",
            "base_format", "detect_format", "to_example"]

@@ -14,12 +14,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.planning.options import Overrides
 from llmcustoms.data.dataset import Dataset, read_dataset
 from llmcustoms.data.pair_rows import PairRows
 from llmcustoms.errors import DataError
+from llmcustoms.planning.options import Overrides
 from llmcustoms.planning.presets import TrainingPreset
+from llmcustoms.planning.train_options import TrainOptions
 
 # Held-out rows beyond this make each evaluation slower without making it
 # more telling: a 2% split of a million rows is capped here.

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from llmcustoms.data import raw_rows as rawrows
-from llmcustoms.errors import DataError
+from llmcustoms.data import raw_rows
 from llmcustoms.data.raw_rows import TOO_LONG, BeyondLimits, RawRow, parse_json
+from llmcustoms.errors import DataError
 
 # Columns that hold JSON text in a CSV: a chat's turns, a row's tools, a pair's replies.
 JSON_COLUMNS = ("messages", "conversations", "tools", "chosen", "rejected")
@@ -66,7 +66,7 @@ def _csv_rows(path: Path, reader: Any) -> Iterator[RawRow]:
 
 def _decoded_lines(path: Path, f: IO[bytes]) -> Iterator[str]:
     """The file's lines as text, naming the line of a byte that is not UTF-8."""
-    for line_no, line in rawrows.lines(f):
+    for line_no, line in raw_rows.lines(f):
         if line is None:
             raise DataError(f"{path.name}, line {line_no}: {TOO_LONG}.",
                             "Check that line: a missing line break or quote can make one line of the whole file.")
@@ -95,7 +95,7 @@ class _LoneCarriageReturns(io.RawIOBase):
 
 def read_csv(path: Path) -> Iterator[RawRow]:
     # The csv module refuses cells over 128 KiB by default; long documents are normal here.
-    csv.field_size_limit(rawrows.MAX_ROW_BYTES)
+    csv.field_size_limit(raw_rows.MAX_ROW_BYTES)
     with open(path, "rb") as f:
         head = f.read(1 << 16)
         f.seek(0)

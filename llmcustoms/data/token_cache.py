@@ -20,13 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.recovery import faults
-from llmcustoms.data.dataset import Dataset, usable_examples
 from llmcustoms.data.data_files import fingerprint
-from llmcustoms.errors import DataError
+from llmcustoms.data.dataset import Dataset, usable_examples
 from llmcustoms.data.row_formats import is_preference
-from llmcustoms.data.token_store import (MAX_ROW_TOKENS, STORE_FORMAT, TokenRows, build_store, open_store,
-                                   remove_abandoned, tokenizing_workers)
+from llmcustoms.data.token_store import (
+    MAX_ROW_TOKENS,
+    STORE_FORMAT,
+    TokenRows,
+    build_store,
+    open_store,
+    remove_abandoned,
+    tokenizing_workers,
+)
+from llmcustoms.errors import DataError
+from llmcustoms.recovery import faults
 
 
 def cache_dir(explicit: str | None = None) -> Path:

@@ -20,12 +20,21 @@ from typing import Sequence
 
 import numpy as np
 
-from llmcustoms.data.chat_templates import (PROMPT, REPLY, Segments, chat_segments, raw_segments, supports_reasoning,
-                                             supports_tools, template_refused, tool_support_error)
+from llmcustoms.data.chat_templates import (
+    PROMPT,
+    REPLY,
+    Segments,
+    chat_segments,
+    raw_segments,
+    supports_reasoning,
+    supports_tools,
+    template_refused,
+    tool_support_error,
+)
 from llmcustoms.data.chat_templates import has_own_template as template_is_own
-from llmcustoms.errors import ModelError
 from llmcustoms.data.literal_tokens import LiteralTokens
 from llmcustoms.data.row_formats import Example
+from llmcustoms.errors import ModelError
 
 IGNORE_INDEX = -100
 

@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from llmcustoms.runs.checkpoints import CheckpointManager
-from llmcustoms.losses.sft import learned_logits
 from llmcustoms.data.pair_rows import PairRows
+from llmcustoms.losses.sft import learned_logits
 from llmcustoms.recovery.recovery_system import TrainingInterrupted
 from llmcustoms.recovery.stop_signals import StopRequested, stop_agreed, stopped_by
+from llmcustoms.runs.checkpoints import CheckpointManager
 
 DIRECTORY = "reference"
 

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs.checkpoint_content import Unusable, safetensors_header
 from llmcustoms.errors import ModelError
+from llmcustoms.runs.checkpoint_content import Unusable, safetensors_header
 
 # Any of these is a tokenizer transformers can load (fast, sentencepiece, BPE
 # vocabulary, WordPiece, tiktoken); tokenizer_config.json may name the rest.

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.planning.options import Overrides
 from llmcustoms.errors import ConfigError
 from llmcustoms.models.loading import adapter_weights
+from llmcustoms.planning.options import Overrides
+from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.runs.adapter_files import adapter_problem
 from llmcustoms.runs.run_directory import RunDirectory
 

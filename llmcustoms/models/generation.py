@@ -20,8 +20,8 @@ from typing import Any, Callable
 from llmcustoms.data.chat_templates import prompts_use_template, template_refused
 from llmcustoms.data.stop_tokens import stop_ids
 from llmcustoms.errors import ConfigError, LlmcustomsError, ModelError
-from llmcustoms.runs import run_lock as runlock
 from llmcustoms.models.loading import Allowed, adapter_weights, check_weight_files
+from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.runs.run_weights import Weights, choose_weights
 
@@ -82,7 +82,7 @@ def _loadable_weights(run: Path, checkpoint: str | None, warn: Say, allowed: All
         check_loadable(weights, allowed)
         return weights
     except LlmcustomsError as error:
-        pid = runlock.holder(Path(run))
+        pid = run_lock.holder(Path(run))
         if pid is None:
             raise
         raise ConfigError(f"{run} is being trained or rewritten right now by another llmcustoms command "
@@ -98,7 +98,7 @@ def load_trained(weights: Weights, say: Say = lambda text: None, allowed: Allowe
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
     plan = weights.plan
     trust = plan.trust_remote_code and allowed.remote_code
@@ -106,7 +106,7 @@ def load_trained(weights: Weights, say: Say = lambda text: None, allowed: Allowe
     on_gpu = torch.cuda.is_available()
     dtype = (torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust,
-                              "use_safetensors": modeling.safetensors_only(allowed.pickle_weights)}
+                              "use_safetensors": loading.safetensors_only(allowed.pickle_weights)}
     if on_gpu:
         kwargs["device_map"] = "auto"
     if plan.method == "qlora":
@@ -117,13 +117,13 @@ def load_trained(weights: Weights, say: Say = lambda text: None, allowed: Allowe
     # A fully fine-tuned run's model/ is a whole model; anything else starts from the base.
     source = str(weights.directory) if plan.method == "full" and weights.directory else plan.model
     say(f"Loading {weights.base_name if source == plan.model else source}")
-    model = modeling.from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    model = loading.from_pretrained(AutoModelForCausalLM, source, **kwargs)
     if plan.method != "full" and weights.directory is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_weights(weights.directory))
     elif plan.method != "full":
-        model = modeling.attach_lora(model, plan)
+        model = loading.attach_lora(model, plan)
     if weights.tensors is not None:
         say(f"Putting in the weights of {weights.label}")
         put_in(model, weights.tensors)
@@ -144,16 +144,16 @@ def check_loadable(weights: Weights, allowed: Allowed) -> None:
 def _tokenizer(weights: Weights, trust_remote_code: bool) -> Any:
     """The tokenizer saved with the weights, or (a checkpoint keeps none) the
     base model's, with the chat template training gave it."""
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
     if weights.directory is not None:
         from transformers import AutoTokenizer
 
         # trust_remote_code always given: left out, transformers would ask on the terminal.
-        return modeling.from_pretrained(AutoTokenizer, str(weights.directory), trust_remote_code=trust_remote_code)
+        return loading.from_pretrained(AutoTokenizer, str(weights.directory), trust_remote_code=trust_remote_code)
     from llmcustoms.data.chat_templates import ensure_chat_template
 
-    tokenizer = modeling.load_tokenizer(weights.plan.model, trust_remote_code)
+    tokenizer = loading.load_tokenizer(weights.plan.model, trust_remote_code)
     ensure_chat_template(tokenizer)
     return tokenizer
 
@@ -242,7 +242,7 @@ def generation_stops(tokenizer: Any, plan: Any) -> set[int]:
     """The tokens generation stops on: the tokenizer's EOS, those of the model's
     generation_config.json, and the end-of-turn token the chat template ends a
     reply with (`stop_tokens.end_of_turn`), which the run's rows learned."""
-    from llmcustoms.models import loading as modeling
+    from llmcustoms.models import loading
 
     templated = prompts_use_template(tokenizer, plan.data_format, plan.raw_prompts or not plan.data_report)
-    return stop_ids(tokenizer, modeling.stop_token_ids(plan.model), templated)
+    return stop_ids(tokenizer, loading.stop_token_ids(plan.model), templated)

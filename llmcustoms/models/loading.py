@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.models import hub_access as hubaccess, folder as modelfolder
-from llmcustoms.models.gguf_folder import gguf_folder, is_gguf
 from llmcustoms.errors import ModelError
-from llmcustoms.runs.file_modes import make_readable
+from llmcustoms.models import folder, hub_access
+from llmcustoms.models.gguf_folder import gguf_folder, is_gguf
 from llmcustoms.planning.plan import ModelChoice, Plan
 from llmcustoms.planning.presets import Family, ModelSpec, family_for_model_type, find_model_spec, load_families
+from llmcustoms.runs.file_modes import make_readable
 
 # "org/name", as the Hub writes a model id.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -114,14 +114,14 @@ def _explain(name: str, exc: Exception) -> ModelError:
     if "no file named model.safetensors found" in text or "cannot be loaded with `safetensors`" in text:
         return pickle_refused(name)  # what transformers says when use_safetensors=True finds none
     if Path(name).expanduser().is_dir():  # a folder here: what is wrong with it, not with the Hub
-        return modelfolder.explain(name, Path(name).expanduser(), exc)
+        return folder.explain(name, Path(name).expanduser(), exc)
     if "RepositoryNotFound" in kind or "is not a local folder and is not a valid model identifier" in text:
         return ModelError(f"There is no model '{name}' on the Hugging Face Hub or on this disk.",
                           "Check the spelling, or pass --model PATH to a local model directory.")
-    if hubaccess.offline_detected():
+    if hub_access.offline_detected():
         return ModelError(f"The model '{name}' is not in the local Hugging Face cache and the Hub cannot be reached.",
                           "Connect to the internet once to download it, or pass --model PATH to a local model directory.")
-    if hubaccess.offline_by_setting():
+    if hub_access.offline_by_setting():
         return ModelError(f"The model '{name}' is not in the local Hugging Face cache, and offline mode is on "
                           "(HF_HUB_OFFLINE=1), so the Hub cannot be reached.",
                           "Unset HF_HUB_OFFLINE to download it, or pass --model PATH to a local model directory.")
@@ -145,7 +145,7 @@ def from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
     try:
         return loader.from_pretrained(location, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
-        if Path(location).is_dir() or not hubaccess.hub_reachable():
+        if Path(location).is_dir() or not hub_access.hub_reachable():
             raise _explain(name, exc) from None
     try:
         return loader.from_pretrained(location, **kwargs)
@@ -161,7 +161,7 @@ def check_weight_files(name: str, allow_pickle: bool) -> None:
     path = Path(name).expanduser()
     if not path.is_dir():
         return
-    modelfolder.check_weights(name, path)  # whole, and fitting config.json: else a traceback mid-load
+    folder.check_weights(name, path)  # whole, and fitting config.json: else a traceback mid-load
     if allow_pickle:
         return
     try:
@@ -234,7 +234,7 @@ def describe_model(name: str, families: dict[str, Family], source: str, trust_re
     A preset model that is not downloaded yet is described from the presets,
     so planning works offline. A local folder is checked whole first."""
     if Path(name).expanduser().is_dir():
-        modelfolder.check_folder(name, Path(name).expanduser())
+        folder.check_folder(name, Path(name).expanduser())
     try:
         config = load_config(name, trust_remote_code)
     except ModelError:

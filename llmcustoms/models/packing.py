@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from llmcustoms.errors import ModelError
 from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
+from llmcustoms.errors import ModelError
 
 # The attention implementation name models are switched to (`use_varlen_attention`).
 ATTENTION = "llmcustoms_varlen"

@@ -16,7 +16,6 @@ from llmcustoms.errors import ConfigError, DataError
 from llmcustoms.planning.objective_kinds import default_objective, objective_named
 from llmcustoms.planning.options import Overrides
 
-
 # DPO's beta: TRL's, LLaMA-Factory's and the paper's default.
 DEFAULT_BETA = 0.1
 

@@ -17,17 +17,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.planning import options
-from llmcustoms.planning.options import Overrides
 from llmcustoms.planning.cpu_share import choose_threads
 from llmcustoms.planning.duration import cpu_choice, expected_seconds, replayed_per_step
-from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.memory import SAFETY_MARGIN, MemoryEstimate, MemoryEstimator, parameter_counts
-from llmcustoms.planning.objectives import DEFAULT_BETA
 from llmcustoms.planning.objective_kinds import SFT, objective_named
-from llmcustoms.planning.plan import (DEFAULT_FORGETTING_LIMIT, DataStats, LoraSettings, ModelChoice, Plan,
-                                     total_steps)
+from llmcustoms.planning.objectives import DEFAULT_BETA
+from llmcustoms.planning.options import Overrides
+from llmcustoms.planning.plan import DEFAULT_FORGETTING_LIMIT, DataStats, LoraSettings, ModelChoice, Plan, total_steps
 from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
 from llmcustoms.planning.sizing import best_fit, does_not_fit, fit_with_optimizer
 from llmcustoms.planning.step_choices import choose_compile, choose_distributed, choose_packing, choose_replay

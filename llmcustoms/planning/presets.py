@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.planning import options
 from llmcustoms.planning.objective_kinds import DPO, OBJECTIVES, objective_named
-from llmcustoms.errors import ConfigError
 
 # Row-count bounds of the dataset-size buckets a preset adjusts for.
 SMALL_DATASET_ROWS = 1_000

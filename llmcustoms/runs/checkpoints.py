@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.runs.checkpoint_content import BNB_STATE, Unusable, manifest_problem, read_json, safetensors_header, state_problem
 from llmcustoms.errors import ConfigError
+from llmcustoms.runs.checkpoint_content import BNB_STATE, Unusable, manifest_problem, read_json, safetensors_header, state_problem
 from llmcustoms.runs.file_modes import make_readable
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")

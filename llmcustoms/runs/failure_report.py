@@ -35,8 +35,8 @@ import traceback
 from typing import Any
 
 from llmcustoms.data.chat_turns import RowProblem
-from llmcustoms.runs.disk_writes import disk_full_code
 from llmcustoms.errors import DataError
+from llmcustoms.runs.disk_writes import disk_full_code
 from llmcustoms.runs.run_directory import write_json_atomic
 
 # TrainingFailed.report's kinds that say what failed on their own.

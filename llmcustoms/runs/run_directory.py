@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.runs import overwriting, run_lock as runlock, run_records as runrecords, training_time as trainingtime
-from llmcustoms.runs.disk_writes import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.plan import Plan
 from llmcustoms.planning.plan_values import PlanDamaged, plan_problem
+from llmcustoms.runs import overwriting, run_lock
+from llmcustoms.runs import run_records as runrecords
+from llmcustoms.runs import training_time as trainingtime
+from llmcustoms.runs.disk_writes import DISK_FULL, append_lines, overwrite, replace_file, say_unwritten
 
 STATUSES = ("running", "completed", "failed", "interrupted")
 # What status.json keeps when a full disk leaves room for no more: how the run stands and why.
@@ -152,7 +154,7 @@ class RunDirectory:
         return cls(Path(path))
 
     def check_no_file_in_the_way(self) -> None:
-        found = runlock.file_in_the_way(self.path)
+        found = run_lock.file_in_the_way(self.path)
         if found is not None:
             where = "it cannot be the run directory" if found == self.path else \
                 f"the run directory {self.path} cannot be made under it"
@@ -319,7 +321,7 @@ class RunDirectory:
         """The pid of another process training this run (holding its lock), if
         there is one. Not status.json's: a process killed with kill -9 leaves it
         saying `running`, and its pid may be another program's by now."""
-        return runlock.holder(self.path)
+        return run_lock.holder(self.path)
 
     def write_status(self, status: str, *, training: bool = True, **fields: Any) -> dict[str, Any]:
         """Say how the run stands, keeping its training time (`training_time`).

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.reporting import Reporter
 from llmcustoms.runs.disk_writes import DISK_FULL, append_lines
 from llmcustoms.runs.failure_report import redact
 from llmcustoms.runs.memory_use import memory_line
-from llmcustoms.reporting import Reporter
 
 LEVELS = ("info", "warning", "error")
 INDENT = " " * 4

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.errors import ConfigError
 from llmcustoms.runs.adapter_files import adapter_problem
 from llmcustoms.runs.best_weights import BestWeightFiles
 from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager
-from llmcustoms.errors import ConfigError
 from llmcustoms.runs.run_directory import RunDirectory
 
 STEP = re.compile(r"(?:step-)?(\d+)")

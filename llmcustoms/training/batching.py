@@ -14,11 +14,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from llmcustoms.models.packing import pack
 from llmcustoms.data.pair_rows import PairRows
-from llmcustoms.losses.dpo_reference import ReferenceLogps
-from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
 from llmcustoms.data.token_store import TokenRows
+from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
+from llmcustoms.losses.dpo_reference import ReferenceLogps
+from llmcustoms.models.packing import pack
 
 # Steps are formed from rows sorted by length within windows of this many steps.
 MEGABATCH_FACTOR = 32

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from llmcustoms.losses.objective import Loss
-from llmcustoms.training.batching import TrainingRows
 from llmcustoms.recovery.stop_signals import StopRequested, stop_agreed
+from llmcustoms.training.batching import TrainingRows
 
 # loss(batch, normaliser): the run's loss of one micro-batch and its sums (FineTuner's, under autocast).
 BatchLoss = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]

@@ -28,29 +28,29 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.training.batching import Rows, StepRows, TrainingRows, epoch_steps, pad_multiple
-from llmcustoms.runs.best_weights import BestWeights
-from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
-from llmcustoms.training.evaluation import Evaluation
-from llmcustoms.training.general_text import general_rows
-from llmcustoms.training.replay import mix_in
-from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.losses.choice import loss_for
 from llmcustoms.losses.objective import LoopParts, Loss
 from llmcustoms.models.loading import load_model
 from llmcustoms.models.untrained_tokens import check_stop_tokens
-from llmcustoms.training.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
 from llmcustoms.planning.plan import Plan
-from llmcustoms.training.position import Position, RunPace, StopCause, StopReason, TrainResult
-from llmcustoms.training.processes import Processes
+from llmcustoms.recovery.faults import SPIKE_FACTOR, FaultInjector
 from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted, TrainingRecoverySystem
-from llmcustoms.reporting import Reporter, SilentReporter
-from llmcustoms.training.resource_use import ResourceUse
-from llmcustoms.runs.run_directory import RunDirectory
-from llmcustoms.training.samples import SampleReplies, side_by_side
-from llmcustoms.training.step import accumulate_gradients
 from llmcustoms.recovery.stability import StabilityCheck
 from llmcustoms.recovery.stop_signals import StopRequested, StopSignals, record_quit, stopped_by
+from llmcustoms.reporting import Reporter, SilentReporter
+from llmcustoms.runs.best_weights import BestWeights
+from llmcustoms.runs.checkpoints import Checkpoint, CheckpointManager, ResumeFrom, rng_state, set_rng_state
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.training.batching import Rows, StepRows, TrainingRows, epoch_steps, pad_multiple
+from llmcustoms.training.evaluation import Evaluation
+from llmcustoms.training.general_text import general_rows
+from llmcustoms.training.optimization import Schedule, lr_multiplier, make_optimizer, set_learning_rate
+from llmcustoms.training.position import Position, RunPace, StopCause, StopReason, TrainResult
+from llmcustoms.training.processes import Processes
+from llmcustoms.training.replay import mix_in
+from llmcustoms.training.resource_use import ResourceUse
+from llmcustoms.training.samples import SampleReplies, side_by_side
+from llmcustoms.training.step import accumulate_gradients
 
 # status.json is rewritten (with fsync) at most this often while training runs.
 STATUS_INTERVAL_S = 5.0

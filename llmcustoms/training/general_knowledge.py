@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.recovery.stop_signals import StopRequested
-from llmcustoms.training.base_replies import answers_key, keep_answers, kept_answers
 from llmcustoms.runs.disk_writes import replace_file
+from llmcustoms.training.base_replies import answers_key, keep_answers, kept_answers
 
 QUESTIONS_FILE = Path(__file__).with_name("general_questions.json")
 GENERAL_FILE = "general.jsonl"  # in the run directory: a row per question and label

@@ -18,16 +18,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.planning import disk_space as diskspace, hardware
-
+from llmcustoms.errors import ConfigError
+from llmcustoms.planning import disk_space, hardware
+from llmcustoms.planning.hardware import Hardware, usable_by_torch
 from llmcustoms.recovery import faults
-
-from llmcustoms.training import launching
 from llmcustoms.runs.checkpoints import CheckpointManager
 from llmcustoms.runs.disk_writes import disk_full_code
-from llmcustoms.errors import ConfigError
-from llmcustoms.planning.hardware import Hardware, usable_by_torch
 from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.training import launching
 
 # The modules that write a run's large files, and what they write.
 WRITERS = {"best_weights": "the best weights in best/", "checkpoints": "a checkpoint in checkpoints/",
@@ -103,15 +101,15 @@ def check_disk_space(plan: Any, run_path: Path, model_params: int = 0, resuming:
     if not launching.is_main_process():
         return None
     free = _free_for_run(run_path, None) if resuming else free_space(run_path)
-    warning = diskspace.check_run_fits(plan, free, bytes_under(run_path), str(run_path), model_params, resuming)
+    warning = disk_space.check_run_fits(plan, free, bytes_under(run_path), str(run_path), model_params, resuming)
     if resuming:
-        diskspace.check_checkpoint_fits(next_checkpoint_room(run_path)[1], free, str(run_path))
+        disk_space.check_checkpoint_fits(next_checkpoint_room(run_path)[1], free, str(run_path))
     return warning
 
 
 def check_export_space(output: Path, needed: int, what: str, dtype: str = "") -> None:
     """Stop (exit 2) before `export` writes `needed` bytes into `output` when its disk cannot take them."""
-    diskspace.check_export_fits(needed, free_space(output), str(output), what, dtype)
+    disk_space.check_export_fits(needed, free_space(output), str(output), what, dtype)
 
 
 # ------------------------------------------------------ while a run trains
@@ -123,13 +121,13 @@ def next_checkpoint_room(run_path: Path) -> tuple[int | None, int]:
     run = RunDirectory(run_path)
     newest = CheckpointManager(run.checkpoints_path, keep=1).all()
     last = bytes_under(newest[0].path) if newest else None
-    return last, diskspace.checkpoint_room(last, None if newest else _plan(run))
+    return last, disk_space.checkpoint_room(last, None if newest else _plan(run))
 
 
 def checkpoint_need(run_path: Path, step: int) -> tuple[str, int]:
     """The checkpoint of `step` as a message names it, and the room it asks for."""
     last, room = next_checkpoint_room(run_path)
-    about = f" (about {diskspace.size(last)}, as the last one)" if last else ""
+    about = f" (about {disk_space.size(last)}, as the last one)" if last else ""
     return f"checkpoint step-{step:06d}{about}", room
 
 
@@ -172,10 +170,10 @@ def disk_full_report(run_path: Path, step: int, writing: str, needed: int | None
     good checkpoint, and the system's words from `error`."""
     run = RunDirectory(run_path)
     plan = _plan(run)
-    to_finish = diskspace.rest_of_run(plan, bytes_under(run_path))
+    to_finish = disk_space.rest_of_run(plan, bytes_under(run_path))
     code = disk_full_code(error)
     last = CheckpointManager(run.checkpoints_path, keep=1).latest()
-    return diskspace.DiskFull(step=step, writing=writing, needed=needed if needed is not None else to_finish,
+    return disk_space.DiskFull(step=step, writing=writing, needed=needed if needed is not None else to_finish,
                               free=free if free is not None else _free_for_run(run_path, step),
                               where=str(run_path), filesystem=mount_point(run_path),
                               last_checkpoint=last.step if last else None, to_finish=to_finish,

@@ -31,18 +31,31 @@ from typing import Any, Callable
 
 import torch
 
-from llmcustoms.training import launching, preflight
-from llmcustoms.runs.checkpoints import (Checkpoint, CheckpointManager, load_optimizer_state, optimizer_state, rng_state,
-                                    set_rng_state)
-from llmcustoms.runs.checkpoint_content import (TensorInfo, Unusable, fit_problem, optimizer_fit_problem, rng_fit_problem,
-                                          safetensors_header, torch_dtype_name)
 from llmcustoms.models.loading import save_trained
 from llmcustoms.planning.plan import Plan
 from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, create_failure_report
-from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.recovery.stop_signals import StopSignals
-from llmcustoms.training.step import step_micro_batches
+from llmcustoms.runs.checkpoint_content import (
+    TensorInfo,
+    Unusable,
+    fit_problem,
+    optimizer_fit_problem,
+    rng_fit_problem,
+    safetensors_header,
+    torch_dtype_name,
+)
+from llmcustoms.runs.checkpoints import (
+    Checkpoint,
+    CheckpointManager,
+    load_optimizer_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.training import launching, preflight
 from llmcustoms.training.sharding import gather_optimizer, gather_weights, load_optimizer, load_weights, shard
+from llmcustoms.training.step import step_micro_batches
 
 # Gradients are all-reduced this many bytes at a time (DDP's default bucket size).
 ALL_REDUCE_BUCKET_BYTES = 25 * 1024 ** 2

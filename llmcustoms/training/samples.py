@@ -36,7 +36,8 @@ from llmcustoms.data.row_formats import Example
 from llmcustoms.recovery.stop_signals import StopRequested
 from llmcustoms.reporting import Reporter
 from llmcustoms.training.base_replies import FOLDER, answers_key, keep_answers, kept_answers
-from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS, GeneralKnowledge, general_check
+from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS
+from llmcustoms.training.general_knowledge import GeneralKnowledge, general_check
 
 SAMPLE_PROMPTS = 3
 MAX_NEW_TOKENS = 48

@@ -24,17 +24,22 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from llmcustoms.runs import measures
-from llmcustoms.ui.layout import Parts, WideOrNarrow
-from llmcustoms.runs.memory_use import memory_line
 from llmcustoms.planning.access_tokens import hide_tokens
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
 from llmcustoms.planning.objective_kinds import objective_named
-from llmcustoms.runs.preference_report import held_out_line
+from llmcustoms.planning.presets import (
+    MEDIUM_DATASET_ROWS,
+    MEDIUM_MODEL_PARAMS,
+    SMALL_DATASET_ROWS,
+    SMALL_MODEL_PARAMS,
+    TINY_MODEL_PARAMS,
+)
+from llmcustoms.runs import measures
 from llmcustoms.runs.forgetting import general_line
+from llmcustoms.runs.memory_use import memory_line
+from llmcustoms.runs.preference_report import held_out_line
 from llmcustoms.runs.stop_rates import stop_rate_line
-from llmcustoms.planning.presets import (MEDIUM_DATASET_ROWS, MEDIUM_MODEL_PARAMS, SMALL_DATASET_ROWS, SMALL_MODEL_PARAMS,
-                                TINY_MODEL_PARAMS)
+from llmcustoms.ui.layout import Parts, WideOrNarrow
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

@@ -20,9 +20,9 @@ from rich.prompt import Prompt
 from rich.table import Table
 from rich.text import Text
 
-from llmcustoms.ui.console import console, escape
 from llmcustoms.planning.access_tokens import hide_tokens
 from llmcustoms.planning.hardware import GIB
+from llmcustoms.ui.console import console, escape
 
 Messages = list[dict[str, str]]
 

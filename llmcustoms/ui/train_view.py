@@ -24,7 +24,6 @@ from llmcustoms.ui.layout import Parts
 from llmcustoms.ui.train_progress import PART_BREAK, Countdown, TrainingProgress, clock, counted
 
 
-
 class QuietReporter:
     """For scripts (--quiet): only warnings, on stderr."""
 

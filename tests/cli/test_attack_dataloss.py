@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_FILES, run_cli
-from llmcustoms.runs import run_lock as runlock
+from llmcustoms.runs import run_lock
 from tiny_models import WIDE
 
 
@@ -192,7 +192,7 @@ def test_a_run_locked_by_its_real_path_is_refused_through_a_link(trained, tmp_pa
     link = tmp_path / "link"
     link.symlink_to(real)
     before = contents(real)
-    with runlock.owning(real, "testing"):
+    with run_lock.owning(real, "testing"):
         result = cli("resume", str(link), "--quiet")
     refused(result, f"is being trained right now (process {os.getpid()})")
     assert contents(real) == before
@@ -258,7 +258,7 @@ def test_runs_shows_a_run_whose_process_is_gone_as_stopped(tmp_path, cli, clean_
         (tmp_path / name).mkdir()
         (tmp_path / name / "plan.json").write_text(json.dumps({"model": "tiny", "method": "lora", "total_steps": 4}))
         (tmp_path / name / "status.json").write_text(json.dumps({"status": "running", "step": 2, "pid": 1}))
-    with runlock.owning(tmp_path / "live", "testing"):  # this process trains "live"; nothing owns "gone"
+    with run_lock.owning(tmp_path / "live", "testing"):  # this process trains "live"; nothing owns "gone"
         result = cli("runs", "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.split()[:1] in (["gone"], ["live"])}

@@ -21,8 +21,8 @@ from llmcustoms.recovery import faults
 from llmcustoms.runs import overwriting
 from test_export import run_with_adapter  # noqa: F401  (a fixture: a run holding a LoRA adapter)
 
-HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
-        "with runlock.exporting(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n")
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock\n"
+        "with run_lock.exporting(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n")
 
 
 def files(folder: Path) -> dict[str, bytes]:

@@ -31,7 +31,7 @@ def synthetic_curve(lrs: list[float], noise: float = 0.0, seed: int = 0) -> list
         x = math.log10(lr)
         fall = 2.0 / (1 + math.exp(-3 * (x + 3)))  # half-way down at 1e-3
         blow_up = math.exp(8 * max(0.0, x + 1.5)) - 1  # from 3e-2 on
-        losses.append(5.0 - fall + blow_up + noise * rng.standard_normal())
+        sft.append(5.0 - fall + blow_up + noise * rng.standard_normal())
     return losses
 
 
@@ -195,11 +195,11 @@ def test_a_loss_that_never_falls_gives_no_suggestion_and_exit_2(tmp_path, tiny_m
 
 
 def test_divergence_stops_the_range_test(tmp_path, tiny_models, monkeypatch):
-    from llmcustoms.losses import sft as losses
+    from llmcustoms.losses import sft
     from llmcustoms.planning.hardware import Hardware
     from llmcustoms.commands.preparation import TrainOptions, prepare_run
 
-    real, calls = losses.token_cross_entropy, []
+    real, calls = sft.token_cross_entropy, []
 
     def blowing_up(model, batch, normaliser):  # after 8 forward passes, 50 times the loss
         calls.append(1)

@@ -177,7 +177,7 @@ def test_a_run_being_rewritten_says_so_not_to_convert_a_pickle(finished, tmp_pat
     It advised converting a pickle adapter there was none of (issue 46, 19a)."""
     from llmcustoms.errors import LlmcustomsError
     from llmcustoms.models.generation import open_trained
-    from llmcustoms.runs import run_lock as runlock
+    from llmcustoms.runs import run_lock
 
     run = tmp_path / "rewritten"
     shutil.copytree(finished, run)
@@ -198,7 +198,7 @@ def test_a_run_being_rewritten_says_so_not_to_convert_a_pickle(finished, tmp_pat
     finally:
         holder.kill()
         holder.wait()
-    assert runlock.holder(run) is None
+    assert run_lock.holder(run) is None
 
 
 # ------------------------------------------------------------ the chat loop

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms.models import hub_access as hubaccess
+from llmcustoms.models import hub_access
 from llmcustoms.cli import app
 from llmcustoms.data.dataset import read_dataset
 from llmcustoms.planning.duration import CPU_TIME_LIMIT_S
@@ -212,7 +212,7 @@ def test_on_two_cores_the_suggestion_is_usable_and_the_7b_models_are_marked_slow
     stats = planning_stats(read_dataset(data), preset)
     monkeypatch.setattr(hubaccess, "is_cached", lambda hub_id: hub_id == SMOLLM2[0])
     offers = {offer.hub_id: offer for offer in model_offers(hardware, preset, stats, 256)}
-    assert offers[SMOLLM2[0]].where == hubaccess.CACHED and offers[SMOLLM2[1]].where == hubaccess.UNAVAILABLE
+    assert offers[SMOLLM2[0]].where == hub_access.CACHED and offers[SMOLLM2[1]].where == hub_access.UNAVAILABLE
     big = offers["mistralai/Mistral-7B-Instruct-v0.3"]
     assert big.method == "qlora" and big.seconds > 10 * CPU_TIME_LIMIT_S > offers[SMOLLM2[0]].seconds
     assert suggested_model(hardware, preset, stats, list(offers.values()))[0] == SMOLLM2[0]

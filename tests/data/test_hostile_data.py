@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from llmcustoms.planning import options
 
-from llmcustoms.data import raw_rows as rawrows
+from llmcustoms.data import raw_rows
 from llmcustoms.cli import app
 from llmcustoms.data.dataset import read_dataset, usable_examples
 from llmcustoms.errors import ConfigError, DataError
@@ -59,28 +59,28 @@ BAD_ROWS = {
                                                        + "9" * 5000 + "}"),
                                  "not valid JSON (nested too deeply, or holds a number too long)", "line 41"),
     "a surrogate in the reply": ("reply.jsonl", jsonl(alpaca, f'{{"instruction": "{SECRET}", "output": "a{SURROGATE}"}}'),
-                                 rawrows.NOT_UNICODE, "line 41"),
+                                 raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in the system field": ("system.jsonl", jsonl(alpaca, f'{{"instruction": "{SECRET}", "output": "ok", '
                                                                       f'"system": "{SURROGATE}"}}'),
-                                        rawrows.NOT_UNICODE, "line 41"),
+                                        raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in a message": ("messages.jsonl", jsonl(chat, '{"messages": [{"role": "user", "content": "' + SECRET
                                                          + SURROGATE + '"}, {"role": "assistant", "content": "ok"}]}'),
-                                 rawrows.NOT_UNICODE, "line 41"),
+                                 raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in a prompt": ("prompt.jsonl", jsonl(lambda i: {"prompt": f"q{i}", "completion": f"a{i}."},
                                                       f'{{"prompt": "\\udfff{SECRET}", "completion": "ok"}}'),
-                                rawrows.NOT_UNICODE, "line 41"),
+                                raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in a rejected reply": ("pairs.jsonl", jsonl(pair, f'{{"prompt": "{SECRET}", "chosen": "yes", '
                                                                    f'"rejected": "no{SURROGATE}"}}'),
-                                        rawrows.NOT_UNICODE, "line 41"),
+                                        raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in a field name": ("key.jsonl", jsonl(alpaca, f'{{"{SURROGATE}": "{SECRET}", "instruction": "q", '
                                                                '"output": "a"}'),
-                                    rawrows.NOT_UNICODE, "line 41"),
+                                    raw_rows.NOT_UNICODE, "line 41"),
     "a surrogate in tool arguments held as text": (
         "arguments.jsonl", jsonl(chat, json.dumps({"messages": [
             {"role": "user", "content": SECRET},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"function": {"name": "f", "arguments": '{"a": "' + SURROGATE + '"}'}}]}]})),
-        "tool call arguments: " + rawrows.NOT_UNICODE, "line 41"),
+        "tool call arguments: " + raw_rows.NOT_UNICODE, "line 41"),
     "tool schemas nested 100 deep": (
         "tools.jsonl", jsonl(chat, json.dumps({**chat(0), "tools": [{"name": SECRET, "parameters": json.loads(
             "[" * 100 + "]" * 100)}]})),
@@ -88,7 +88,7 @@ BAD_ROWS = {
     "a surrogate in a JSON array": (
         "array.json", ("[" + ",".join(json.dumps(alpaca(i)) for i in range(GOOD_ROWS))
                        + f',{{"instruction": "{SECRET}", "output": "{SURROGATE}"}}]').encode(),
-        rawrows.NOT_UNICODE, "row 41 at line 1"),
+        raw_rows.NOT_UNICODE, "row 41 at line 1"),
 }
 
 
@@ -105,7 +105,7 @@ BAD_ROWS |= {
     "a surrogate in a CSV messages column": (
         "surrogate.csv", csv_file('[{"role": "user", "content": "' + SECRET + SURROGATE + '"}, '
                                   '{"role": "assistant", "content": "ok"}]'),
-        "column 'messages': " + rawrows.NOT_UNICODE, "row 41 at line 42"),
+        "column 'messages': " + raw_rows.NOT_UNICODE, "row 41 at line 42"),
     "a CSV messages column nested 10,000 deep": (
         "deep.csv", csv_file(DEEP), "column 'messages': not valid JSON (nested too deeply", "row 41 at line 42"),
 }
@@ -181,7 +181,7 @@ FILE_ERRORS = {
         "object.json, the JSON object: not valid JSON (nested too deeply, or holds a number too long)"),
     "a JSON object with a surrogate": (
         "object.json", f'{{"instruction": "{SECRET}", "output": "{SURROGATE}"}}'.encode(),
-        f"object.json, the JSON object: {rawrows.NOT_UNICODE}"),
+        f"object.json, the JSON object: {raw_rows.NOT_UNICODE}"),
     "a Parquet file cut short": ("cut.parquet", b"PAR1" + b"\x00" * 64, "cut.parquet: not a readable Parquet file"),
 }
 
@@ -220,8 +220,8 @@ def test_a_jsonl_line_over_the_limit_is_a_bad_row_skipped_unread(monkeypatch, tm
     path = tmp_path / "long.jsonl"
     path.write_bytes(jsonl(alpaca, long_row) + json.dumps(alpaca(99)).encode() + b"\n")
     found = read_dataset(path)
-    assert found.rows == GOOD_ROWS + 1 and found.bad.lines() == [f"{rawrows.TOO_LONG}: 1 row (line 41)"]
-    with pytest.raises(DataError, match=f"long.jsonl, line 41: {rawrows.TOO_LONG}"):
+    assert found.rows == GOOD_ROWS + 1 and found.bad.lines() == [f"{raw_rows.TOO_LONG}: 1 row (line 41)"]
+    with pytest.raises(DataError, match=f"long.jsonl, line 41: {raw_rows.TOO_LONG}"):
         read_dataset(path, "strict")
 
 

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from llmcustoms.losses import sft as losses
+from llmcustoms.losses import sft
 from llmcustoms.training.batching import collate
 from llmcustoms.losses.sft import select_logits, token_cross_entropy
 from llmcustoms.data.tokenization import IGNORE_INDEX, TokenizedExample
@@ -70,7 +70,7 @@ def test_chunked_loss_equals_one_pass(tiny_models, family, monkeypatch):
     one_pass_grads = torch.autograd.grad(one_pass, trained)
 
     chunks = []
-    original = losses._chunk_loss
+    original = sft._chunk_loss
     monkeypatch.setattr(losses, "_chunk_loss", lambda h, *rest: chunks.append(len(h)) or original(h, *rest))
     monkeypatch.setattr(losses, "CHUNK_LOGITS", 5 * base.config.vocab_size)  # 5 positions a chunk
     chunked, _ = token_cross_entropy(model, batch, normaliser)

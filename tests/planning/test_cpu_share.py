@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmcustoms.planning import hardware as hardware_module
+from llmcustoms.planning import hardware
 from llmcustoms.planning.cpu_share import cores_taken, slowdown_for
 from llmcustoms.planning.hardware import Hardware, omp_threads, other_load
 from llmcustoms.planning.plan import Plan
@@ -84,11 +84,11 @@ def test_detection_reads_the_load_less_this_process_and_omp_num_threads(monkeypa
     monkeypatch.setattr(hardware_module, "_busy_now", lambda: None)  # where it cannot be measured: the load average
     monkeypatch.setattr(hardware_module, "_load_average", lambda: 3.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    found = hardware_module.detect()
+    found = hardware.detect()
     assert 2.0 < found.cpu_load <= 3.0 and found.omp_threads == 1
     monkeypatch.setattr(hardware_module, "_load_average", lambda: None)
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert hardware_module.detect().cpu_load is None and hardware_module.detect().omp_threads is None
+    assert hardware.detect().cpu_load is None and hardware.detect().omp_threads is None
     # A process that kept a core busy for the last two minutes made most of a load of 1 itself.
     assert other_load(1.0, 120.0, 120.0) == pytest.approx(0.14, abs=0.01)
     assert other_load(3.0, 0.5, 10.0) == pytest.approx(3.0, abs=0.01)
@@ -109,5 +109,5 @@ def test_several_processes_share_the_free_cores_and_say_so():
 def test_the_cpu_use_measured_now_wins_over_the_lagging_load_average(monkeypatch):
     monkeypatch.setattr(hardware_module, "_load_average", lambda: 1.9)  # a test suite that ended a minute ago
     monkeypatch.setattr(hardware_module, "_busy_now", lambda: 0.05)
-    assert hardware_module.detect().cpu_load == 0.05
+    assert hardware.detect().cpu_load == 0.05
 

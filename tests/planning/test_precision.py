@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcustoms.planning import hardware as hardware_module
+from llmcustoms.planning import hardware
 from llmcustoms.planning.duration import estimate_seconds
 from llmcustoms.planning.hardware import Hardware, cpu_bf16
 from llmcustoms.models.loading import weights_dtype
@@ -88,9 +88,9 @@ def test_the_plan_command_names_the_precision_and_why(cli, tmp_path, tiny_models
 
 def test_detect_reads_this_machines_flags(monkeypatch):
     monkeypatch.setattr(hardware_module, "_read_cpuinfo", lambda: CPUINFO.format(flags=FLAGS + " amx_bf16"))
-    assert hardware_module.detect().cpu_bf16 == "AMX"
+    assert hardware.detect().cpu_bf16 == "AMX"
     monkeypatch.setattr(hardware_module, "_read_cpuinfo", lambda: "")
-    assert hardware_module.detect().mixed_precision == "no" or hardware_module.detect().has_gpu
+    assert hardware.detect().mixed_precision == "no" or hardware.detect().has_gpu
 
 
 @pytest.mark.skipif(not THIS_CPU_HAS_BF16, reason="this CPU has no native bf16: only the planner's choice is checked")

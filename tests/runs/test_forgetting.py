@@ -129,15 +129,15 @@ def test_the_model_card_shows_the_numbers_and_never_a_reply(tmp_path, plan):
 
 def test_the_summary_shows_the_scores_and_an_old_run_nothing(tmp_path):
     from llmcustoms.training.position import TrainResult
-    from llmcustoms.ui import console as ui
+    from llmcustoms.ui import console
 
     result = TrainResult(status="completed", steps=8, final_loss=2.1, best_eval_loss=None, best_eval_step=None,
                          seconds=3.0, tokens_per_s=100.0, output_path=tmp_path / "adapter", general=scores(41, 40))
-    with ui.console.capture() as captured:
-        ui.show_summary(result)
+    with console.console.capture() as captured:
+        console.show_summary(result)
     assert "general questions 41/67 base -> 40/67 trained" in " ".join(captured.get().replace("│", " ").split())
-    with ui.console.capture() as captured:
-        ui.show_summary(replace(result, general={}))
+    with console.console.capture() as captured:
+        console.show_summary(replace(result, general={}))
     assert "general questions" not in captured.get()
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_FILES
-from llmcustoms.runs import run_lock as runlock
+from llmcustoms.runs import run_lock
 from llmcustoms.errors import ConfigError
 from tiny_models import WIDE
 
-HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
-        "with runlock.owning(Path(sys.argv[1]), 'testing'):\n    print('held', flush=True)\n    time.sleep(600)\n")
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock\n"
+        "with run_lock.owning(Path(sys.argv[1]), 'testing'):\n    print('held', flush=True)\n    time.sleep(600)\n")
 
 
 def hold_in_another_process(run: Path) -> subprocess.Popen:
@@ -33,32 +33,32 @@ def test_a_lock_held_elsewhere_is_refused_with_its_pid_and_freed_by_kill_9(tmp_p
     run = tmp_path / "runs" / "mine"
     other = hold_in_another_process(run)
     try:
-        assert runlock.holder(run) == other.pid
+        assert run_lock.holder(run) == other.pid
         with pytest.raises(ConfigError) as refused:
-            with runlock.owning(run, "resuming it"):
+            with run_lock.owning(run, "resuming it"):
                 pass
         assert f"process {other.pid}" in str(refused.value) and "resuming it" in str(refused.value)
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait(timeout=30)
     # The OS dropped the dead process's lock: nothing stale to clean up.
-    assert runlock.holder(run) is None
-    with runlock.owning(run, "resuming it"):
-        assert runlock.holder(run) is None  # ours, not another's
+    assert run_lock.holder(run) is None
+    with run_lock.owning(run, "resuming it"):
+        assert run_lock.holder(run) is None  # ours, not another's
 
 
 def test_the_lock_is_reentrant_in_a_process_and_lives_beside_the_run(tmp_path):
     run = tmp_path / "mine"
-    with runlock.owning(run, "a"):
-        with runlock.owning(run, "b"):
+    with run_lock.owning(run, "a"):
+        with run_lock.owning(run, "b"):
             pass
         # Still held after the inner block: another process cannot take it.
-        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock as runlock\n"
-                                "print(runlock.holder(Path(sys.argv[1])))", str(run)], capture_output=True, text=True)
+        probe = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock\n"
+                                "print(run_lock.holder(Path(sys.argv[1])))", str(run)], capture_output=True, text=True)
         assert probe.stdout.strip() == str(os.getpid())
-        assert runlock.lock_path(run).exists() and runlock.lock_path(run) == tmp_path / ".mine.lock"
+        assert run_lock.lock_path(run).exists() and run_lock.lock_path(run) == tmp_path / ".mine.lock"
     assert not run.exists()  # taking the lock makes nothing inside the run's place
-    assert not runlock.lock_path(run).exists()  # and leaves nothing behind
+    assert not run_lock.lock_path(run).exists()  # and leaves nothing behind
 
 
 def test_a_file_where_the_runs_would_go_is_named_not_reported_as_a_lock_error(tmp_path):
@@ -67,11 +67,11 @@ def test_a_file_where_the_runs_would_go_is_named_not_reported_as_a_lock_error(tm
     afile.write_text("{}\n")
     for output_dir in (afile, afile / "deeper"):
         with pytest.raises(ConfigError, match="rows.jsonl is a file, not a folder") as refused:
-            runlock.folder_for_runs(output_dir)
+            run_lock.folder_for_runs(output_dir)
         assert "--output-dir" in refused.value.hint
-    assert runlock.folder_for_runs(tmp_path / "new" / "runs") == tmp_path / "new" / "runs"
+    assert run_lock.folder_for_runs(tmp_path / "new" / "runs") == tmp_path / "new" / "runs"
     with pytest.raises(ConfigError, match="rows.jsonl is a file, not a folder") as refused:
-        with runlock.owning(afile / "run", "starting another run in it"):
+        with run_lock.owning(afile / "run", "starting another run in it"):
             pass
     assert "File exists" not in refused.value.message and "Not a directory" not in refused.value.message
 

@@ -142,16 +142,16 @@ def test_the_model_card_shows_the_stop_rate_and_never_a_prompt_or_reply(tmp_path
 
 def test_the_summary_shows_the_stop_rate(tmp_path):
     from llmcustoms.training.position import TrainResult
-    from llmcustoms.ui import console as ui
+    from llmcustoms.ui import console
 
     result = TrainResult(status="completed", steps=8, final_loss=2.1, best_eval_loss=None, best_eval_step=None,
                          seconds=3.0, tokens_per_s=100.0, output_path=tmp_path / "adapter",
                          samples=side_by_side(samples([False] * 3, [True, True, False])))
-    with ui.console.capture() as captured:
-        ui.show_summary(result)
+    with console.console.capture() as captured:
+        console.show_summary(result)
     shown = " ".join(captured.get().replace("│", " ").split())
     assert "replies that stop base model 0/3, trained 2/3 stopped before the token limit" in shown
-    with ui.console.capture() as captured:
-        ui.show_summary(replace(result, samples=side_by_side(samples([None] * 3, [None] * 3))))
+    with console.console.capture() as captured:
+        console.show_summary(replace(result, samples=side_by_side(samples([None] * 3, [None] * 3))))
     assert "replies that stop" not in captured.get()
     json.dumps(result.samples)  # entries stay plain JSON values

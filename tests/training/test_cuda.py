@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from llmcustoms.losses import sft as losses
+from llmcustoms.losses import sft
 
 from llmcustoms.models import packing
 from llmcustoms.training.batching import collate
@@ -66,7 +66,7 @@ def test_liger_fused_loss_matches_the_chunked_loss(tiny_models, monkeypatch):
     normaliser = torch.tensor(float((batch["labels"][:, 1:] != IGNORE_INDEX).sum()), device="cuda")
     trained = [p for p in model.parameters() if p.requires_grad]
     used = []
-    original = losses._liger_loss
+    original = sft._liger_loss
     monkeypatch.setattr(losses, "_liger_loss", lambda *a: used.append(1) or original(*a))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fused, _ = token_cross_entropy(model, batch, normaliser)

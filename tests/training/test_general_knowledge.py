@@ -152,7 +152,7 @@ def test_batched_answers_are_the_answers_one_at_a_time(prepared, tiny_models):
 
 def test_a_run_with_evaluation_rows_records_the_scores_and_its_summary_shows_them(prepared, tmp_path):
     from llmcustoms.commands.train import run_training
-    from llmcustoms.ui import console as ui
+    from llmcustoms.ui import console
 
     run_dir = RunDirectory(tmp_path / "run")
     run_dir.create()
@@ -170,8 +170,8 @@ def test_a_run_with_evaluation_rows_records_the_scores_and_its_summary_shows_the
         assert score["right"] == sum(is_right(r["reply"], answers[r["question"]]) for r in mine)
         assert all(r["right"] == is_right(r["reply"], answers[r["question"]]) for r in mine)
     assert {r["step"] for r in rows if r["label"] == "trained"} == {prepared.plan.total_steps}
-    with ui.console.capture() as captured:
-        ui.show_summary(result)
+    with console.console.capture() as captured:
+        console.show_summary(result)
     shown = " ".join(captured.get().replace("│", " ").split())
     assert (f"general questions {scores['base']['right']}/{scores['base']['asked']} base -> "
             f"{scores['trained']['right']}/{scores['trained']['asked']} trained") in shown

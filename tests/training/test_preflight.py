@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from conftest import DATA_FILES
-from llmcustoms.planning import disk_space as diskspace, hardware
+from llmcustoms.planning import disk_space, hardware
 from llmcustoms.training import preflight
 from llmcustoms.cli import app
 from llmcustoms.planning.disk_space import disk_need
@@ -165,10 +165,10 @@ def test_the_arithmetic_of_a_plan():
     memory = plan.memory
     need = disk_need(plan, model_params=1_100_000_000)
     # Trained weights in fp32 (as large as their gradients) and AdamW's two fp32 moments.
-    assert need.checkpoint_bytes == 3 * memory["gradients_bytes"] + diskspace.CHECKPOINT_SMALL_FILES_BYTES
+    assert need.checkpoint_bytes == 3 * memory["gradients_bytes"] + disk_space.CHECKPOINT_SMALL_FILES_BYTES
     assert memory["optimizer_bytes"] == 2 * memory["gradients_bytes"]
     assert need.checkpoints == 4  # three kept, and the next one written before the oldest goes
-    assert need.merged_bytes == 2_200_000_000 + diskspace.TOKENIZER_BYTES
+    assert need.merged_bytes == 2_200_000_000 + disk_space.TOKENIZER_BYTES
     assert need.reason().startswith("disk: about ") and "4 checkpoints of" in need.reason()
     # Full fine-tuning: every weight is trained, and the best evaluation's checkpoint is kept besides.
     full = plan_on(Hardware.with_gpu(80, name="A100"))
@@ -187,17 +187,17 @@ def test_what_is_already_in_the_run_directory_counts_and_export_is_a_warning():
     plan = plan_on(Hardware.with_gpu(24, name="RTX 4090"))
     need = disk_need(plan, model_params=1_100_000_000)
     total = need.total_bytes
-    assert diskspace.check_run_fits(plan, total, 0, "runs/r") is None
+    assert disk_space.check_run_fits(plan, total, 0, "runs/r") is None
     with pytest.raises(ConfigError, match="Not enough disk space for this run"):
-        diskspace.check_run_fits(plan, total - 1, 0, "runs/r")
+        disk_space.check_run_fits(plan, total - 1, 0, "runs/r")
     # A resumed run's own checkpoints are part of the total.
-    assert diskspace.check_run_fits(plan, total // 2, total // 2, "runs/r", resuming=True) is None
+    assert disk_space.check_run_fits(plan, total // 2, total // 2, "runs/r", resuming=True) is None
     with pytest.raises(ConfigError, match="to finish this run") as refused:
-        diskspace.check_run_fits(plan, 0, total // 2, "runs/r", resuming=True)
+        disk_space.check_run_fits(plan, 0, total // 2, "runs/r", resuming=True)
     assert "resume the run again" in refused.value.hint
-    warning = diskspace.check_run_fits(plan, total + need.merged_bytes // 2, 0, "runs/r", model_params=1_100_000_000)
+    warning = disk_space.check_run_fits(plan, total + need.merged_bytes // 2, 0, "runs/r", model_params=1_100_000_000)
     assert warning and "export --merge" in warning and "would not fit" in warning
-    assert diskspace.check_run_fits(plan, total + need.merged_bytes, 0, "runs/r", model_params=1_100_000_000) is None
+    assert disk_space.check_run_fits(plan, total + need.merged_bytes, 0, "runs/r", model_params=1_100_000_000) is None
 
 
 def test_train_stops_before_training_when_the_disk_is_too_small(tmp_path, tiny_llama, monkeypatch):
