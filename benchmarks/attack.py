@@ -31,6 +31,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
 import attack_cases  # noqa: E402  (benchmarks/attack_cases.py)
 from attack_cases import Case, World  # noqa: E402
+from attack_cases_fourth import FOURTH_CASES  # noqa: E402  (issue 46's cases; they import attack_cases, not back)
 
 # Never in any output: Python's own report of a bug, and the secrets the cases plant.
 ALWAYS_FORBIDDEN = ("Traceback (most recent call last)",) + attack_cases.SECRETS
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
     parser.add_argument("--keep-work", action="store_true", help="leave the scratch folder for a look")
     args = parser.parse_args()
-    cases = [c for c in attack_cases.CASES if (not args.reduced or c.reduced) and (not args.only or c.name in args.only)]
+    cases = [c for c in attack_cases.CASES + FOURTH_CASES if (not args.reduced or c.reduced) and (not args.only or c.name in args.only)]
     if not cases:
         parser.error("no case matches")
     scratch = Path(tempfile.mkdtemp(prefix="llmcustoms-attack-"))

@@ -338,7 +338,3 @@ CASES: list[Case] = [
          lambda w: ["train", "data/rows.jsonl", "--model", long_model_folder(w), "--output-dir", "runs2", *TRAIN],
          exits=(0,), never_says=("--run-name",)),
 ]
-
-from attack_cases_fourth import FOURTH_CASES  # noqa: E402  (issue 46's; they use what is above)
-
-CASES += FOURTH_CASES

@@ -260,7 +260,7 @@ def load(config: Config, plan: Any, mode: Any | None) -> Any:
             model = AutoModelForCausalLM.from_config(hf_config(config.arch), dtype=kwargs["dtype"])
         return quantize(model, kwargs["quantization_config"], mode) if "quantization_config" in kwargs else model
 
-    with mock.patch.object(modeling, "from_pretrained", from_pretrained):
+    with mock.patch.object(loading, "from_pretrained", from_pretrained):
         model = loading.load_model(plan)
     return materialize(model, mode)
 

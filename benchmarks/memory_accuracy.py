@@ -254,10 +254,9 @@ def main() -> None:
                         help="a GPU's peak at real model sizes, simulated on fake tensors (benchmarks/cuda_simulation.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.simulate_cuda:
-        import cuda_simulation  # beside this file; it imports this module for Config and predict
-
-        sys.exit(cuda_simulation.main(args.only, args.json))
+    if args.simulate_cuda:  # the script beside this one, as its own process: it imports this module, not back
+        simulation = [sys.executable, str(Path(__file__).with_name("cuda_simulation.py"))]
+        sys.exit(subprocess.call(simulation + (["--only", args.only] if args.only else []) + (["--json"] if args.json else [])))
     precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
     if args.child:
         print("RESULT " + json.dumps(run_one(args.child, args.device, precision, args.full_logits)))

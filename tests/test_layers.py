@@ -105,8 +105,25 @@ def test_rich_only_in_the_ui_folder():
     assert not offenders, f"Rich imported outside ui/: {sorted(set(offenders))}"
 
 
-def test_no_import_cycles():
-    graph = _graph()
+def _benchmark_graph() -> dict[str, set[str]]:
+    """benchmarks/ scripts import each other by bare name (each folder is on sys.path when one runs)."""
+    graph: dict[str, set[str]] = {}
+    for folder in (PACKAGE.parent / "benchmarks", PACKAGE.parent / "benchmarks" / "gpu"):
+        siblings = {p.stem for p in folder.glob("*.py")}
+        for path in folder.glob("*.py"):
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names.add(node.module.split(".")[0])
+            graph[f"{folder.name}/{path.stem}"] = {f"{folder.name}/{name}" for name in names & siblings - {path.stem}}
+    return graph
+
+
+@pytest.mark.parametrize("graph_of", [lambda: _graph(), _benchmark_graph], ids=["llmcustoms", "benchmarks"])
+def test_no_import_cycles(graph_of):
+    graph = graph_of()
     state: dict[str, int] = {}  # 1 visiting, 2 done
     path: list[str] = []
 
@@ -147,3 +164,17 @@ def test_imports_are_sorted_by_the_modules_real_names():
     result = subprocess.run([ruff, "check", "--select", "I", "--no-cache", str(PACKAGE)], capture_output=True,
                             text=True, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_the_design_table_names_every_module_of_each_folder():
+    """docs/design.md's "Folders, lowest first" table: each folder's row names each of its modules."""
+    import re
+
+    rows = {match.group(1): match.group(2) for match in re.finditer(r"^\| `(\w+)/` \|.*\| (.*) \|$",
+                                                                     (PACKAGE.parent / "docs" / "design.md").read_text(),
+                                                                     re.MULTILINE)}
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(rows) == folders
+    missing = {folder: sorted(p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"
+                              and f"`{p.stem}`" not in rows[folder]) for folder in folders}
+    assert not any(missing.values()), missing

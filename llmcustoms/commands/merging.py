@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.errors import ConfigError
 from llmcustoms.models.loading import Allowed, adapter_weights
 from llmcustoms.runs.run_weights import model_name
 from llmcustoms.ui.train_progress import counting
@@ -127,7 +126,3 @@ def greedy(model: Any, tokenizer: Any, messages: list[dict[str, str]]) -> list[i
 def _dtype_name(model: Any) -> str:
     return str(model.dtype).removeprefix("torch.")
 
-
-def check_dtype(dtype: str, choices: tuple[str, ...]) -> None:
-    if dtype not in choices:
-        raise ConfigError(f"Unknown --dtype {dtype}.", f"Use one of {', '.join(choices)}.")

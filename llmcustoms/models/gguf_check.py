@@ -62,10 +62,6 @@ class GgufCheck:
     problems: list[str] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)  # whether the model's greedy reply to each prompt stopped
 
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
     def summary(self) -> str:
         parts = [f"token ids equal for {self.ids_equal}/{self.prompts} prompts",
                  f"greedy replies equal {self.replies_equal}/{self.prompts}"

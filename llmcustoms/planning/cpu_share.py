@@ -22,9 +22,8 @@ max(cores / threads, (other load + threads) / threads) times longer.
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmcustoms.planning.hardware import Hardware
+from llmcustoms.planning.resolver import Resolver
 
 # A core is taken when other work keeps it busy at least this share of the time.
 TAKEN_SHARE = 0.5
@@ -63,7 +62,7 @@ def load_text(hardware: Hardware) -> str:
     return f"load {hardware.cpu_load:.1f} on {hardware.cpu_cores} core{'s' if hardware.cpu_cores > 1 else ''}"
 
 
-def choose_threads(r: Any, hardware: Hardware, world_size: int = 1) -> int:
+def choose_threads(r: Resolver, hardware: Hardware, world_size: int = 1) -> int:
     """The CPU threads of each process, noted with a reason on `r` (the planner's
     resolver); 0 on a GPU, where torch's own default stands."""
     if hardware.has_gpu:
@@ -73,10 +72,10 @@ def choose_threads(r: Any, hardware: Hardware, world_size: int = 1) -> int:
     per = " per process" if world > 1 else ""
     if hardware.omp_threads:
         threads = hardware.omp_threads
-        r.sources["cpu_threads"] = "env OMP_NUM_THREADS"
-        r.reasons.append(f"threads {threads}{per}: OMP_NUM_THREADS")
+        r.record("cpu_threads", "env OMP_NUM_THREADS")
+        r.note(f"threads {threads}{per}: OMP_NUM_THREADS")
         if is_busy(hardware) and threads * world > free:
-            r.warnings.append(f"OMP_NUM_THREADS={threads} on a busy machine ({load_text(hardware)}): more threads "
+            r.warn(f"OMP_NUM_THREADS={threads} on a busy machine ({load_text(hardware)}): more threads "
                               f"than the {free} free core{'s' if free > 1 else ''} wait for each other at every "
                               f"step and can be many times slower; {max(1, free // world)} would be faster")
         return threads

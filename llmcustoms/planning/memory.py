@@ -306,7 +306,3 @@ class MemoryEstimator:
             else:
                 break
         return best
-
-
-# The seed's name, kept importable: what it does is estimate, not optimize.
-MemoryOptimizer = MemoryEstimator

@@ -8,7 +8,7 @@ tests can plan for machines we do not have by passing a `Hardware` value.
 `Planner.plan` checks the given values first (every problem in one
 error), then runs its steps in order: precision and length; method and batch;
 accumulation; memory; schedule; evaluation and saving; LoRA settings; what to
-expect. Each step returns its values and notes its reasons on the `_Resolver`.
+expect. Each step returns its values and notes its reasons on the `Resolver`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcustoms.errors import ConfigError
-from llmcustoms.planning import options
 from llmcustoms.planning.cpu_share import choose_threads
 from llmcustoms.planning.duration import cpu_choice, expected_seconds, replayed_per_step
 from llmcustoms.planning.hardware import Hardware
@@ -27,7 +26,8 @@ from llmcustoms.planning.objective_kinds import SFT, objective_named
 from llmcustoms.planning.objectives import DEFAULT_BETA
 from llmcustoms.planning.options import Overrides
 from llmcustoms.planning.plan import DEFAULT_FORGETTING_LIMIT, DataStats, LoraSettings, ModelChoice, Plan, total_steps
-from llmcustoms.planning.presets import ModelSpec, PresetValues, TrainingPreset, validate_preset_values
+from llmcustoms.planning.presets import ModelSpec, TrainingPreset, validate_preset_values
+from llmcustoms.planning.resolver import Resolver
 from llmcustoms.planning.sizing import best_fit, does_not_fit, fit_with_optimizer
 from llmcustoms.planning.step_choices import choose_compile, choose_distributed, choose_packing, choose_replay
 
@@ -36,50 +36,6 @@ MIN_EVALUATIONS, MIN_SAVE_EVERY = 4, 5  # evaluations of even a short run; fewes
 MICRO_BATCH_CAP = 16  # larger micro-batches add little speed; memory is better spent elsewhere
 # Sequence length is chosen to cover this share of rows, rounded up to a multiple of 64.
 LENGTH_PERCENTILE = 99
-
-
-# Values a flag, a variable or a preset may set: the options table's plan values.
-OVERRIDABLE = options.plan_overridable()
-
-
-class _Resolver:
-    """Picks each value from overrides, then the preset, then a default, noting the
-    source; the steps of a plan note their reasons and warnings here, in order."""
-
-    def __init__(self, overrides: Overrides, preset: PresetValues):
-        unknown = set(overrides) - set(OVERRIDABLE)
-        if unknown:
-            raise ValueError(f"unknown override(s): {sorted(unknown)}")
-        self.overrides = dict(overrides)  # the caller's stay as given
-        self.preset_values = preset.values
-        self.preset_sources = preset.sources  # "preset quality (small dataset)", "preset quality (tiny model)"
-        self.sources: dict[str, str] = {}
-        self.reasons: list[str] = []
-        self.warnings: list[str] = []
-
-    def given(self, name: str) -> bool:
-        return name in self.overrides
-
-    def given_value(self, name: str) -> Any:
-        """The value given for `name`, or None; records no source (for checks)."""
-        return self.overrides.get(name, (None, ""))[0]
-
-    def get(self, name: str, default: Any = None, plan_field: str | None = None) -> Any:
-        key = plan_field or name
-        if name in self.overrides:
-            value, source = self.overrides[name]
-            self.sources[key] = source
-            return value
-        if name in self.preset_values:
-            self.sources[key] = self.preset_sources[name]
-            return self.preset_values[name]
-        self.sources[key] = "default"
-        return default
-
-    def chose(self, name: str, value: Any, reason: str) -> Any:
-        self.sources[name] = "planner"
-        self.reasons.append(reason)
-        return value
 
 
 @dataclass(frozen=True)
@@ -113,14 +69,14 @@ def check_distributed_method(method: str | None, distributed: str | None) -> Non
     _raise_problems(_distributed_method_problems(method, distributed))
 
 
-def _given_value_problems(r: _Resolver, hardware: Hardware, model: ModelChoice, stats: DataStats,
+def _given_value_problems(r: Resolver, hardware: Hardware, model: ModelChoice, stats: DataStats,
                           world_size: int) -> list[_Problem]:
     """Everything wrong with the given values, before any choice is made. Each
     check reads only given values and facts, so one run reports them all; a value
     out of range is not checked further."""
     problems, invalid = [], set()
-    for name, (value, _) in r.overrides.items():
-        found = validate_preset_values({name: value}, "flag") if name in r.preset_values else []
+    for name, value in r.given_values().items():
+        found = validate_preset_values({name: value}, "flag") if r.in_preset(name) else []
         invalid.update([name] if found else [])
         problems += [_Problem(p.removeprefix("flag: ")) for p in found]
     if r.given_value("mixed_precision") == "fp16" and not hardware.has_gpu:
@@ -146,7 +102,7 @@ def _no_row_problem(max_seq_len: int) -> _Problem:
                     "Raise --max-seq-len, or shorten the prompts in the data.")
 
 
-def _choose_max_seq_len(r: _Resolver, stats: DataStats, model: ModelChoice) -> int:
+def _choose_max_seq_len(r: Resolver, stats: DataStats, model: ModelChoice) -> int:
     if r.given("max_seq_len"):
         return r.get("max_seq_len")  # checked against the model's context with the other given values
     cap = min(r.get("max_seq_len"), model.max_context)
@@ -156,7 +112,7 @@ def _choose_max_seq_len(r: _Resolver, stats: DataStats, model: ModelChoice) -> i
         return r.chose("max_seq_len", rounded,
                        f"max_seq_len {rounded}: covers {LENGTH_PERCENTILE}% of rows "
                        f"(p{LENGTH_PERCENTILE} = {covering} tokens, from the {stats.length_source}); shorter batches run faster")
-    r.reasons.append(f"max_seq_len {cap}: capped by the "
+    r.note(f"max_seq_len {cap}: capped by the "
                      f"{'preset' if cap < model.max_context else 'model context'}; "
                      f"p{LENGTH_PERCENTILE} of the data is {covering} tokens")
     return cap
@@ -170,14 +126,15 @@ def steps_per_epoch(train_rows: int, micro_batch_size: int, grad_accum: int) -> 
 # ------------------------------------------------------------- plan steps
 
 
-def _precision_and_length(r: _Resolver, hardware: Hardware, stats: DataStats, model: ModelChoice) -> tuple[str, int, int]:
+def _precision_and_length(r: Resolver, hardware: Hardware, stats: DataStats, model: ModelChoice) -> tuple[str, int, int]:
     """(mixed precision, max_seq_len, training rows that keep a trained token)."""
-    r.warnings += [hardware.torch_note] if hardware.torch_note else []  # GPUs found that torch cannot use
+    if hardware.torch_note:  # GPUs found that torch cannot use
+        r.warn(hardware.torch_note)
     precision = r.get("mixed_precision", hardware.mixed_precision)
     if not r.given("mixed_precision"):
         r.chose("mixed_precision", precision, hardware.precision_reason)  # plan.json keeps "no" for fp32
     elif precision == "bf16" and not hardware.has_gpu and not hardware.cpu_bf16:
-        r.warnings.append("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): slower than --mixed-precision no")
+        r.warn("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): slower than --mixed-precision no")
     max_seq_len = _choose_max_seq_len(r, stats, model)
     train_rows = stats.rows_kept(max_seq_len)
     if train_rows == 0:
@@ -198,7 +155,7 @@ class _Batch:
     memory_shape: dict[str, Any]  # the rest of the memory estimate's arguments: LoRA rank, targets, shards
 
 
-def _accumulation(r: _Resolver, target: int, micro: int, world_size: int) -> tuple[int, int]:
+def _accumulation(r: Resolver, target: int, micro: int, world_size: int) -> tuple[int, int]:
     """(gradient accumulation, effective batch): the effective batch of `target` rows."""
     if r.given("grad_accum"):
         accum = r.get("grad_accum")
@@ -207,7 +164,7 @@ def _accumulation(r: _Resolver, target: int, micro: int, world_size: int) -> tup
         world = f" x {world_size} processes" if world_size > 1 else ""
         r.chose("grad_accum", accum, f"gradient accumulation {accum}: {micro} x {accum}{world} reaches the "
                                      f"effective batch of {target}")
-    r.sources["effective_batch_size"] = "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "planner"
+    r.record("effective_batch_size", "flag" if r.given("micro_batch_size") and r.given("grad_accum") else "planner")
     return accum, micro * accum * world_size
 
 
@@ -219,14 +176,17 @@ class _Schedule:
     warmup_steps: int
 
 
-def _schedule(r: _Resolver, train_rows: int, micro: int, accum_over_processes: int) -> _Schedule:
+def _schedule(r: Resolver, train_rows: int, micro: int, accum_over_processes: int) -> _Schedule:
     per_epoch = steps_per_epoch(train_rows, micro, accum_over_processes)
     epochs = r.get("epochs")
     max_steps = r.get("max_steps")
     total = max_steps if max_steps else total_steps(epochs, per_epoch)
-    r.sources["total_steps"] = r.sources.pop("max_steps") if max_steps else "planner"
+    if max_steps:
+        r.rename("max_steps", "total_steps")
+    else:
+        r.record("total_steps", "planner")
     warmup_steps = int(r.get("warmup_ratio") * total)
-    r.sources["warmup_steps"] = r.sources.pop("warmup_ratio")
+    r.rename("warmup_ratio", "warmup_steps")
     return _Schedule(per_epoch, epochs, total, warmup_steps)
 
 
@@ -234,13 +194,13 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) -> tuple[int, int, int]:
+def _evaluation_and_saving(r: Resolver, eval_rows: int, schedule: _Schedule) -> tuple[int, int, int]:
     """(eval_every, early-stopping patience, save_every)."""
     evals_per_epoch = r.get("evals_per_epoch", 1)
-    r.sources.pop("evals_per_epoch")  # not a plan value: eval_every is
+    r.forget("evals_per_epoch")  # not a plan value: eval_every is
     if eval_rows == 0:
         eval_every = 0
-        r.sources["eval_every"] = "planner"
+        r.record("eval_every", "planner")
     elif r.given("eval_every"):
         eval_every = r.get("eval_every")
     else:
@@ -255,7 +215,7 @@ def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) ->
         eval_every = r.chose("eval_every", every, f"evaluate every {_count(every, 'step')}: {why}")
     patience = r.get("early_stopping_patience")
     if patience and not eval_every:  # from the preset: a given patience was refused with the given values
-        r.reasons.append("early stopping off: there are no evaluation rows to watch")
+        r.note("early stopping off: there are no evaluation rows to watch")
         patience = 0
     save_every = r.get("save_every")
     if not save_every:
@@ -266,13 +226,13 @@ def _evaluation_and_saving(r: _Resolver, eval_rows: int, schedule: _Schedule) ->
     return eval_every, patience, save_every
 
 
-def _lora_settings(r: _Resolver, method: str, model: ModelChoice) -> LoraSettings | None:
+def _lora_settings(r: Resolver, method: str, model: ModelChoice) -> LoraSettings | None:
     if method == "full":
         return None
     settings = LoraSettings(r=r.get("lora_r"), alpha=r.get("lora_alpha"), dropout=r.get("lora_dropout"),
                             target_modules=model.target_modules)
     for name in ("lora_r", "lora_alpha", "lora_dropout"):
-        r.sources[f"lora.{name.removeprefix('lora_')}"] = r.sources.pop(name)
+        r.rename(name, f"lora.{name.removeprefix('lora_')}")
     return settings
 
 
@@ -328,7 +288,7 @@ class Planner:
         name, why = cpu_choice(list(estimates.items()), smallest.name)
         return next(c for c in candidates if c.name == name), f"model {name}: no GPU found; {why}"
 
-    def _method_and_batch(self, r: _Resolver, model: ModelChoice, stats: DataStats, precision: str, max_seq_len: int,
+    def _method_and_batch(self, r: Resolver, model: ModelChoice, stats: DataStats, precision: str, max_seq_len: int,
                           target: int, world_size: int) -> _Batch:
         """The method and micro-batch (per process) with the most rows per step,
         and gradient checkpointing only where the micro-batch needs it."""
@@ -373,18 +333,18 @@ class Planner:
             r.chose("gradient_checkpointing", True,
                     f"gradient checkpointing on: without it the micro-batch would be under {cap}; costs about 30% more compute")
         else:
-            r.sources["gradient_checkpointing"] = "planner"
+            r.record("gradient_checkpointing", "planner")
         return _Batch(distributed, method, micro, bool(checkpointing), shape)
 
-    def _memory(self, r: _Resolver, model: ModelChoice, batch: _Batch, max_seq_len: int, precision: str) -> MemoryEstimate:
+    def _memory(self, r: Resolver, model: ModelChoice, batch: _Batch, max_seq_len: int, precision: str) -> MemoryEstimate:
         """The estimated peak of one process; a warning, not a refusal, over the safe budget (the user may know better)."""
         memory = self._memory_estimator(model.arch).estimate(
             batch.method, batch.micro_batch_size, max_seq_len, precision, batch.gradient_checkpointing,
             **batch.memory_shape)
         if memory.fits:
-            r.reasons.append(f"estimated peak memory {memory.summary()}")
+            r.note(f"estimated peak memory {memory.summary()}")
         else:
-            r.warnings.append(f"the estimated peak ({memory.summary()}) exceeds the safe budget; out-of-memory is likely")
+            r.warn(f"the estimated peak ({memory.summary()}) exceeds the safe budget; out-of-memory is likely")
         return memory
 
     def plan(self, model: ModelChoice, stats: DataStats, overrides: Overrides,
@@ -397,9 +357,10 @@ class Planner:
         self.budget = self.machine_budget // world_size if not hardware.has_gpu else self.machine_budget
         objective = objective_named(overrides.get("objective", (SFT.name, ""))[0])
         preset_values = preset.resolve(stats.train_rows + stats.eval_rows, model.arch.params, objective.name)
-        r = _Resolver(overrides, preset_values)
+        r = Resolver(overrides, preset_values)
         _raise_problems(_given_value_problems(r, hardware, model, stats, world_size))
-        r.reasons += preset_values.model_size_reasons(set(overrides), model.arch.params)
+        for reason in preset_values.model_size_reasons(set(overrides), model.arch.params):
+            r.note(reason)
 
         precision, max_seq_len, train_rows = _precision_and_length(r, hardware, stats, model)
         target = max(1, min(r.get("effective_batch_size"), train_rows))
@@ -420,9 +381,9 @@ class Planner:
                                     threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every),
                                     schedule.total_steps * replayed_per_step(replay, effective))
 
-        r.sources["model"] = model.source
-        r.sources["preset"] = preset_source
-        r.sources.pop("eval_split", None)
+        r.record("model", model.source)
+        r.record("preset", preset_source)
+        r.forget("eval_split")
         return Plan(
             model=model.name, family=model.family, model_type=model.model_type, preset=preset.name,
             method=batch.method, micro_batch_size=micro, grad_accum=accum, effective_batch_size=effective,
@@ -443,7 +404,3 @@ class Planner:
             distributed=batch.distributed, optimizer=batch.memory_shape["optimizer"], packing=packing,
             compile=compiled, cpu_threads=threads, reasons=tuple(r.reasons), warnings=tuple(r.warnings), sources=r.sources,
         )
-
-
-# The seed's name, kept importable: the planner chooses values, it does not optimize them.
-ParameterOptimizer = Planner

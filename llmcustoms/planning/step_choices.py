@@ -10,24 +10,23 @@ fit (`sizing.fit_with_optimizer`).
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.objective_kinds import Objective
 from llmcustoms.planning.plan import DEFAULT_REPLAY
+from llmcustoms.planning.resolver import Resolver
 
 KERNELS = {"flash-attn": "FlashAttention-2 from flash-attn", "torch": "torch's varlen FlashAttention"}
 
 
-def choose_packing(r: Any, hardware: Hardware, objective: Objective, precision: str) -> bool:
+def choose_packing(r: Resolver, hardware: Hardware, objective: Objective, precision: str) -> bool:
     """On with Ampere or newer GPUs, varlen attention and half precision (what the
     kernels need), for SFT; preference pairs are never packed, and a model with
     its own code may not use transformers' attention functions. `r`: the planner's resolver."""
     if not objective.packable:
         if r.given_value("packing"):
-            r.reasons.append("--packing ignored: preference pairs run as padded pairs")
-        r.sources.pop("packing", None)
+            r.note("--packing ignored: preference pairs run as padded pairs")
+        r.forget("packing")
         return False
     if r.given("packing"):
         return bool(r.get("packing"))
@@ -36,19 +35,19 @@ def choose_packing(r: Any, hardware: Hardware, objective: Objective, precision: 
         return r.chose("packing", True, f"packing on: each micro-batch's rows run as one sequence with per-row "
                                         f"positions ({KERNELS[hardware.varlen_attention]}), so no compute goes to "
                                         "padding and short rows share a forward pass; same loss (--no-packing: off)")
-    r.sources["packing"] = "default"
+    r.record("packing", "default")
     return False
 
 
-def choose_compile(r: Any) -> bool:
+def choose_compile(r: Resolver) -> bool:
     """Off unless asked for: compiling costs minutes up front, and where it pays off (long GPU runs) is not measured yet."""
     compiled = bool(r.get("compile", False))
     if compiled:
-        r.reasons.append("torch.compile on: the first steps compile the model (slower), later ones run faster")
+        r.note("torch.compile on: the first steps compile the model (slower), later ones run faster")
     return compiled
 
 
-def choose_replay(r: Any, objective: Objective, world_size: int) -> float:
+def choose_replay(r: Resolver, objective: Objective, world_size: int) -> float:
     """--replay as given; by default DEFAULT_REPLAY for supervised rows in one process (`training/replay.py`:
     preference pairs are not a language model's loss, and several processes would each generate the replies)."""
     if r.given_value("replay") is not None:
@@ -56,24 +55,24 @@ def choose_replay(r: Any, objective: Objective, world_size: int) -> float:
     return DEFAULT_REPLAY if objective.token_loss and world_size == 1 else 0.0
 
 
-def choose_distributed(r: Any, world_size: int) -> str:
+def choose_distributed(r: Resolver, world_size: int) -> str:
     """"none", "ddp" or "fsdp"; FSDP means full fine-tuning (it sets the method
     when none was given; an adapter method was refused with the given values,
     since its few trained weights gain nothing from sharding while every layer
     would pay for gathering)."""
     if world_size == 1:
         if r.given("distributed"):
-            r.reasons.append(f"--distributed {r.get('distributed')} ignored: one process")
-            r.sources.pop("distributed", None)
+            r.note(f"--distributed {r.get('distributed')} ignored: one process")
+            r.forget("distributed")
         return "none"
     if not r.given("distributed"):
-        r.sources["distributed"] = "planner"
+        r.record("distributed", "planner")
         return "ddp"
     choice = r.get("distributed")
     if choice == "fsdp" and r.given_value("optimizer") not in (None, "adamw"):
         raise ConfigError(f"--optimizer {r.given_value('optimizer')} cannot work on FSDP's shards.",
                           "Use --optimizer adamw with --distributed fsdp.")
     if choice == "fsdp" and not r.given("method"):
-        r.overrides["method"] = ("full", r.sources["distributed"])
-        r.reasons.append("method full: --distributed fsdp shards full fine-tuning over the processes")
+        r.imply("method", "full", r.source_of("distributed"))
+        r.note("method full: --distributed fsdp shards full fine-tuning over the processes")
     return choice

@@ -31,7 +31,7 @@ def synthetic_curve(lrs: list[float], noise: float = 0.0, seed: int = 0) -> list
         x = math.log10(lr)
         fall = 2.0 / (1 + math.exp(-3 * (x + 3)))  # half-way down at 1e-3
         blow_up = math.exp(8 * max(0.0, x + 1.5)) - 1  # from 3e-2 on
-        sft.append(5.0 - fall + blow_up + noise * rng.standard_normal())
+        losses.append(5.0 - fall + blow_up + noise * rng.standard_normal())
     return losses
 
 
@@ -206,7 +206,7 @@ def test_divergence_stops_the_range_test(tmp_path, tiny_models, monkeypatch):
         loss, sums = real(model, batch, normaliser)
         return loss * (50.0 if len(calls) > 8 else 1.0), sums
 
-    monkeypatch.setattr(losses, "token_cross_entropy", blowing_up)
+    monkeypatch.setattr(sft, "token_cross_entropy", blowing_up)
     prepared = prepare_run(TrainOptions(data=str(DATA_FILES["alpaca"]), model=str(tiny_models["llama"])),
                            Hardware.cpu_only())
     result = lrfind.run_range_test(prepared, lrfind.RangeTest(steps=30))

@@ -210,13 +210,13 @@ def test_on_two_cores_the_suggestion_is_usable_and_the_7b_models_are_marked_slow
     preset = load_preset("quality")
     hardware = Hardware.cpu_only(24, cores=2)  # the machine of the complaint
     stats = planning_stats(read_dataset(data), preset)
-    monkeypatch.setattr(hubaccess, "is_cached", lambda hub_id: hub_id == SMOLLM2[0])
+    monkeypatch.setattr(hub_access, "is_cached", lambda hub_id: hub_id == SMOLLM2[0])
     offers = {offer.hub_id: offer for offer in model_offers(hardware, preset, stats, 256)}
     assert offers[SMOLLM2[0]].where == hub_access.CACHED and offers[SMOLLM2[1]].where == hub_access.UNAVAILABLE
     big = offers["mistralai/Mistral-7B-Instruct-v0.3"]
     assert big.method == "qlora" and big.seconds > 10 * CPU_TIME_LIMIT_S > offers[SMOLLM2[0]].seconds
     assert suggested_model(hardware, preset, stats, list(offers.values()))[0] == SMOLLM2[0]
-    monkeypatch.setattr(hubaccess, "is_cached", lambda hub_id: False)
+    monkeypatch.setattr(hub_access, "is_cached", lambda hub_id: False)
     offline = model_offers(hardware, preset, stats, 256)
     assert suggested_model(hardware, preset, stats, offline)[0] is None
 

@@ -215,7 +215,7 @@ def test_parquet_text_that_is_not_utf8_is_an_error_at_its_row(tmp_path):
 # --- the size limit on one row (lowered here so the test writes kilobytes, not 64 MiB)
 
 def test_a_jsonl_line_over_the_limit_is_a_bad_row_skipped_unread(monkeypatch, tmp_path):
-    monkeypatch.setattr(rawrows, "MAX_ROW_BYTES", 4096)
+    monkeypatch.setattr(raw_rows, "MAX_ROW_BYTES", 4096)
     long_row = json.dumps({"instruction": SECRET, "output": "x" * 10_000})
     path = tmp_path / "long.jsonl"
     path.write_bytes(jsonl(alpaca, long_row) + json.dumps(alpaca(99)).encode() + b"\n")
@@ -237,7 +237,7 @@ def test_a_jsonl_line_over_the_limit_is_a_bad_row_skipped_unread(monkeypatch, tm
     ("cell.csv", 'instruction,output\nq,"' + "x\n" * 3000 + '"\n', "cell.csv, line 2: longer than"),
 ])
 def test_a_row_over_the_limit_where_the_next_cannot_be_found_is_an_error(monkeypatch, tmp_path, name, content, said):
-    monkeypatch.setattr(rawrows, "MAX_ROW_BYTES", 4096)
+    monkeypatch.setattr(raw_rows, "MAX_ROW_BYTES", 4096)
     path = tmp_path / name
     path.write_text(content)
     with pytest.raises(DataError) as error:

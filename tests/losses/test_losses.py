@@ -71,8 +71,8 @@ def test_chunked_loss_equals_one_pass(tiny_models, family, monkeypatch):
 
     chunks = []
     original = sft._chunk_loss
-    monkeypatch.setattr(losses, "_chunk_loss", lambda h, *rest: chunks.append(len(h)) or original(h, *rest))
-    monkeypatch.setattr(losses, "CHUNK_LOGITS", 5 * base.config.vocab_size)  # 5 positions a chunk
+    monkeypatch.setattr(sft, "_chunk_loss", lambda h, *rest: chunks.append(len(h)) or original(h, *rest))
+    monkeypatch.setattr(sft, "CHUNK_LOGITS", 5 * base.config.vocab_size)  # 5 positions a chunk
     chunked, _ = token_cross_entropy(model, batch, normaliser)
     grads = torch.autograd.grad(chunked, trained)
 

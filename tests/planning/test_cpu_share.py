@@ -81,12 +81,12 @@ def test_the_slow_down_follows_the_share_of_the_cpu_the_run_gets():
 
 
 def test_detection_reads_the_load_less_this_process_and_omp_num_threads(monkeypatch):
-    monkeypatch.setattr(hardware_module, "_busy_now", lambda: None)  # where it cannot be measured: the load average
-    monkeypatch.setattr(hardware_module, "_load_average", lambda: 3.0)
+    monkeypatch.setattr(hardware, "_busy_now", lambda: None)  # where it cannot be measured: the load average
+    monkeypatch.setattr(hardware, "_load_average", lambda: 3.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     found = hardware.detect()
     assert 2.0 < found.cpu_load <= 3.0 and found.omp_threads == 1
-    monkeypatch.setattr(hardware_module, "_load_average", lambda: None)
+    monkeypatch.setattr(hardware, "_load_average", lambda: None)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert hardware.detect().cpu_load is None and hardware.detect().omp_threads is None
     # A process that kept a core busy for the last two minutes made most of a load of 1 itself.
@@ -107,7 +107,7 @@ def test_several_processes_share_the_free_cores_and_say_so():
 
 
 def test_the_cpu_use_measured_now_wins_over_the_lagging_load_average(monkeypatch):
-    monkeypatch.setattr(hardware_module, "_load_average", lambda: 1.9)  # a test suite that ended a minute ago
-    monkeypatch.setattr(hardware_module, "_busy_now", lambda: 0.05)
+    monkeypatch.setattr(hardware, "_load_average", lambda: 1.9)  # a test suite that ended a minute ago
+    monkeypatch.setattr(hardware, "_busy_now", lambda: 0.05)
     assert hardware.detect().cpu_load == 0.05
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from llmcustoms.planning import options
 from llmcustoms.cli import app
-from llmcustoms.planning.planner import OVERRIDABLE
+from llmcustoms.planning.resolver import OVERRIDABLE
 from llmcustoms.planning.presets import TUNABLE_FIELDS, validate_preset_values
 from llmcustoms.planning.settings import SETTINGS, example_file
 from tiny_models import WIDE

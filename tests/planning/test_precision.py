@@ -87,9 +87,9 @@ def test_the_plan_command_names_the_precision_and_why(cli, tmp_path, tiny_models
 
 
 def test_detect_reads_this_machines_flags(monkeypatch):
-    monkeypatch.setattr(hardware_module, "_read_cpuinfo", lambda: CPUINFO.format(flags=FLAGS + " amx_bf16"))
+    monkeypatch.setattr(hardware, "_read_cpuinfo", lambda: CPUINFO.format(flags=FLAGS + " amx_bf16"))
     assert hardware.detect().cpu_bf16 == "AMX"
-    monkeypatch.setattr(hardware_module, "_read_cpuinfo", lambda: "")
+    monkeypatch.setattr(hardware, "_read_cpuinfo", lambda: "")
     assert hardware.detect().mixed_precision == "no" or hardware.detect().has_gpu
 
 

@@ -67,12 +67,12 @@ def test_liger_fused_loss_matches_the_chunked_loss(tiny_models, monkeypatch):
     trained = [p for p in model.parameters() if p.requires_grad]
     used = []
     original = sft._liger_loss
-    monkeypatch.setattr(losses, "_liger_loss", lambda *a: used.append(1) or original(*a))
+    monkeypatch.setattr(sft, "_liger_loss", lambda *a: used.append(1) or original(*a))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fused, _ = token_cross_entropy(model, batch, normaliser)
     fused_grads = torch.autograd.grad(fused, trained)
     assert used and fused.dtype == torch.float32
-    monkeypatch.setattr(losses, "_liger_loss", lambda *a: None)
+    monkeypatch.setattr(sft, "_liger_loss", lambda *a: None)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         plain, _ = token_cross_entropy(model, batch, normaliser)
     plain_grads = torch.autograd.grad(plain, trained)
