@@ -108,10 +108,23 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
     return {family: build_model(family, root / f"tiny-{family}") for family in TEMPLATE_FAMILIES}
 
 
+_FORK_SERVER: list = []  # this process's fork server, started at the first command (`fork_server.py`)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,
             input: str | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m llmcustoms ARGS` as a real subprocess."""
+    """Run `python -m llmcustoms ARGS` as a process of its own: forked from a server that has
+    torch and transformers imported already (`fork_server.py`; TESTS_NO_FORK_SERVER=1: never),
+    or a real subprocess where the environment differs in what a library reads at import."""
     full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
+    if not os.environ.get("TESTS_NO_FORK_SERVER"):
+        from fork_server import ForkServer
+
+        if not _FORK_SERVER:
+            _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
+        result = _FORK_SERVER[0].run(list(args), full_env, cwd, input, timeout)
+        if result is not None:
+            return result
     return subprocess.run([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout, input=input)
 
