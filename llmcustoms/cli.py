@@ -108,8 +108,8 @@ def plan(vram: flags.Vram = None, json_output: flags.Json = False, env_file: fla
     The model, method, batch shape and schedule, and whether it fits in memory."""
     with ending(json_errors=json_output):
         quiet_libraries()
-        from llmcustoms.commands.preparation import prepare_run
         from llmcustoms.planning.hardware import GIB, Hardware
+        from llmcustoms.preparation.preparing import prepare_run
         from llmcustoms.training import preflight
         from llmcustoms.training.base_replies import planned_with_kept_answers
         from llmcustoms.ui.data_view import PreparationProgress, show_prepared

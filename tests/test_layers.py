@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).parent.parent / "llmcustoms"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # The folders, lowest first: a module may import from its own folder and the
 # folders before it, never from one after it. CONTRIBUTING.md says what each holds.
-FOLDERS = ("planning", "recovery", "data", "runs", "models", "losses", "training", "ui", "commands")
+FOLDERS = ("planning", "recovery", "data", "runs", "models", "preparation", "losses", "training", "ui", "commands")
 # Modules at the top: two leaves everything may import (they import nothing of
 # ours), and the command line, which may import everything and which nothing imports.
 LEAVES = {"errors", "reporting"}

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 from llmcustoms.errors import ConfigError
 from llmcustoms.planning.objectives import needs_cached_reference
 from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.prepared_run import PreparedRun
 
 DEFAULT_STEPS = 100
 START_LR, END_LR = 1e-7, 1.0
@@ -254,7 +255,7 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     """The body of `lr-find`: prepare as `train` would, run the range test,
     save and show it. A curve with no suggestion ends in an error (exit 2),
     after the curve is shown and saved."""
-    from llmcustoms.commands.preparation import prepare_run
+    from llmcustoms.preparation.preparing import prepare_run
     from llmcustoms.training.preflight import usable_hardware
     from llmcustoms.ui import tune_view
     from llmcustoms.ui.data_view import PreparationProgress, show_prepared
@@ -274,7 +275,7 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     return result
 
 
-def _run_and_save(prepared: Any, test: RangeTest, output_dir: Path) -> tuple[RangeTestResult, Path]:
+def _run_and_save(prepared: PreparedRun, test: RangeTest, output_dir: Path) -> tuple[RangeTestResult, Path]:
     from llmcustoms.ui import tune_view
 
     with tune_view.RangeTestDisplay(test.steps_for(prepared.plan.total_steps)) as display:
@@ -317,7 +318,7 @@ def centre_study(study: Any, output_dir: Path, run_missing: bool = True) -> Any:
 # -------------------------------------------------------------- the loop
 
 
-def run_range_test(prepared: Any, test: RangeTest,
+def run_range_test(prepared: PreparedRun, test: RangeTest,
                    on_step: Callable[[Row], None] = lambda row: None) -> RangeTestResult:
     """The range test on a prepared run (`preparation.prepare_run`)."""
     import gc

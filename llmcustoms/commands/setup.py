@@ -24,7 +24,6 @@ from typing import Callable
 
 from llmcustoms.commands import example_data
 from llmcustoms.commands.env_writing import check_writable, write_env
-from llmcustoms.commands.preparation import estimated_stats, prepare_run
 from llmcustoms.data.dataset import BAD_ROW_SHARE, Dataset, read_dataset
 from llmcustoms.data.splits import eval_fraction, split_eval
 from llmcustoms.errors import ConfigError, DataError, LlmcustomsError
@@ -39,6 +38,8 @@ from llmcustoms.planning.planner import DEFAULT_SEED, Planner
 from llmcustoms.planning.presets import TrainingPreset, builtin_preset_names, find_model_spec, load_families, load_preset
 from llmcustoms.planning.settings import PREFIX, read_env_file
 from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.prepared_run import estimated_stats
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.ui import dialog
 
 GOALS = {
@@ -151,7 +152,7 @@ def offer_skipping(path: str, error: DataError) -> tuple[Dataset | None, str | N
 
 def run_wizard(hardware: Hardware, env_file: Path, data: str | None) -> list[str]:
     """Ask, then write `env_file`. Returns the train command to run next."""
-    from llmcustoms.commands.preparation import cache_dir
+    from llmcustoms.data.token_cache import cache_dir
     from llmcustoms.runs.speeds import with_measured_speeds
 
     check_writable(env_file)  # before a single question: the answers would be lost

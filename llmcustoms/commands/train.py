@@ -19,14 +19,39 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.data.dataset import read_dataset
+from llmcustoms.data.token_cache import cache_dir
 from llmcustoms.errors import LlmcustomsError
 from llmcustoms.models.loading import Allowed
 from llmcustoms.planning.options import Given
+from llmcustoms.planning.planner import check_distributed_method
 from llmcustoms.planning.settings import Settings, load_settings
-from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.planning.train_options import TrainOptions, train_options
+from llmcustoms.preparation.prepared_run import PreparedRun, no_progress
+from llmcustoms.preparation.preparing import prepare_resume, prepare_run
+from llmcustoms.recovery.faults import FaultInjector
+from llmcustoms.recovery.recovery_system import (
+    RestartNeeded,
+    TrainingFailed,
+    TrainingInterrupted,
+    TrainingRecoverySystem,
+    create_failure_report,
+)
 from llmcustoms.runs import overwriting, read_only, run_lock
 from llmcustoms.runs.checkpoints import CheckpointManager, ResumeFrom, step_named
+from llmcustoms.runs.failure_report import describe, save_failure_report
+from llmcustoms.runs.run_directory import RunDirectory, default_run_name, find_unfinished_run
+from llmcustoms.runs.run_log import LoggingReporter, completed_text, failed_text, plan_line
+from llmcustoms.runs.speeds import record_speed
+from llmcustoms.runs.tracking import TrackingReporter, check_tracker
 from llmcustoms.training import launching
+from llmcustoms.training.base_replies import planned_with_kept_answers
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.training.preflight import as_disk_full, check_disk_space, disk_full_failure, usable_hardware
+from llmcustoms.training.samples import run_samples
+from llmcustoms.ui import console
+from llmcustoms.ui.data_view import PreparationProgress, show_prepared
+from llmcustoms.ui.train_view import make_reporter
 
 
 @dataclass(frozen=True)
@@ -73,8 +98,6 @@ class Session:
 
     def train_options(self) -> Any:
         """What to train, as `preparation.TrainOptions`; what is not given, the plan decides."""
-        from llmcustoms.planning.train_options import train_options
-
         return train_options(self.settings)
 
     @property
@@ -83,8 +106,6 @@ class Session:
 
     def tracker(self) -> str:
         """The metrics tracker asked for; an error now if its package is missing."""
-        from llmcustoms.runs.tracking import check_tracker
-
         return check_tracker(self.settings.get("report_to") or "none")
 
     def resume_options(self) -> list[str]:
@@ -114,10 +135,6 @@ class Session:
 def launch_train(options: TrainOptions, session: Session, launch: Launch, run_name: str | None, overwrite: bool,
                  yes: bool) -> int:
     """Check what can be checked once, then start every process of the run."""
-    from llmcustoms.data.dataset import read_dataset
-    from llmcustoms.planning.planner import check_distributed_method
-    from llmcustoms.runs.run_directory import RunDirectory, default_run_name
-
     # Refused here, once (exit 2), rather than by every process behind the
     # launcher, whose own report would bury the message.
     check_distributed_method(options.override("method", None), options.override("distributed", None))
@@ -142,8 +159,6 @@ def train(options: TrainOptions, session: Session, run_name: str | None, overwri
     A named run is locked before anything else: a second `train` of the same
     name (or `--overwrite` of a run that is training) is refused before its
     data preparation, not after it."""
-    from llmcustoms.runs.run_directory import RunDirectory
-
     if run_name and not launching.inside_launch():
         with run_lock.owning(RunDirectory.inside(session.output_dir, run_name).path, "starting another run in it"):
             return _train(options, session, run_name, overwrite, yes, confirm)
@@ -152,12 +167,6 @@ def train(options: TrainOptions, session: Session, run_name: str | None, overwri
 
 def _train(options: TrainOptions, session: Session, run_name: str | None, overwrite: bool, yes: bool,
            confirm: Callable[[str], bool]) -> Any:
-    from llmcustoms.commands.preparation import no_progress, prepare_run
-    from llmcustoms.runs.run_directory import RunDirectory, default_run_name
-    from llmcustoms.training.base_replies import planned_with_kept_answers
-    from llmcustoms.training.preflight import check_disk_space, usable_hardware
-    from llmcustoms.ui import console
-    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
     tracker = session.tracker()
     world = launching.world_size()
@@ -206,8 +215,6 @@ def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int
 def _resumable(run_dir: Path | None, session: Session) -> Any:
     """The run to continue, refused if finished (unless its length changes) or
     being trained right now, or if --from, --epochs or --max-steps cannot be done."""
-    from llmcustoms.runs.run_directory import RunDirectory, find_unfinished_run
-
     directory = RunDirectory(run_dir) if run_dir else find_unfinished_run(session.output_dir)
     plan, start = session.allowed.applied_to(directory.read_plan()), session.start  # remote code refused here
     status = directory.read_status()
@@ -237,9 +244,6 @@ def resume(run_dir: Path | None, session: Session) -> Any:
 
 
 def _resume(run_dir: Path | None, session: Session) -> Any:
-    from llmcustoms.commands.preparation import prepare_resume
-    from llmcustoms.training.preflight import check_disk_space
-    from llmcustoms.ui import console
 
     directory = _resumable(run_dir, session)
     plan = session.allowed.applied_to(directory.read_plan())
@@ -273,12 +277,9 @@ def _resume(run_dir: Path | None, session: Session) -> Any:
                         cache=session.settings.get("cache_dir"))
 
 
-def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
+def _recover_before_restart(prepared: PreparedRun, restart: dict[str, Any], directory: Any) -> tuple[Any, Any]:
     """The resumed run's plan after the failure a process reported (the same on
     every process), or the failure report if recovery has run out of options."""
-    from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingRecoverySystem
-    from llmcustoms.ui import console
-
     try:
         plan, recovery = TrainingRecoverySystem().after_oom(prepared.plan, int(restart["step"]))
     except TrainingFailed as failed:
@@ -294,27 +295,18 @@ def _recover_before_restart(prepared: Any, restart: dict[str, Any], directory: A
 def wait_for_all_processes(world: int) -> None:
     """A barrier between the processes of a distributed run (nothing with one process)."""
     if world > 1:
-        import torch
+        import torch  # only with several processes: one process never starts the distributed state
         from accelerate import PartialState
 
         # The same cpu= as the trainer's Accelerator: the first state made is the one kept.
         PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
 
 
-def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | ResumeFrom, tracker: str = "none",
+def run_training(prepared: PreparedRun, run_dir: Any, quiet: bool, resume: bool | ResumeFrom, tracker: str = "none",
                  faults_spent_through: int = 0, cache: str | None = None) -> Any:
     """Train (or resume); show how it ended if it did not finish, and re-raise;
     train.log says how it ended either way. `cache`: the cache directory, where
     the measured speed is kept."""
-    from llmcustoms.recovery.faults import FaultInjector
-    from llmcustoms.recovery.recovery_system import RestartNeeded, TrainingFailed, TrainingInterrupted
-    from llmcustoms.runs.run_log import LoggingReporter, completed_text, plan_line
-    from llmcustoms.runs.tracking import TrackingReporter
-    from llmcustoms.training.finetuner import FineTuner
-    from llmcustoms.training.samples import run_samples
-    from llmcustoms.ui import console
-    from llmcustoms.ui.train_view import make_reporter
-
     main = launching.is_main_process()
     # One writer of train.log, as of every file of the run: the main process. The plan: the ETA counts the end too.
     reporter = LoggingReporter(TrackingReporter.wrap(make_reporter(quiet, console.console, console.err_console, prepared.plan),
@@ -352,7 +344,6 @@ def run_training(prepared: Any, run_dir: Any, quiet: bool, resume: bool | Resume
 
 
 def _say_interrupted(stop: Any, run_dir: Any, log: Any) -> None:
-    from llmcustoms.ui import console
 
     command = (launching.resume_hint(run_dir.path) if launching.world_size() > 1
                else f"llmcustoms resume {run_dir.path}")
@@ -364,9 +355,6 @@ def _say_interrupted(stop: Any, run_dir: Any, log: Any) -> None:
 def _say_failed(failed: Any, plan: Any, run_dir: Any, log: Any, main: bool) -> None:
     """The failure panel, the bug's traceback (not a full disk's: `preflight.as_disk_full`),
     and (from the main process) failure.json."""
-    from llmcustoms.training.preflight import as_disk_full
-    from llmcustoms.ui import console
-
     cause = failed.__cause__
     agreed = failed.report["kind"] == "disk_full"  # at a checkpoint, where every process stops together
     if main:
@@ -374,7 +362,7 @@ def _say_failed(failed: Any, plan: Any, run_dir: Any, log: Any, main: bool) -> N
     if main or not agreed:  # one panel for what every process knows
         console.show_failure(failed.report, run_dir.path)
     if cause is not None and failed.report["kind"] != "disk_full":  # a bug, not a recoverable condition: show where
-        import traceback
+        import traceback  # only for a bug's traceback
 
         traceback.print_exception(cause)
     if main:
@@ -388,11 +376,6 @@ def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> Non
     the model, saving the weights). A user error is the CLI's to say; a full disk is
     said, and raised as `TrainingFailed` (exit 1, no traceback); anything else is a
     bug: status.json and failure.json say so, and it goes on with its traceback."""
-    from llmcustoms.recovery.recovery_system import TrainingFailed, create_failure_report
-    from llmcustoms.runs.failure_report import describe
-    from llmcustoms.training.preflight import disk_full_failure
-    from llmcustoms.ui import console
-
     if isinstance(error, LlmcustomsError):
         log.write("error", f"stopped: {error}")
         return
@@ -409,10 +392,6 @@ def _record_escaped(error: Exception, tuner: Any, run_dir: Any, log: Any) -> Non
 
 def _report_failure(run_dir: Any, plan: Any, error: BaseException, report: dict[str, Any], log: Any) -> None:
     """failure.json, where it is said, and the ending in train.log."""
-    from llmcustoms.runs.failure_report import save_failure_report
-    from llmcustoms.runs.run_log import failed_text
-    from llmcustoms.ui import console
-
     said = save_failure_report(run_dir, plan, error, report)
     if said:
         console.err_console.print(console.escape(said), soft_wrap=True)  # the path whole, to copy
@@ -421,10 +400,6 @@ def _report_failure(run_dir: Any, plan: Any, error: BaseException, report: dict[
 
 def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
     """This run's measured speed, for the next plan's duration (`runs/speeds.py`)."""
-    from llmcustoms.commands.preparation import cache_dir
-    from llmcustoms.runs.speeds import record_speed
-    from llmcustoms.training.preflight import usable_hardware
-
     if not plan.objective_kind.token_loss:  # DPO's tokens/s include the reference's forward: not the speed plans are drawn from
         return
     try:
@@ -435,7 +410,6 @@ def _keep_speed(plan: Any, run_dir: Any, cache: str | None) -> None:
 
 
 def _exit_for_restart(restart: Any, run_dir: Any) -> None:
-    from llmcustoms.ui import console
 
     if restart.rank == launching.process_rank():  # one message, from the process that failed
         what = f"Process {restart.rank} ran out of memory at step {restart.step}, inside FSDP's collectives."

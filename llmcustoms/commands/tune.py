@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.commands.tune_confirm import FullLengthCheck, enqueue_preset, preset_trial
 from llmcustoms.commands.tune_identity import check_identity, choose_study, study_identity
 from llmcustoms.commands.tune_pareto import BaseGeneral, objective_values, pick, points, write_pareto
@@ -63,6 +62,7 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.presets import TrainingPreset
 from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory
@@ -103,7 +103,8 @@ class PreparedStudy:
 
 def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
-    from llmcustoms.commands.preparation import no_progress, prepare_run
+    from llmcustoms.preparation.prepared_run import no_progress
+    from llmcustoms.preparation.preparing import prepare_run
     from llmcustoms.training.preflight import usable_hardware
 
     if request.max_steps and request.budget_tokens:

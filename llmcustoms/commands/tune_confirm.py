@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.commands.tune_pareto import BaseGeneral, trial_loss
 from llmcustoms.commands.tune_space import full_plan
 from llmcustoms.commands.tune_studies import TuneSettings
+from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.reporting import Reporter
 from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory

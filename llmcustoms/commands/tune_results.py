@@ -13,12 +13,12 @@ from typing import Any
 
 import yaml
 
-from llmcustoms.commands.preparation import PreparedRun
 from llmcustoms.commands.tune_pareto import pareto_front, pick, points, trial_forgetting, trial_loss
 from llmcustoms.commands.tune_space import RUNG_ATTR
 from llmcustoms.commands.tune_studies import TuneSettings
 from llmcustoms.planning.plan import Plan
 from llmcustoms.planning.presets import TUNABLE_FIELDS, TrainingPreset, load_families, parse_preset
+from llmcustoms.preparation.prepared_run import PreparedRun
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.recovery.stop_signals import StopRequested
 from llmcustoms.runs.disk_writes import replace_file
 from llmcustoms.training.base_replies import answers_key, keep_answers, kept_answers
@@ -195,7 +196,7 @@ class GeneralKnowledge:
             self.warn(f"{GENERAL_FILE} not written ({error.strerror or error})")
 
 
-def general_check(prepared: Any, run_dir: Any, warn: Callable[[str], None]) -> GeneralKnowledge | None:
+def general_check(prepared: PreparedRun, run_dir: Any, warn: Callable[[str], None]) -> GeneralKnowledge | None:
     """The forgetting check of a run with evaluation rows (`preparation.PreparedRun`), or None without."""
     if not prepared.plan.eval_rows:
         return None

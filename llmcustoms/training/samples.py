@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from llmcustoms.data.dataset import usable_examples
 from llmcustoms.data.row_formats import Example
+from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.recovery.stop_signals import StopRequested
 from llmcustoms.reporting import Reporter
 from llmcustoms.training.base_replies import FOLDER, answers_key, keep_answers, kept_answers
@@ -88,7 +89,7 @@ def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SampleP
     return sorted(chosen, key=lambda p: p.row)
 
 
-def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
+def held_out_prompts(prepared: PreparedRun, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
     """Prompts from the run's evaluation rows (none without evaluation), each
     short enough to be answered within the plan's sequence length."""
     room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
@@ -101,7 +102,7 @@ def held_out_prompts(prepared: Any, count: int = SAMPLE_PROMPTS) -> list[SampleP
     return pick_prompts([e for e in usable_examples(source) if e.row in rows], count, plan.seed)
 
 
-def run_samples(prepared: Any, run_dir: Any, warn: Callable[[str], None]) -> "SampleReplies":
+def run_samples(prepared: PreparedRun, run_dir: Any, warn: Callable[[str], None]) -> "SampleReplies":
     """A run's sample replies (`train`, `resume`), with the forgetting check when it has evaluation rows."""
     return SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir, warn=warn,
                          general=general_check(prepared, run_dir, warn))

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.ui.console import console, escape
 
 # A preparation quicker than this shows no progress display at all.
@@ -50,7 +51,7 @@ class PreparationProgress:
         self.progress.update(task, completed=done, total=total, rate=rate)
 
 
-def show_prepared(prepared: Any, data_path: str) -> None:
+def show_prepared(prepared: PreparedRun, data_path: str) -> None:
     """What was found in the data, before the plan."""
     dataset = prepared.dataset
     line = (f"Data: [bold]{escape(data_path)}[/] - detected format [bold]{escape(dataset.format_description)}[/], "
@@ -94,7 +95,7 @@ def _show_facts(facts: dict[str, Any]) -> None:
         console.print(f"[yellow]Data:[/] {escape(line)}")
 
 
-def _preparation_time(prepared: Any) -> str:
+def _preparation_time(prepared: PreparedRun) -> str:
     read = f"Data read in {prepared.read_seconds:.1f} s"
     notes = "".join(f"[yellow]Cache:[/] {escape(note)}\n" for note in prepared.cache_notes)
     if prepared.cached:

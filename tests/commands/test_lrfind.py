@@ -197,7 +197,8 @@ def test_a_loss_that_never_falls_gives_no_suggestion_and_exit_2(tmp_path, tiny_m
 def test_divergence_stops_the_range_test(tmp_path, tiny_models, monkeypatch):
     from llmcustoms.losses import sft
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_run
 
     real, calls = sft.token_cross_entropy, []
 

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.commands import lr_find as lrfind
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.commands.tune import PreparedStudy, TuneSettings, run_study
 from llmcustoms.commands.tune_space import (LR_FIND_SPAN, LR_SPAN, RUNG_ATTR, preset_point, rungs, search_space,
                                             trial_patience, trial_plan)

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.planning.presets import load_preset
 from llmcustoms.commands.tune import TuneSettings, run_study, search_space
 

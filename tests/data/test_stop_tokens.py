@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.data.chat_templates import ensure_chat_template
 from llmcustoms.data.pair_rows import PairRows
 from llmcustoms.data.stop_tokens import end_of_turn, rows_missing_stop, stop_ids

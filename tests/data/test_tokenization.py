@@ -140,7 +140,8 @@ def test_truncation_counts_truncated_and_drops_rows_without_a_reply(tiny_models)
 
 def test_prepared_rows_are_cached_exactly_and_keyed_by_what_shapes_them(tmp_path, tiny_models, monkeypatch):
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))
@@ -159,7 +160,8 @@ def test_a_plan_made_before_templated_prompts_resumes_with_its_raw_rows(tmp_path
     from dataclasses import replace
 
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_resume, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_resume, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     raw = TrainOptions(data=str(FIXTURES / "prompt_completion.csv"), model=str(tiny_models["qwen2"]),
@@ -177,7 +179,8 @@ def test_resume_refuses_rows_that_would_be_tokenized_another_way(tmp_path, tiny_
 
     from llmcustoms.errors import DataError
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_resume, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_resume, prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     began = prepare_run(TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"])),
@@ -205,7 +208,8 @@ def test_reasoning_a_template_cannot_show_is_counted_in_the_data_report(tmp_path
     import json
 
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     row = json.loads((FIXTURES / "shapes" / "messages_value_parts.jsonl").read_text().splitlines()[0])

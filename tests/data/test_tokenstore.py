@@ -141,7 +141,8 @@ def test_workers_that_cannot_start_leave_the_work_to_this_process(tmp_path, enco
 
 def test_a_damaged_cached_store_is_replaced_by_the_next_run(tmp_path, tiny_models, monkeypatch):
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_run
 
     monkeypatch.setenv("LLMCUSTOMS_CACHE_DIR", str(tmp_path))
     options = TrainOptions(data=str(FIXTURES / "sharegpt.json"), model=str(tiny_models["qwen2"]))

@@ -44,7 +44,8 @@ def shaped_rows(shape: str) -> list[dict]:
 
 def prepare(data: Path, model: Path, **overrides):
     from llmcustoms.planning.hardware import Hardware
-    from llmcustoms.commands.preparation import TrainOptions, prepare_run
+    from llmcustoms.planning.train_options import TrainOptions
+    from llmcustoms.preparation.preparing import prepare_run
 
     settings = {"eval_split": 0.0, **overrides}
     return prepare_run(TrainOptions(data=str(data), model=str(model),
@@ -123,7 +124,8 @@ def test_the_objective_follows_the_data_and_contradictions_are_refused(tmp_path,
         prepare(PAIRS, tiny_models["llama"], train_on_prompt=True)
     with pytest.raises(DataError, match="this run needs preference pairs there too"):
         from llmcustoms.planning.hardware import Hardware
-        from llmcustoms.commands.preparation import TrainOptions, prepare_run
+        from llmcustoms.planning.train_options import TrainOptions
+        from llmcustoms.preparation.preparing import prepare_run
 
         prepare_run(TrainOptions(data=str(PAIRS), model=str(tiny_models["llama"]),
                                  eval_data=str(FIXTURES / "alpaca.jsonl")), Hardware.cpu_only())

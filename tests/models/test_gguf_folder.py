@@ -100,7 +100,7 @@ def test_reading_a_gguf_file_counts_its_tensors_and_draws_no_bar_of_transformers
 
 
 def test_preparing_a_run_from_a_gguf_file_reports_the_reading_as_a_stage(gguf_file):
-    from llmcustoms.commands.preparation import prepare_run
+    from llmcustoms.preparation.preparing import prepare_run
     from llmcustoms.planning.hardware import Hardware
     from llmcustoms.planning.train_options import TrainOptions
 

@@ -3,7 +3,7 @@ do before the download fails, and when it does."""
 
 from __future__ import annotations
 
-from llmcustoms.commands import preparation
+from llmcustoms.preparation import model_choice
 from llmcustoms.models import hub_access
 from llmcustoms.models.loading import _explain
 from llmcustoms.planning.presets import load_families
@@ -24,8 +24,8 @@ def test_a_gated_catalog_model_names_its_licence_and_what_to_do():
 def test_plan_says_a_gated_model_is_to_download_before_train_fails(monkeypatch):
     families = load_families()
     monkeypatch.setattr(hub_access, "availability", lambda name: hub_access.DOWNLOADABLE)
-    said = preparation.given_model_reason("google/gemma-3-1b-it", families)
+    said = model_choice.given_model_reason("google/gemma-3-1b-it", families)
     assert said.startswith("model google/gemma-3-1b-it: to download, and gated:") and "Gemma Terms of Use" in said
-    assert preparation.given_model_reason("Qwen/Qwen3-1.7B", families) is None  # not gated
+    assert model_choice.given_model_reason("Qwen/Qwen3-1.7B", families) is None  # not gated
     monkeypatch.setattr(hub_access, "availability", lambda name: hub_access.CACHED)
-    assert preparation.given_model_reason("google/gemma-3-1b-it", families) is None  # already here
+    assert model_choice.given_model_reason("google/gemma-3-1b-it", families) is None  # already here

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.models.loading import load_model
 from llmcustoms.models.untrained_tokens import check_stop_tokens, stop_token_warnings, untrained_rows
 from llmcustoms.planning.hardware import Hardware

@@ -362,7 +362,7 @@ def test_full_fine_tuning_that_does_not_fit_suggests_sharding_over_more_gpus():
 
 
 def test_resuming_a_sharded_run_over_fewer_processes_warns_when_it_will_not_fit():
-    from llmcustoms.commands.preparation import _less_sharding_warning
+    from llmcustoms.preparation.preparing import _less_sharding_warning
 
     plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
     assert _less_sharding_warning(plan, 8) is None and _less_sharding_warning(plan, 16) is None
@@ -428,7 +428,7 @@ def test_a_plan_json_with_warnings_among_its_reasons_reads_them_as_warnings():
 
 
 def test_resuming_over_fewer_processes_adds_a_warning_not_a_reason():
-    from llmcustoms.commands.preparation import _less_sharding_warning
+    from llmcustoms.preparation.preparing import _less_sharding_warning
 
     plan = plan_with_processes(MACHINES["80GB"], "mistralai/Mistral-7B-Instruct-v0.3", 8, {"distributed": "fsdp"})
     warned = plan.with_warning(_less_sharding_warning(plan, 1))

@@ -18,7 +18,8 @@ from llmcustoms.commands.model_card import model_card
 from llmcustoms.training.finetuner import FineTuner
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.losses.sft import select_logits, token_cross_entropy
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.recovery.recovery_system import TrainingInterrupted
 from llmcustoms.commands.report import analyse
 from llmcustoms.reporting import SilentReporter

@@ -23,7 +23,8 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.recovery.faults import FaultInjector
 from llmcustoms.training.finetuner import FineTuner
 from llmcustoms.planning.hardware import Hardware
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.recovery.recovery_system import TrainingInterrupted
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.runs.run_directory import RunDirectory

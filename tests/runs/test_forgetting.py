@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from llmcustoms.commands.model_card import model_card
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.commands.report import analyse
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.runs.forgetting import Score, clearly_fewer, forgetting_findings, general_line, general_scores

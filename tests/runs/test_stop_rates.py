@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from llmcustoms.cli import app
 from llmcustoms.commands.model_card import model_card
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.commands.report import analyse
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.runs.run_directory import RunDirectory

@@ -19,7 +19,8 @@ from llmcustoms.planning.hardware import Hardware
 from llmcustoms.training.optimization import lr_multiplier
 from llmcustoms.planning.plan import Plan
 from llmcustoms.training.position import Position, StopCause
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.runs.run_directory import RunDirectory
 from tiny_models import FIXTURES
 

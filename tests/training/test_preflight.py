@@ -25,7 +25,8 @@ from llmcustoms.planning.hardware import Hardware, usable_by_torch
 from llmcustoms.models.loading import choice_from_spec
 from llmcustoms.planning.plan import DataStats
 from llmcustoms.planning.planner import Planner
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.reporting import SilentReporter
 from llmcustoms.runs.run_directory import RunDirectory

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.commands.report import analyse
 from llmcustoms.models.generation import generate, generation_stops, reply_and_stop
 from llmcustoms.planning.hardware import Hardware

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from conftest import DATA_FILES
 from llmcustoms.cli import app
 from llmcustoms.commands.lr_find import Suggestion, rows_shown, sample_rows
-from llmcustoms.commands.preparation import TrainOptions, prepare_run
+from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.runs.run_directory import RunDirectory
 from llmcustoms.training.general_knowledge import GeneralKnowledge, load_questions

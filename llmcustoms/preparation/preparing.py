@@ -9,11 +9,9 @@ measured lengths. `train`, `plan` and `tune` all start here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import numpy as np
+from typing import Any, Sequence
 
 from llmcustoms.data.data_files import fingerprint
 from llmcustoms.data.dataset import Dataset, read_dataset
@@ -25,7 +23,6 @@ from llmcustoms.data.token_store import TokenRows
 from llmcustoms.errors import ConfigError, DataError, ModelError
 from llmcustoms.models import hub_access
 from llmcustoms.models.from_run import with_starting_point
-from llmcustoms.models.gguf_folder import gguf_folder, is_gguf, source_quantization
 from llmcustoms.planning.data_advice import data_facts
 from llmcustoms.planning.disk_space import disk_need
 from llmcustoms.planning.hardware import GIB, Hardware
@@ -35,101 +32,12 @@ from llmcustoms.planning.plan import DataStats, Plan
 from llmcustoms.planning.planner import Planner
 from llmcustoms.planning.presets import find_model_spec, load_families, load_preset
 from llmcustoms.planning.train_options import TrainOptions
+from llmcustoms.preparation.model_choice import given_model
+from llmcustoms.preparation.prepared_run import PreparedRun, Progress, Tokenized, estimated_stats, measured_stats, no_progress
 from llmcustoms.runs.model_files import model_fingerprint, with_model_checked
 from llmcustoms.runs.speeds import with_measured_speeds
 
 DEFAULT_PRESET = "quality"
-# Without a tokenizer (planning offline), lengths are estimated from characters.
-CHARS_PER_TOKEN = 3.6
-TEMPLATE_TOKENS_PER_MESSAGE = 6
-# Told how far preparation is: (stage "read" or "tokenize", rows done, rows in all or None).
-Progress = Callable[[str, int, "int | None"], None]
-
-
-def given_model_reason(name: str, families: dict | None = None) -> str | None:
-    """What the plan says of a --model: a GGUF file and what was made of it, a
-    model that cannot load, or one the Hub gates that is still to download
-    (said before the download fails); nothing for the usual folder or Hub id."""
-    from llmcustoms.models.loading import model_location
-
-    if is_gguf(name):
-        folder = Path(model_location(name))
-        quantization = source_quantization(folder) or "unknown"
-        kept = {"f16": "float16", "bf16": "bfloat16"}.get(quantization, "float32")
-        return (f"model {Path(name).name}: a GGUF file ({quantization}), read through transformers' GGUF reader "
-                f"and dequantized to {kept} once, into {folder}")
-    where = hub_access.availability(name)
-    if where == hub_access.UNAVAILABLE:
-        return (f"model {name}: {hub_access.offline_note()}, and it is not in the local "
-                "Hugging Face cache: `train` cannot load it; pass --model PATH to a local model directory")
-    spec = find_model_spec(name, families or {})
-    family = (families or {}).get(spec.family) if spec else None
-    if where == hub_access.DOWNLOADABLE and family is not None and family.hub_licence:
-        return f"model {name}: to download, and gated: {family.hub_licence}"
-    return None
-
-
-def _given_model(options: TrainOptions, families: dict, trust_remote_code: bool, progress: Progress) -> tuple[Any, str | None]:
-    """The --model given, described, and what the plan says of it. A GGUF file is
-    read into its folder first, its tensors counted on `progress` (a minute's
-    wait for a 135M model on a busy CPU), rather than on first use, uncounted."""
-    from llmcustoms.models import loading
-
-    if is_gguf(options.model) and loading.looks_like_path(options.model):  # as `model_location` reads it
-        gguf_folder(Path(options.model), lambda done, total: progress("gguf", done, total))
-    model = loading.describe_model(options.model, families, options.model_source, trust_remote_code)
-    return model, given_model_reason(options.model, families)
-
-
-def no_progress(stage: str, done: int, total: int | None) -> None:
-    return None
-
-
-@dataclass
-class PreparedRun:
-    plan: Plan
-    tokenizer: Any  # None when planning offline without the model's tokenizer
-    train: TokenRows | None  # None (with evaluation) when planning offline
-    evaluation: TokenRows | None
-    dataset: Dataset
-    eval_source: str
-    truncated: int
-    dropped: int
-    used_fallback_template: bool
-    read_seconds: float = 0.0  # reading and validating the data files
-    tokenize_seconds: float = 0.0  # tokenizing them (0 when the cache had them)
-    cached: bool = False  # the tokenized rows came from the cache
-    kept: bool = True  # the tokenized rows are in the cache for the next run
-    cache_notes: tuple[str, ...] = ()  # what to say about the cache: a store rebuilt, or nothing kept and why
-    templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
-    model_params: int = 0  # every parameter of the model: what `export --merge` writes (0: not known)
-
-
-def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:
-    """Token lengths guessed from characters, for planning without a tokenizer."""
-    idx = np.arange(dataset.rows) if indices is None else np.asarray(indices, np.int64)
-    chars, prompt, turns = dataset.total_chars[idx], dataset.prompt_chars[idx], dataset.turns[idx].astype(np.int64)
-    lengths = (chars / CHARS_PER_TOKEN).astype(np.int64) + TEMPLATE_TOKENS_PER_MESSAGE * np.maximum(turns, 1)
-    prompt_tokens = (prompt / CHARS_PER_TOKEN).astype(np.int64)
-    firsts = np.where(turns > 0, prompt_tokens + TEMPLATE_TOKENS_PER_MESSAGE * (turns - 1) + 2,
-                      np.maximum(1, prompt_tokens))
-    return DataStats(lengths=tuple(lengths.tolist()), first_loss_positions=tuple(firsts.tolist()), eval_rows=eval_rows,
-                     format=dataset.format,
-                     length_source=f"characters (about {CHARS_PER_TOKEN} per token; the tokenizer is not available offline)")
-
-
-@dataclass
-class Tokenized:
-    tokenizer: Any
-    used_fallback: bool
-    rows: TokenRows
-    eval_rows: TokenRows | None
-    seconds: float
-    cached: bool
-    templated_prompts: bool  # prompt/completion rows go through the model's own chat template
-    key: str  # the training data's store key: what its token ids depend on
-    kept: bool = True
-    notes: tuple[str, ...] = ()
 
 
 def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset: Dataset,
@@ -160,11 +68,6 @@ def _tokenize(model_name: str, hf_tokenizer: Any, options: TrainOptions, dataset
     return Tokenized(hf_tokenizer, used_fallback, stores[0], stores[1], time.perf_counter() - started, all_cached,
                      base_format(dataset.format) == "prompt_completion"
                      and prompts_use_template(hf_tokenizer, dataset.format, raw_prompts), keys[0], kept, tuple(notes))
-
-
-def measured_stats(train: TokenRows, eval_rows: int, fmt: str) -> DataStats:
-    return DataStats(lengths=tuple(train.full_lengths.tolist()), first_loss_positions=tuple(train.first_loss.tolist()),
-                     eval_rows=eval_rows, format=fmt)
 
 
 def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | None = None,
@@ -200,7 +103,7 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
         return estimated_stats(dataset, split.train, len(split.evaluation))
 
     if options.model:
-        model, choice_reason = _given_model(options, families, trust_remote_code, progress)
+        model, choice_reason = given_model(options, families, trust_remote_code, progress)
     else:
         usable, offline_reason = hub_access.usable_candidates(candidates)
         model, choice_reason = optimizer.choose_model(usable, estimate(), options.overrides, world_size)
