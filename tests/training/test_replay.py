@@ -97,7 +97,10 @@ def test_the_next_run_of_the_same_model_beside_it_reads_the_replies_kept(tmp_pat
 
 
 def test_replay_is_off_for_preference_pairs_and_several_processes_and_says_why():
-    plan = type("P", (), {"replay": 0.25, "objective": "sft", "world_size": 1})()
+    from llmcustoms.planning.objective_kinds import objective_named
+
+    plan = type("P", (), {"replay": 0.25, "objective": "sft", "world_size": 1,
+                          "objective_kind": property(lambda p: objective_named(p.objective))})()
     assert replay.why_off(plan) is None
     plan.objective = "dpo"
     assert "preference pairs" in replay.why_off(plan)
