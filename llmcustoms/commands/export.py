@@ -195,6 +195,9 @@ def _clear_leftovers(output: Path) -> None:
     for leftover in (old, _aside(output, "partial")):
         if not (leftover.exists() or leftover.is_symlink()):
             continue
+        if leftover.is_dir() and not leftover.is_symlink() and not any(leftover.iterdir()):
+            leftover.rmdir()  # killed between making its folder and writing the marker: empty, nothing to lose
+            continue
         if leftover.is_symlink() or not leftover.is_dir() or not overwriting.is_export(leftover):
             raise ConfigError(f"{leftover} is in the way of the export to {output}.",
                               "Move or delete it, or choose another --output.")

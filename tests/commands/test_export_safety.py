@@ -57,6 +57,19 @@ def test_the_export_lock_is_gone_once_the_export_is_in_place(run_with_adapter, t
     assert (output / "adapter_model.safetensors").is_file() and beside(output) == []
 
 
+def test_an_export_killed_before_its_marker_left_an_empty_folder_the_next_export_clears(run_with_adapter,  # noqa: F811
+                                                                                          tmp_path):
+    output = tmp_path / "out"
+    (tmp_path / ".out.partial-export").mkdir()  # made, then killed before the marker was written
+    export.export_run(run_with_adapter, output, merge=False)
+    assert (output / "adapter_model.safetensors").is_file() and beside(output) == []
+    (tmp_path / ".out.partial-export").mkdir()
+    (tmp_path / ".out.partial-export" / "notes.txt").write_text("not ours")  # anything in it: never removed
+    with pytest.raises(ConfigError, match="is in the way"):
+        export.export_run(run_with_adapter, output, merge=False, overwrite=True)
+    assert (tmp_path / ".out.partial-export" / "notes.txt").read_text() == "not ours"
+
+
 def test_a_disk_full_writing_the_card_leaves_the_earlier_export_as_it_was(run_with_adapter, tmp_path,  # noqa: F811
                                                                          monkeypatch):
     output = tmp_path / "out"
