@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.commands.merging import MergedModel, load_merged
+from llmcustoms.commands.merging import MergedModel, common_system_prompt, load_merged
+from llmcustoms.data import stop_tokens
+from llmcustoms.data.chat_templates import starts_with_bos
 from llmcustoms.errors import ConfigError
-from llmcustoms.models import modelfile
+from llmcustoms.models import loading, modelfile
 from llmcustoms.models.generation import Waiting
-from llmcustoms.models.gguf_writing import QUANTS
+from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata
+from llmcustoms.models.gguf_vocab import tokens_past_rows
+from llmcustoms.models.gguf_writing import QUANTS, check_exportable, write_gguf
+from llmcustoms.models.llama_cpp_run import llama_cpp_check
 from llmcustoms.models.loading import Allowed
 from llmcustoms.recovery import faults
 from llmcustoms.runs.run_directory import RunDirectory
@@ -62,9 +67,6 @@ def check_vocabulary(plan: Any, trained: Path, allowed: Allowed) -> None:
     refused (`gguf_vocab.tokens_past_rows`), read off the tokenizer and config alone."""
     from transformers import AutoTokenizer
 
-    from llmcustoms.data import stop_tokens
-    from llmcustoms.models import loading
-    from llmcustoms.models.gguf_vocab import tokens_past_rows
 
     trust = plan.trust_remote_code and allowed.remote_code
     tokenizer = loading.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
@@ -77,12 +79,6 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
                       waiting: Waiting, allowed: Allowed) -> tuple[tuple[str, ...], str | None]:
     """Write model.gguf and the Modelfile into `partial`; what the checks found
     (a line each) and, when one failed, why."""
-    from llmcustoms.commands.merging import common_system_prompt
-    from llmcustoms.models.gguf_check import check_gguf, cost_note, expected_metadata
-    from llmcustoms.models.gguf_vocab import tokens_past_rows
-    from llmcustoms.models.gguf_writing import check_exportable, write_gguf
-    from llmcustoms.models.llama_cpp_run import llama_cpp_check
-
     with waiting(f"Merging the adapter into {model_name(plan.model)}" if plan.method != "full"
                  else f"Loading the trained {model_name(plan.model)}") as say:
         merged = load_merged(plan, trained, dtype, say, allowed)
@@ -136,9 +132,6 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
 def _chat_shape(merged: MergedModel) -> tuple[modelfile.Pieces | None, list[str], int | None]:
     """The template's pieces for the Modelfile (None when Go cannot mirror it),
     the tokens a reply stops at, and the end-of-turn token's id."""
-    from llmcustoms.data import stop_tokens
-    from llmcustoms.data.chat_templates import starts_with_bos
-
     tokenizer = merged.tokenizer
 
     def render(messages: list[dict[str, str]], generation: bool) -> str:

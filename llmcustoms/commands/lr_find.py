@@ -32,9 +32,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llmcustoms.errors import ConfigError
+from llmcustoms.losses.choice import loss_for
+from llmcustoms.losses.objective import LoopParts
+from llmcustoms.models.loading import load_model
 from llmcustoms.planning.objectives import needs_cached_reference
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.preparation.prepared_run import PreparedRun
+from llmcustoms.preparation.preparing import prepare_run
+from llmcustoms.runs.run_directory import write_json_atomic
+from llmcustoms.training.batching import TrainingRows, epoch_steps, pad_multiple
+from llmcustoms.training.optimization import make_optimizer
+from llmcustoms.training.preflight import usable_hardware
+from llmcustoms.training.processes import accelerator_for
+from llmcustoms.training.step import accumulate_gradients, step_micro_batches
+from llmcustoms.ui import tune_view
+from llmcustoms.ui.data_view import PreparationProgress, show_prepared
 
 DEFAULT_STEPS = 100
 START_LR, END_LR = 1e-7, 1.0
@@ -219,7 +231,6 @@ def result_path(output_dir: Path, plan: Any) -> Path:
 
 
 def save(result: RangeTestResult, path: Path) -> Path:
-    from llmcustoms.runs.run_directory import write_json_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, result.to_json())
@@ -255,11 +266,6 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
     """The body of `lr-find`: prepare as `train` would, run the range test,
     save and show it. A curve with no suggestion ends in an error (exit 2),
     after the curve is shown and saved."""
-    from llmcustoms.preparation.preparing import prepare_run
-    from llmcustoms.training.preflight import usable_hardware
-    from llmcustoms.ui import tune_view
-    from llmcustoms.ui.data_view import PreparationProgress, show_prepared
-
     test.check()
     with PreparationProgress() as progress:
         prepared = prepare_run(options, usable_hardware(), progress=progress)
@@ -276,7 +282,6 @@ def find_learning_rate(options: TrainOptions, output_dir: Path, test: RangeTest)
 
 
 def _run_and_save(prepared: PreparedRun, test: RangeTest, output_dir: Path) -> tuple[RangeTestResult, Path]:
-    from llmcustoms.ui import tune_view
 
     with tune_view.RangeTestDisplay(test.steps_for(prepared.plan.total_steps)) as display:
         result = run_range_test(prepared, test, on_step=display.update)
@@ -295,8 +300,6 @@ def centre_study(study: Any, output_dir: Path, run_missing: bool = True) -> Any:
     """`tune`: the study (`tune.PreparedStudy`) with its lr range centred on the
     saved range test for this model and data; with none saved, on one run now
     (`run_missing`, `tune --lr-find`) or the study as it is."""
-    from llmcustoms.ui import tune_view
-
     plan = study.prepared.plan
     path = result_path(output_dir, plan)
     result = load_saved(path, plan)
@@ -353,12 +356,6 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
     import torch
     from accelerate.utils import set_seed
 
-    from llmcustoms.losses.choice import loss_for
-    from llmcustoms.losses.objective import LoopParts
-    from llmcustoms.models.loading import load_model
-    from llmcustoms.training.batching import TrainingRows, pad_multiple
-    from llmcustoms.training.optimization import make_optimizer
-    from llmcustoms.training.processes import accelerator_for
 
     accelerator = accelerator_for(plan.mixed_precision)
     set_seed(plan.seed)  # the LoRA init, and dropout, as `train` would draw them
@@ -398,8 +395,6 @@ def _train(plan: Any, tokenizer: Any, rows: list[Any], lrs: list[float],
 
 def _steps(lengths: list[int], plan: Any) -> Iterator[list[int]]:
     """The rows of each optimizer step, as `train` takes them, epoch after epoch."""
-    from llmcustoms.training.batching import epoch_steps
-
     epoch = 0
     while True:
         yield from epoch_steps(lengths, plan.effective_batch_size, plan.seed, epoch)
@@ -412,7 +407,6 @@ def _step(model: Any, loss: Any, optimizer: Any, accelerator: Any, data: Any, ro
     its loss (the update is skipped if that is not finite)."""
     import torch
 
-    from llmcustoms.training.step import accumulate_gradients, step_micro_batches
 
     for group in optimizer.param_groups:
         group["lr"] = lr

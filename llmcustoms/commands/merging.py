@@ -26,6 +26,9 @@ CHECK_TOKENS = 32
 # Asked when the run's data has no prompt to ask (or cannot be read any more).
 GENERAL_PROMPTS = ("What is the capital of France?", "Write one sentence about the sea.",
                    "Explain what a list is in Python.", "What is 12 times 7?")
+from llmcustoms.data.dataset import usable_examples
+from llmcustoms.models import loading
+from llmcustoms.training.samples import pick_prompts
 
 
 @dataclass
@@ -40,9 +43,6 @@ class MergedModel:
 def check_prompts(plan: Any, count: int = 4) -> list[list[dict[str, str]]]:
     """Prompts to check an export on: the run's own held-out (else training)
     rows, drawn as its sample replies are, or general ones when the data is gone."""
-    from llmcustoms.data.dataset import usable_examples
-    from llmcustoms.training.samples import pick_prompts
-
     try:
         examples = list(usable_examples(plan.eval_data or plan.data))
     except Exception:  # noqa: BLE001 - moved, deleted, unreadable: the general prompts do
@@ -53,8 +53,6 @@ def check_prompts(plan: Any, count: int = 4) -> list[list[dict[str, str]]]:
 
 def common_system_prompt(plan: Any) -> str | None:
     """The system prompt every chat row of the training data starts with, if they all share one."""
-    from llmcustoms.data.dataset import usable_examples
-
     seen: set[str] = set()
     try:
         for example in usable_examples(plan.data):
@@ -69,8 +67,6 @@ def common_system_prompt(plan: Any) -> str | None:
 
 def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed) -> MergedModel:
     """The run's model, merged and checked; `say` hears each stage."""
-    from llmcustoms.models import loading
-
     loading.quiet_libraries()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

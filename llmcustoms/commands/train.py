@@ -44,9 +44,11 @@ from llmcustoms.runs.run_directory import RunDirectory, default_run_name, find_u
 from llmcustoms.runs.run_log import LoggingReporter, completed_text, failed_text, plan_line
 from llmcustoms.runs.speeds import record_speed
 from llmcustoms.runs.tracking import TrackingReporter, check_tracker
-from llmcustoms.training import launching
+from llmcustoms.training import (
+    finetuner,  # the module: tests put a rigged FineTuner in it
+    launching,
+)
 from llmcustoms.training.base_replies import planned_with_kept_answers
-from llmcustoms.training.finetuner import FineTuner
 from llmcustoms.training.preflight import as_disk_full, check_disk_space, disk_full_failure, usable_hardware
 from llmcustoms.training.samples import run_samples
 from llmcustoms.ui import console
@@ -316,7 +318,7 @@ def run_training(prepared: PreparedRun, run_dir: Any, quiet: bool, resume: bool 
     for warning in () if resume else prepared.plan.warnings:  # the plan table's, in train.log (and said, if quiet)
         reporter.message(warning, warning=True) if quiet else reporter.log.write("warning", warning)
     samples = run_samples(prepared, run_dir, warn=lambda text: reporter.message(text, warning=True))
-    tuner = FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
+    tuner = finetuner.FineTuner(prepared.plan, prepared.tokenizer, prepared.train, prepared.evaluation, run_dir, reporter,
                       faults=FaultInjector.from_env(spent_through=faults_spent_through), samples=samples)
     try:
         result = tuner.run(resume=resume)

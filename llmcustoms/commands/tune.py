@@ -62,10 +62,16 @@ from llmcustoms.errors import ConfigError
 from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.presets import TrainingPreset
 from llmcustoms.planning.train_options import TrainOptions
-from llmcustoms.preparation.prepared_run import PreparedRun
+from llmcustoms.preparation.prepared_run import PreparedRun, no_progress
+from llmcustoms.preparation.preparing import prepare_run
+from llmcustoms.recovery.faults import FaultInjector, disk_full_from
+from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
 from llmcustoms.reporting import Reporter, SilentReporter
 from llmcustoms.runs import run_lock
 from llmcustoms.runs.run_directory import RunDirectory
+from llmcustoms.training import finetuner  # the module: tests put a rigged FineTuner in it
+from llmcustoms.training.position import StopCause
+from llmcustoms.training.preflight import usable_hardware
 
 __all__ = ["LR_FIND_SPAN", "LR_SPAN", "SearchSpace", "TuneSettings", "prepare_study", "run_study", "search_space"]
 
@@ -103,10 +109,6 @@ class PreparedStudy:
 
 def prepare_study(options: TrainOptions, output_dir: Path, request: StudyRequest, progress: Any = None) -> PreparedStudy:
     """The base plan (as `train` would make it), the trial length and the study's name and place."""
-    from llmcustoms.preparation.prepared_run import no_progress
-    from llmcustoms.preparation.preparing import prepare_run
-    from llmcustoms.training.preflight import usable_hardware
-
     if request.max_steps and request.budget_tokens:
         raise ConfigError("--max-steps and --budget-tokens both set the length of a trial.", "Pass one of them.")
     if request.study_name is not None:
@@ -149,8 +151,6 @@ def run_study(prepared: PreparedRun, preset: TrainingPreset, hardware: Hardware,
     storage holds stays, and the same command continues it. `reporter_for(what)`
     is the Reporter of one training run ("trial 3"): a trial's steps take
     minutes before its row shows anything. None: its warnings to `warn`, nothing else."""
-    from llmcustoms.recovery.faults import FaultInjector, disk_full_from
-
     base = prepared.plan
     if base.eval_rows == 0 or not prepared.evaluation:
         raise ConfigError("Tuning needs held-out rows to score trials, and this plan has none.",
@@ -256,14 +256,10 @@ class StudyTrials:
         """The trial's held-out loss and forgetting (`tune_pareto.objective_values`), or TrialPruned."""
         import optuna
 
-        from llmcustoms.recovery.recovery_system import TrainingFailed, TrainingInterrupted
-        from llmcustoms.training.finetuner import FineTuner
-        from llmcustoms.training.position import StopCause
-
         plan = trial_plan(self.prepared.plan, params, self.settings.steps)
         run_dir.create(overwrite=True)
         run_dir.write_plan(plan)
-        tuner = FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
+        tuner = finetuner.FineTuner(plan, self.prepared.tokenizer, self.prepared.train, self.prepared.evaluation, run_dir,
                           self.reporter_for(f"trial {trial.number}"), faults=self.faults,
                           on_evaluate=self._pruning_report(trial), save_artifacts=False,
                           baseline=self.base.baseline())  # every trial starts from the same base model: one measures it
@@ -320,8 +316,6 @@ class StudyTrials:
         no trial qualifies the preset's own values are written: there is nothing
         to check. Nothing is written when a signal stopped the study or the
         check: the same command checks it."""
-        from llmcustoms.recovery.recovery_system import TrainingInterrupted
-
         outcome, base = self.outcome, self.prepared.plan
         point, chosen = self.space.preset or preset_point(base), outcome.pick.point
         best = None if chosen is None else next(t for t in self.study.trials if t.number == chosen.trial)
