@@ -161,8 +161,17 @@ def serve(address: str) -> None:
     listener.bind(address + ".tmp")
     listener.listen(8)
     os.rename(address + ".tmp", address)  # the client waits for the name: it appears when the server listens
+    parent = os.getppid()
+    listener.settimeout(10)
     while True:
-        connection, _ = listener.accept()
+        try:
+            connection, _ = listener.accept()
+        except (TimeoutError, socket.timeout):
+            if os.getppid() != parent:  # the test process is gone (killed, not stopped): so is its server
+                Path(address).unlink(missing_ok=True)
+                return
+            continue
+        connection.settimeout(None)
         with connection:
             message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
             size = struct.unpack("!I", message[:4])[0]
