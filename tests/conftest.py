@@ -121,8 +121,11 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
         from fork_server import ForkServer
 
         if not _FORK_SERVER:
-            _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
-        result = _FORK_SERVER[0].run(list(args), full_env, cwd, input, timeout)
+            try:
+                _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
+            except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
+                _FORK_SERVER.append(None)
+        result = _FORK_SERVER[0].run(list(args), full_env, cwd, input, timeout) if _FORK_SERVER[0] else None
         if result is not None:
             return result
     return subprocess.run([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,

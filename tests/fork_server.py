@@ -56,7 +56,8 @@ class ForkServer:
     @classmethod
     def start(cls, env: dict[str, str] | None = None) -> "ForkServer":
         env = dict(os.environ if env is None else env)
-        address = tempfile.mktemp(prefix="llmcustoms-fork-", suffix=".sock")
+        # /tmp: a socket's path must stay under about 100 bytes, which a long TMPDIR may not.
+        address = tempfile.mktemp(prefix="llmcustoms-fork-", suffix=".sock", dir="/tmp" if os.path.isdir("/tmp") else None)
         process = subprocess.Popen([sys.executable, __file__, address], env=env, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while not os.path.exists(address):
