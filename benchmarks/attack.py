@@ -30,7 +30,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
 import attack_cases  # noqa: E402  (benchmarks/attack_cases.py)
-from attack_cases import Case, World  # noqa: E402
+from attack_cases import Case, World, run_llmcustoms  # noqa: E402
 from attack_cases_fourth import FOURTH_CASES  # noqa: E402  (issue 46's cases; they import attack_cases, not back)
 
 # Never in any output: Python's own report of a bug, and the secrets the cases plant.
@@ -49,23 +49,12 @@ def build_world(root: Path) -> Path:
               "--output-dir", "runs", "--run-name", name, "--yes", "--quiet"] for name in ("done", "sibling")]
     steps.append(["export", "runs/done", "--output", "exports/first"])  # an earlier export, for --overwrite to replace
     for argv in steps:
-        ran = run_cli(root, argv, timeout=600)
+        ran = run_llmcustoms(root, argv, timeout=600)
         if ran.returncode != 0:
             raise SystemExit(f"building the attack's world failed ({' '.join(argv[:2])}, exit {ran.returncode}):\n"
                              f"{(ran.stdout + ran.stderr)[-3000:]}")
     shutil.rmtree(root / ".cache", ignore_errors=True)  # each case tokenizes afresh: some attack the cache
     return root
-
-
-def run_cli(cwd: Path, argv: list[str], env: dict[str, str] | None = None, timeout: int = 300,
-            stdin: str | None = None) -> subprocess.CompletedProcess:
-    # No setting of the person running the attack leaks in; the Hub stays offline.
-    full = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_") and k != "HF_TOKEN"}
-    full.update({"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(cwd / ".hf"),
-                 "LLMCUSTOMS_CACHE_DIR": str(cwd / ".cache"), **(env or {})})
-    # surrogateescape: a case's stdin may stand for bytes that are not UTF-8 ("caf\udce9" is b"caf\xe9").
-    return subprocess.run([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=full, capture_output=True,
-                          text=True, errors="surrogateescape", timeout=timeout, input=stdin if stdin is not None else "")
 
 
 def snapshot(paths: list[Path]) -> dict[str, str]:
@@ -97,7 +86,7 @@ def run_case(case: Case, template: Path, scratch: Path) -> dict:
     before = snapshot(kept)
     started = time.perf_counter()
     try:
-        ran = run_cli(world_dir, argv, env=case.env, timeout=case.timeout, stdin=case.stdin)
+        ran = run_llmcustoms(world_dir, argv, env=case.env, timeout=case.timeout, stdin=case.stdin)
         code, output = ran.returncode, ran.stdout + ran.stderr
     except subprocess.TimeoutExpired as expired:
         code, output = None, f"timed out after {case.timeout} s: {expired}"
@@ -133,6 +122,7 @@ def main() -> None:
     if not cases:
         parser.error("no case matches")
     scratch = Path(tempfile.mkdtemp(prefix="llmcustoms-attack-"))
+    attack_cases.start_commands(scratch)
     try:
         template = build_world(scratch / "template")
         results = []
@@ -144,6 +134,7 @@ def main() -> None:
                 print(f"{mark} #{case.problem!s:<5} {case.name:52} {result['seconds']:5.1f} s"
                       + ("" if result["passed"] else f"  {'; '.join(result['problems'])}"), flush=True)
     finally:
+        attack_cases.stop_commands()
         if not args.keep_work:
             shutil.rmtree(scratch, ignore_errors=True)
     failed = [r for r in results if not r["passed"]]

@@ -30,6 +30,44 @@ SECRETS = (PASSWORD, ROW_TEXT)
 EVERYTHING = ("data", "model", "runs", "exports")
 
 
+# Every command of the attack shares one HF_HOME in its scratch folder (none of the person's
+# settings leak in) and, where its environment allows, starts as a fork of a server that has
+# torch and transformers imported already (tests/fork_server.py): about 7 s less a command.
+_COMMANDS: dict = {}
+
+
+def start_commands(scratch: Path) -> None:
+    from fork_server import ForkServer  # tests/fork_server.py (attack.py puts tests/ on the path)
+
+    _COMMANDS["hf_home"] = scratch / ".hf"
+    try:
+        _COMMANDS["server"] = ForkServer.start(_base_env())
+    except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
+        _COMMANDS["server"] = None
+
+
+def stop_commands() -> None:
+    if _COMMANDS.get("server") is not None:
+        _COMMANDS.pop("server").stop()
+
+
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_") and k != "HF_TOKEN"}
+    env.update({"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(_COMMANDS["hf_home"])})
+    return env
+
+
+def run_llmcustoms(cwd: Path, argv: list[str], env: dict[str, str] | None = None, timeout: int = 300,
+                   stdin: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m llmcustoms ARGV` in `cwd` as a process of its own (its own .cache there)."""
+    full = {**_base_env(), "LLMCUSTOMS_CACHE_DIR": str(cwd / ".cache"), **(env or {})}
+    server = _COMMANDS.get("server")
+    # surrogateescape: a case's stdin may stand for bytes that are not UTF-8 ("caf\udce9" is b"caf\xe9").
+    ran = server.run(argv, full, cwd, stdin or "", timeout, errors="surrogateescape") if server else None
+    return ran or subprocess.run([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=full, capture_output=True,
+                                 text=True, errors="surrogateescape", timeout=timeout, input=stdin or "")
+
+
 @dataclass(frozen=True)
 class World:
     root: Path
@@ -59,11 +97,7 @@ class World:
 
     def cli(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """A command run while preparing a case (the world as the case needs it), not the attack itself."""
-        full = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_")}
-        full.update({"HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / ".hf"),
-                     "LLMCUSTOMS_CACHE_DIR": str(self.root / ".cache"), **(env or {})})
-        return subprocess.run([sys.executable, "-m", "llmcustoms", *argv], cwd=self.root, env=full,
-                              capture_output=True, text=True, timeout=600, input="")
+        return run_llmcustoms(self.root, list(argv), env=env, timeout=600)
 
 
 @dataclass(frozen=True)

@@ -111,25 +111,43 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
 _FORK_SERVER: list = []  # this process's fork server, started at the first command (`fork_server.py`)
 
 
+def _fork_server():
+    """This process's fork server; None when turned off (TESTS_NO_FORK_SERVER=1) or it cannot start."""
+    if os.environ.get("TESTS_NO_FORK_SERVER"):
+        return None
+    if not _FORK_SERVER:
+        from fork_server import ForkServer
+
+        try:
+            _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
+        except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
+            _FORK_SERVER.append(None)
+    return _FORK_SERVER[0]
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,
             input: str | None = None) -> subprocess.CompletedProcess:
     """Run `python -m llmcustoms ARGS` as a process of its own: forked from a server that has
     torch and transformers imported already (`fork_server.py`; TESTS_NO_FORK_SERVER=1: never),
     or a real subprocess where the environment differs in what a library reads at import."""
     full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
-    if not os.environ.get("TESTS_NO_FORK_SERVER"):
-        from fork_server import ForkServer
-
-        if not _FORK_SERVER:
-            try:
-                _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
-            except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
-                _FORK_SERVER.append(None)
-        result = _FORK_SERVER[0].run(list(args), full_env, cwd, input, timeout) if _FORK_SERVER[0] else None
-        if result is not None:
-            return result
+    server = _fork_server()
+    result = server.run(list(args), full_env, cwd, input, timeout) if server else None
+    if result is not None:
+        return result
     return subprocess.run([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout, input=input)
+
+
+def start_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, stdout: int | None = None,
+              stderr: int | None = None, text: bool = False):
+    """Start `python -m llmcustoms ARGS` as `subprocess.Popen` would (to signal it, or wait for a
+    file while it runs), forked from the fork server where the environment allows; stdin is empty."""
+    full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
+    server = _fork_server()
+    process = server.popen(list(args), full_env, cwd, stdout, stderr, text) if server else None
+    return process or subprocess.Popen([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
+                                       stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=text)
 
 
 @pytest.fixture

@@ -9,15 +9,17 @@ environment), started from a process that has the libraries loaded already.
     server = ForkServer.start()            # once per test session (one per xdist worker)
     result = server.run(["train", ...], env=..., cwd=..., input=..., timeout=300)
     # -> subprocess.CompletedProcess, or None when the command must run as a real subprocess
+    process = server.popen(["train", ...], env=..., stdout=subprocess.PIPE, text=True)
+    # -> a ForkedProcess (poll, wait, send_signal, communicate as subprocess.Popen), or None
 
 A command runs as a real subprocess instead (`run` returns None) when its
 environment differs from the server's in a variable a library reads when it is
 imported (anything but LLMCUSTOMS_*, COLUMNS, LINES, HF_TOKEN and the test runner's
-own): a forked child would see the server's value. Tests that signal a process,
-start several or need a terminal keep `subprocess` themselves.
+own): a forked child would see the server's value. Children run side by side (a test
+may start two and signal one); tests that need a terminal keep `subprocess`.
 
 The server never runs torch work before forking (OpenMP's threads do not survive a
-fork) and handles one command at a time; a client that times out kills the child.
+fork); a client that times out kills the child.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +45,9 @@ PRELOADED = ("numpy", "torch", "transformers", "peft", "accelerate", "safetensor
              "transformers.models.phi.modeling_phi", "transformers.models.qwen3.modeling_qwen3",
              "transformers.optimization", "peft.tuners.lora", "accelerate.utils")
 # Variables a forked child may see changed: read when used, not when a library is imported.
-PER_COMMAND = ("LLMCUSTOMS_", "COLUMNS", "LINES", "HF_TOKEN", "PYTEST_", "NO_COLOR", "FORCE_COLOR", "TERM")
+# TORCHINDUCTOR_CACHE_DIR: torch sets it in the test process the first time inductor looks for its cache.
+PER_COMMAND = ("LLMCUSTOMS_", "COLUMNS", "LINES", "HF_TOKEN", "PYTEST_", "NO_COLOR", "FORCE_COLOR", "TERM",
+               "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _differs_at_import(env: dict[str, str], base: dict[str, str]) -> list[str]:
@@ -74,21 +80,31 @@ class ForkServer:
             self.process.wait(30)
         Path(self.address).unlink(missing_ok=True)
 
+    def _send(self, args: list[str], env: dict[str, str], cwd: Path | str | None, fds: list[int],
+              timeout: float) -> tuple[socket.socket, int]:
+        """Asks for a child with these stdin, stdout and stderr: its connection and pid."""
+        request = json.dumps({"args": args, "env": env, "cwd": str(cwd or os.getcwd())}).encode()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(self.address)
+            socket.send_fds(connection, [struct.pack("!I", len(request)) + request], fds)
+            connection.settimeout(timeout)
+            return connection, struct.unpack("!i", _exactly(connection, 4))[0]
+        except BaseException:
+            connection.close()
+            raise
+
     def run(self, args: list[str], env: dict[str, str], cwd: Path | str | None = None, input: str | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess | None:
-        """`python -m llmcustoms ARGS` in a forked child; None when it must be a real subprocess."""
+            timeout: float = 300, errors: str = "replace") -> subprocess.CompletedProcess | None:
+        """`python -m llmcustoms ARGS` in a forked child; None when it must be a real subprocess.
+        `errors`: how text that is not UTF-8 is encoded into stdin and decoded from the output."""
         if self.process.poll() is not None or _differs_at_import(env, self.env):
             return None
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as stdin:
-            stdin.write((input or "").encode())
+            stdin.write((input or "").encode(errors=errors))
             stdin.seek(0)
-            request = json.dumps({"args": args, "env": env, "cwd": str(cwd or os.getcwd())}).encode()
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-                connection.connect(self.address)
-                socket.send_fds(connection, [struct.pack("!I", len(request)) + request],
-                                [stdin.fileno(), out.fileno(), err.fileno()])
-                connection.settimeout(timeout + 30)
-                pid = struct.unpack("!i", _exactly(connection, 4))[0]
+            connection, pid = self._send(args, env, cwd, [stdin.fileno(), out.fileno(), err.fileno()], timeout + 30)
+            with connection:
                 connection.settimeout(timeout)
                 try:
                     returncode = struct.unpack("!i", _exactly(connection, 4))[0]
@@ -97,7 +113,105 @@ class ForkServer:
                     raise subprocess.TimeoutExpired(["llmcustoms", *args], timeout) from None
             out.seek(0), err.seek(0)
             return subprocess.CompletedProcess([sys.executable, "-m", "llmcustoms", *args], returncode,
-                                               out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+                                               out.read().decode(errors=errors), err.read().decode(errors=errors))
+
+    def popen(self, args: list[str], env: dict[str, str], cwd: Path | str | None = None, stdout: int | None = None,
+              stderr: int | None = None, text: bool = False) -> "ForkedProcess | None":
+        """`python -m llmcustoms ARGS` started in a forked child, as `subprocess.Popen` starts it
+        (stdout/stderr: PIPE, DEVNULL, STDOUT for stderr, or None to share this process's);
+        stdin is empty. None when it must be a real subprocess."""
+        if self.process.poll() is not None or _differs_at_import(env, self.env):
+            return None
+        opened: list[int] = []  # the child's ends: closed here once the server has passed them on
+        mine: list[int | None] = []
+        for stream, inherited in ((stdout, 1), (stderr, 2)):
+            if stream == subprocess.PIPE:
+                read, write = os.pipe()
+                opened.append(write)
+                mine.append(read)
+            elif stream == subprocess.STDOUT:
+                opened.append(os.dup(opened[0]))
+                mine.append(None)
+            else:
+                opened.append(os.open(os.devnull, os.O_WRONLY) if stream == subprocess.DEVNULL else os.dup(inherited))
+                mine.append(None)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            connection, pid = self._send(args, env, cwd, [stdin, *opened], 60)
+        finally:
+            for fd in (stdin, *opened):
+                os.close(fd)
+        files = [None if fd is None else open(fd, "r" if text else "rb") for fd in mine]
+        return ForkedProcess([sys.executable, "-m", "llmcustoms", *args], pid, connection, *files)
+
+
+class ForkedProcess:
+    """A forked command, as much of `subprocess.Popen` as the tests use: its exit code comes
+    from the server (the child is the server's, not this process's)."""
+
+    def __init__(self, args: list[str], pid: int, connection: socket.socket, stdout, stderr):
+        self.args, self.pid, self.stdout, self.stderr, self.stdin = args, pid, stdout, stderr, None
+        self.returncode: int | None = None
+        self._connection = connection
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._connection], [], [], 0)
+            if ready:
+                self._ended()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._connection], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended()
+        return self.returncode
+
+    def _ended(self) -> None:
+        self._connection.settimeout(None)
+        self.returncode = struct.unpack("!i", _exactly(self._connection, 4))[0]
+        self._connection.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input=None, timeout: float | None = None):
+        """Everything the child writes to its pipes, once it has ended."""
+        if input:
+            raise ValueError("a forked command reads an empty stdin")
+        outputs: dict[str, object] = {}
+        readers = [threading.Thread(target=lambda n=name, f=f: outputs.__setitem__(n, f.read()), daemon=True)
+                   for name, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f is not None]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        return outputs.get("stdout"), outputs.get("stderr")
+
+    def __enter__(self) -> "ForkedProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait()
 
 
 def _exactly(connection: socket.socket, size: int) -> bytes:
@@ -120,6 +234,8 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sys.argv = [sys.executable, *request["args"]]
@@ -158,41 +274,73 @@ def serve(address: str) -> None:
         except ImportError:
             pass
     sys.stdout.flush(), sys.stderr.flush()
+    # A child's end wakes the loop: SIGCHLD writes a byte into this pipe (signal.set_wakeup_fd).
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False), os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".tmp")
     listener.listen(8)
     os.rename(address + ".tmp", address)  # the client waits for the name: it appears when the server listens
     parent = os.getppid()
-    listener.settimeout(10)
+    running: dict[int, socket.socket] = {}  # each child's pid -> the connection that waits for its exit code
     while True:
-        try:
-            connection, _ = listener.accept()
-        except (TimeoutError, socket.timeout):
-            if os.getppid() != parent:  # the test process is gone (killed, not stopped): so is its server
-                Path(address).unlink(missing_ok=True)
-                return
-            continue
-        connection.settimeout(None)
-        with connection:
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-            size = struct.unpack("!I", message[:4])[0]
-            body = message[4:]
-            while len(body) < size:
-                body += connection.recv(size - len(body))
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                connection.close()
-                _child(json.loads(body), fds)
-            for fd in fds:
-                os.close(fd)
-            connection.sendall(struct.pack("!i", pid))
-            _, status = os.waitpid(pid, 0)
-            returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            try:
-                connection.sendall(struct.pack("!i", returncode))
-            except OSError:  # the client gave up (a timeout): it killed the child
+        ready, _, _ = select.select([listener, wake_read], [], [], 10)
+        if wake_read in ready:
+            while _drained(wake_read):
                 pass
+        _reap(running)
+        if os.getppid() != parent:  # the test process is gone (killed, not stopped): so is its server
+            Path(address).unlink(missing_ok=True)
+            return
+        if listener in ready:
+            _fork_one(listener, running)
+
+
+def _drained(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _reap(running: dict[int, socket.socket]) -> None:
+    """Tells each ended child's client its exit code."""
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        connection = running.pop(pid, None)
+        if connection is None:
+            continue
+        returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        try:
+            connection.sendall(struct.pack("!i", returncode))
+        except OSError:  # the client gave up (a timeout): it killed the child
+            pass
+        connection.close()
+
+
+def _fork_one(listener: socket.socket, running: dict[int, socket.socket]) -> None:
+    connection, _ = listener.accept()
+    connection.settimeout(None)
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    size = struct.unpack("!I", message[:4])[0]
+    body = message[4:]
+    while len(body) < size:
+        body += connection.recv(size - len(body))
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in running.values():
+            other.close()
+        connection.close()
+        _child(json.loads(body), fds)
+    for fd in fds:
+        os.close(fd)
+    connection.sendall(struct.pack("!i", pid))
+    running[pid] = connection
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_FILES, run_cli
+from conftest import DATA_FILES, run_cli, start_cli
 from llmcustoms.runs import run_lock
 from tiny_models import WIDE
 
@@ -119,8 +119,8 @@ def test_export_overwrite_replaces_its_own_export_whole_and_a_kill_mid_export_le
     old = contents(out)
     visible = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     # A merge takes seconds: killed as soon as it starts writing (or, as it once did, deleting).
-    merging = subprocess.Popen([sys.executable, "-m", "llmcustoms", "export", str(run), "--output", str(out),
-                                "--merge", "--overwrite"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    merging = start_cli("export", str(run), "--output", str(out), "--merge", "--overwrite", stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while merging.poll() is None and time.time() < deadline:
         # Its partial or old folder (not its lock, taken just before): it has started writing.

@@ -5,16 +5,14 @@ the same update, exact resume, recovery)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import FIXTURES, WIDE
+from conftest import run_cli
+from tiny_models import FIXTURES
 
 PAIRS = FIXTURES / "shapes" / "preference_arithmetic.jsonl"
 SYSTEM = {"role": "system", "content": "Answer briefly."}
@@ -245,8 +243,6 @@ def max_difference(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_models, tmp_path_factory):
-    from conftest import run_cli
-
     root = tmp_path_factory.mktemp("dpo")
     result = run_cli(*dpo_args(tiny_models["llama"], root, "baseline"))
     assert result.returncode == 0, result.stderr
@@ -300,9 +296,7 @@ def test_a_dpo_run_over_two_processes_matches_one(tmp_path, tiny_models, cli):
 
 
 def test_generate_answers_with_a_dpo_run(tmp_path, tiny_models, uninterrupted):
-    out = subprocess.run([sys.executable, "-m", "llmcustoms", "generate", str(uninterrupted), "What is 2 + 3?",
-                          "--max-new-tokens", "5"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"},
-                         timeout=300)
+    out = run_cli("generate", str(uninterrupted), "What is 2 + 3?", "--max-new-tokens", "5", env={"COLUMNS": "80"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
 
@@ -424,13 +418,10 @@ def test_lr_find_runs_the_dpo_loss_and_refuses_full_fine_tuning(tiny_models):
 
 
 def test_runs_and_report_speak_of_a_dpo_run_in_its_own_terms(tiny_models, uninterrupted):
-    env = {**os.environ, "COLUMNS": "80"}
-    listed = subprocess.run([sys.executable, "-m", "llmcustoms", "runs", "--output-dir", str(uninterrupted.parent)],
-                            capture_output=True, text=True, env=env, timeout=120)
+    listed = run_cli("runs", "--output-dir", str(uninterrupted.parent), env={"COLUMNS": "80"}, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "dpo loss" in " ".join(listed.stdout.split())
-    report = subprocess.run([sys.executable, "-m", "llmcustoms", "report", str(uninterrupted), "--details"],
-                            capture_output=True, text=True, env={**env, "COLUMNS": WIDE}, timeout=120)
+    report = run_cli("report", str(uninterrupted), "--details", timeout=120)
     assert report.returncode == 0, report.stderr
     said = " ".join(report.stdout.split())
     # Its 6 held-out pairs are too few to judge the ranking (`preference_report.MIN_HELD_OUT_PAIRS`): withheld.

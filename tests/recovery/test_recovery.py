@@ -8,14 +8,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import DATA_FILES
+from conftest import DATA_FILES, start_cli
 from tiny_models import WIDE
 
 pytestmark = pytest.mark.slow
@@ -61,8 +60,8 @@ def test_kill_9_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tmp
     # A real SIGKILL from outside, as soon as the first checkpoint exists.
     long_steps = 300
     env = {**os.environ, "COLUMNS": WIDE}
-    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1, long_steps)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_cli(*train_args(tiny_models["llama"], tmp_path, "run", 0.1, long_steps), env=env,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = tmp_path / "run" / "checkpoints" / "step-000003"
     deadline = time.time() + 120
     while not first.exists() and time.time() < deadline and process.poll() is None:
@@ -85,8 +84,8 @@ def test_kill_9_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tmp
 def test_sigint_exits_130_interrupted_and_resume_matches(tmp_path, tiny_models, baselines, cli):
     run = tmp_path / "run"
     env = {**os.environ, "COLUMNS": WIDE}
-    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1, 300)],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_cli(*train_args(tiny_models["llama"], tmp_path, "run", 0.1, 300), env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while '"loss"' not in _text(run / "metrics.jsonl") and time.time() < deadline and process.poll() is None:
         time.sleep(0.01)
@@ -114,8 +113,8 @@ def test_sigint_in_a_long_step_stops_at_the_next_micro_batch_and_resumes_exactly
 
     run = tmp_path / "run"
     env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": "slow@4"}
-    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run", 0.1),
-                                "--save-every", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_cli(*train_args(tiny_models["llama"], tmp_path, "run", 0.1), "--save-every", "5", env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and process.poll() is None and '"step": 3, "epoch"' not in _text(run / "metrics.jsonl"):
         time.sleep(0.01)

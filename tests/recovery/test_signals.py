@@ -18,9 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA_FILES
+from conftest import DATA_FILES, start_cli
 from test_best_weights import prepared_run
-from tiny_models import WIDE
 
 STOP_STEP = 6  # an evaluation is due after it (every 2 steps), a checkpoint is not (every 4)
 
@@ -60,7 +59,7 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def wait_for(condition, process: subprocess.Popen, seconds: float = 180, ending: bool = False) -> None:
+def wait_for(condition, process, seconds: float = 180, ending: bool = False) -> None:
     """Until `condition()`, while `process` runs (`ending`: it may end meanwhile)."""
     deadline = time.time() + seconds
     while not condition() and time.time() < deadline and process.poll() is None:
@@ -151,10 +150,9 @@ def cli_args(model: Path, output: Path, name: str) -> list[str]:
             "--yes", "--quiet"]
 
 
-def start(args: list[str], fault: str) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": fault}
-    return subprocess.Popen([sys.executable, "-m", "llmcustoms", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start(args: list[str], fault: str):
+    return start_cli(*args, env={"LLMCUSTOMS_FAULT_INJECT": fault}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
 
 
 @pytest.mark.slow

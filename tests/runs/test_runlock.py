@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA_FILES
+from conftest import DATA_FILES, start_cli
 from llmcustoms.runs import run_lock
 from llmcustoms.errors import ConfigError
 from tiny_models import WIDE
@@ -87,8 +87,8 @@ def test_a_training_run_cannot_be_overwritten_resumed_or_started_again(tmp_path,
     run = tmp_path / "run"
     # Steps 3 to 14 slowed: the run is still training while the other commands try it.
     env = {**os.environ, "COLUMNS": WIDE, "LLMCUSTOMS_FAULT_INJECT": ",".join(f"slow@{s}" for s in range(3, 15))}
-    training = subprocess.Popen([sys.executable, "-m", "llmcustoms", *train_args(tiny_models["llama"], tmp_path, "run")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    training = start_cli(*train_args(tiny_models["llama"], tmp_path, "run"), env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not (run / "checkpoints" / "step-000002").exists() and time.time() < deadline:

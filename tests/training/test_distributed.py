@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import DATA_FILES
+from conftest import DATA_FILES, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -93,8 +92,8 @@ def test_out_of_memory_on_one_rank_is_recovered_by_both_without_a_hang(tmp_path,
 
 def test_sigterm_to_the_launcher_checkpoints_once_and_stops_every_process(tmp_path, tiny_models):
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *args(tiny_models["llama"], tmp_path, "run", 4, 1, 400),
-                                "--num-processes", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = start_cli(*args(tiny_models["llama"], tmp_path, "run", 4, 1, 400), "--num-processes", "2",
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (run / "checkpoints" / "step-000002").exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.05)
