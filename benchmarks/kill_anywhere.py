@@ -55,6 +55,30 @@ def command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "llmcustoms", *args]
 
 
+# Commands start as forks of a server that imported torch and transformers once (tests/fork_server.py;
+# started in main): each kill then costs the run's own work, not 6-8 s of imports. Kills land after
+# training is under way, so where they land does not change.
+_SERVER: list = []
+
+
+def start(args: list[str], fault: str | None = None) -> "subprocess.Popen":
+    server = _SERVER[0] if _SERVER else None
+    process = server.popen(args, environment(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True) if server else None
+    return process or subprocess.Popen(command(args), env=environment(fault), stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+
+
+def start_server() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fork_server import ForkServer
+
+    try:
+        _SERVER.append(ForkServer.start(environment()))
+    except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
+        pass
+
+
 def environment(fault: str | None = None) -> dict[str, str]:
     env = {**os.environ, "COLUMNS": "120", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -101,8 +125,7 @@ def kill_once(args: list[str], run: Path, way: str, steps: int, rng: random.Rand
     """Start the command, have it killed the chosen way; where it landed, or None if it finished first."""
     since = time.time()
     fault = f"{FAULTS[way]}@{min(steps, last_step(run) + rng.randint(1, 4))}" if way in FAULTS else None
-    process = subprocess.Popen(command(args), env=environment(fault), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = start(args, fault)
     if fault is None:
         deadline = time.monotonic() + 300
         while process.poll() is None and not started_training(run, since) and time.monotonic() < deadline:
@@ -119,10 +142,10 @@ def kill_once(args: list[str], run: Path, way: str, steps: int, rng: random.Rand
 
 
 def finish(run: Path) -> None:
-    out = subprocess.run(command(["resume", str(run), "--quiet"]), env=environment(), capture_output=True, text=True,
-                         timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"resume failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    resuming = start(["resume", str(run), "--quiet"])
+    _, err = resuming.communicate(timeout=600)
+    if resuming.returncode != 0:
+        raise SystemExit(f"resume failed ({resuming.returncode}):\n{err[-3000:]}")
 
 
 def adapter_difference(run: Path, reference: Path) -> float:
@@ -178,10 +201,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kill-anywhere-") as tmp:
         root = Path(tmp)
         model = args.model or build_tiny_model(root)
-        reference = subprocess.run(command(train_args(model, root, "reference", args.steps)), env=environment(),
-                                   capture_output=True, text=True, timeout=600)
+        start_server()
+        reference = start(train_args(model, root, "reference", args.steps))
+        _, err = reference.communicate(timeout=600)
         if reference.returncode != 0:
-            raise SystemExit(f"the reference run failed:\n{reference.stderr[-3000:]}")
+            raise SystemExit(f"the reference run failed:\n{err[-3000:]}")
         expected_steps = steps_written(root / "reference")
         runs: list[dict] = []
         while sum(len(r["kills"]) for r in runs) < args.kills:

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-from fork_server import ForkServer
 from conftest import DATA_FILES
+from fork_server import ForkServer
 
 
 @pytest.fixture(scope="module")

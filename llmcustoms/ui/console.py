@@ -330,16 +330,22 @@ def runs_table(output_dir: Any, runs: list[Any]) -> WideOrNarrow:
     under it, two spaces apart. A name is never folded: it is what `resume`,
     `report` and `export` take, so it must read whole."""
     table = Table(title=f"Runs in {escape(str(output_dir))}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("run", "model (method)", "status", "steps", "eval ppl", "time memory"):
+    # "eval ppl" heads the column when every run reports a perplexity; beside a pair objective's
+    # loss ("dpo loss 0.690") the column is "evaluation" and each cell says what it is.
+    all_perplexity = all(objective_named(run.objective).token_loss for run in runs)
+    for column in ("run", "model (method)", "status", "steps", "eval ppl" if all_perplexity else "evaluation",
+                   "time memory"):
         table.add_column(column, no_wrap=True)
     listing: list[RenderableType] = [Text(f"Runs in {output_dir}")]
     for run in runs:
         model, steps, result, seconds, memory = _run_values(run)
+        perplexity = bool(result) and objective_named(run.objective).token_loss
         status = Text(run.status, style=RUN_COLOURS.get(run.status, "white"))
-        table.add_row(Text(run.name), Text(model), status, Text(steps), Text(result),
+        table.add_row(Text(run.name), Text(model), status, Text(steps),
+                      Text(result if all_perplexity or not perplexity else f"ppl {result}"),
                       Text(" ".join(filter(None, (seconds, memory)))))
         # Without headers each value says what it is; a pair objective's result already does.
-        result = result if not result or not objective_named(run.objective).token_loss else f"eval ppl {result}"
+        result = f"eval ppl {result}" if perplexity else result
         listing += [Text(run.name, style="bold"),
                     Parts([model, status, f"step {steps}", result, seconds and f"trained {seconds}",
                            memory and f"memory {memory}"], indent=2)]

@@ -3,6 +3,7 @@ table whole on an 80-column terminal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -69,3 +70,15 @@ def test_the_runs_table_keeps_a_run_on_one_line_when_wide():
     text = render(runs_table("runs", RUNS[3:]), width=120)
     row = next(line for line in text.splitlines() if "done" in line)
     assert "tiny-llama (lora)" in row and "running" in row and "5/?" in row
+
+
+def test_the_runs_table_heads_its_evaluation_column_by_what_the_runs_report():
+    sft = RUNS[1]
+    dpo = dataclasses.replace(sft, name="prefs-dpo", objective="dpo", best_eval_loss=0.69, base_eval_loss=0.6931)
+    only_sft = render(runs_table("runs", [sft]), width=160)
+    assert "eval ppl" in only_sft and "evaluation" not in only_sft
+    mixed = render(runs_table("runs", [sft, dpo]), width=160)
+    header = next(line for line in mixed.splitlines() if "status" in line)
+    assert "evaluation" in header and "eval ppl" not in header
+    assert "ppl 7.389" in next(line for line in mixed.splitlines() if sft.name in line)
+    assert "dpo loss 0.690" in next(line for line in mixed.splitlines() if "prefs-dpo" in line)
