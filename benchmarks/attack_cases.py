@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import forked_cli
+
 # A Gemma-style template: refuses a system turn, and its refusal quotes the turn.
 REFUSING_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported: ' "
                      "+ messages[0]['content']) }}{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n"
@@ -31,29 +33,22 @@ EVERYTHING = ("data", "model", "runs", "exports")
 
 
 # Every command of the attack shares one HF_HOME in its scratch folder (none of the person's
-# settings leak in) and, where its environment allows, starts as a fork of a server that has
-# torch and transformers imported already (tests/fork_server.py): about 7 s less a command.
-_COMMANDS: dict = {}
+# settings leak in) and, where its environment allows, is forked (forked_cli.py).
+_HF_HOME: list[Path] = []
 
 
 def start_commands(scratch: Path) -> None:
-    from fork_server import ForkServer  # tests/fork_server.py (attack.py puts tests/ on the path)
-
-    _COMMANDS["hf_home"] = scratch / ".hf"
-    try:
-        _COMMANDS["server"] = ForkServer.start(_base_env())
-    except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
-        _COMMANDS["server"] = None
+    _HF_HOME[:] = [scratch / ".hf"]
+    forked_cli.start_server(_base_env())
 
 
 def stop_commands() -> None:
-    if _COMMANDS.get("server") is not None:
-        _COMMANDS.pop("server").stop()
+    forked_cli.stop_server()
 
 
 def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCUSTOMS_") and k != "HF_TOKEN"}
-    env.update({"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(_COMMANDS["hf_home"])})
+    env.update({"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(_HF_HOME[0])})
     return env
 
 
@@ -61,11 +56,8 @@ def run_llmcustoms(cwd: Path, argv: list[str], env: dict[str, str] | None = None
                    stdin: str | None = None) -> subprocess.CompletedProcess:
     """`python -m llmcustoms ARGV` in `cwd` as a process of its own (its own .cache there)."""
     full = {**_base_env(), "LLMCUSTOMS_CACHE_DIR": str(cwd / ".cache"), **(env or {})}
-    server = _COMMANDS.get("server")
     # surrogateescape: a case's stdin may stand for bytes that are not UTF-8 ("caf\udce9" is b"caf\xe9").
-    ran = server.run(argv, full, cwd, stdin or "", timeout, errors="surrogateescape") if server else None
-    return ran or subprocess.run([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=full, capture_output=True,
-                                 text=True, errors="surrogateescape", timeout=timeout, input=stdin or "")
+    return forked_cli.run(argv, full, cwd, timeout, stdin, errors="surrogateescape")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import forked_cli  # benchmarks/forked_cli.py
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "fixtures" / "alpaca.jsonl"
 WAYS = ("from outside", "inside a save", "inside a pruning")
@@ -51,32 +53,10 @@ def train_args(model: Path, output: Path, name: str, steps: int) -> list[str]:
             "--eval-every", "5", "--output-dir", str(output), "--run-name", name, "--yes", "--quiet"]
 
 
-def command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "llmcustoms", *args]
-
-
-# Commands start as forks of a server that imported torch and transformers once (tests/fork_server.py;
-# started in main): each kill then costs the run's own work, not 6-8 s of imports. Kills land after
-# training is under way, so where they land does not change.
-_SERVER: list = []
-
-
-def start(args: list[str], fault: str | None = None) -> "subprocess.Popen":
-    server = _SERVER[0] if _SERVER else None
-    process = server.popen(args, environment(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True) if server else None
-    return process or subprocess.Popen(command(args), env=environment(fault), stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
-
-
-def start_server() -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from fork_server import ForkServer
-
-    try:
-        _SERVER.append(ForkServer.start(environment()))
-    except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
-        pass
+def start(args: list[str], fault: str | None = None):
+    """The command, forked (forked_cli.py): each kill then costs the run's own work, not 6-8 s of
+    imports. Kills land once training is under way, so where they land does not change."""
+    return forked_cli.popen(args, environment(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def environment(fault: str | None = None) -> dict[str, str]:
@@ -201,7 +181,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kill-anywhere-") as tmp:
         root = Path(tmp)
         model = args.model or build_tiny_model(root)
-        start_server()
+        forked_cli.start_server(environment())
         reference = start(train_args(model, root, "reference", args.steps))
         _, err = reference.communicate(timeout=600)
         if reference.returncode != 0:

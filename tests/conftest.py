@@ -111,7 +111,7 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
 _FORK_SERVER: list = []  # this process's fork server, started at the first command (`fork_server.py`)
 
 
-def _fork_server():
+def cli_fork_server():
     """This process's fork server; None when turned off (TESTS_NO_FORK_SERVER=1) or it cannot start."""
     if os.environ.get("TESTS_NO_FORK_SERVER"):
         return None
@@ -131,7 +131,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     torch and transformers imported already (`fork_server.py`; TESTS_NO_FORK_SERVER=1: never),
     or a real subprocess where the environment differs in what a library reads at import."""
     full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
-    server = _fork_server()
+    server = cli_fork_server()
     result = server.run(list(args), full_env, cwd, input, timeout) if server else None
     if result is not None:
         return result
@@ -144,7 +144,7 @@ def start_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = 
     """Start `python -m llmcustoms ARGS` as `subprocess.Popen` would (to signal it, or wait for a
     file while it runs), forked from the fork server where the environment allows; stdin is empty."""
     full_env = {**os.environ, "COLUMNS": WIDE, **(env or {})}
-    server = _fork_server()
+    server = cli_fork_server()
     process = server.popen(list(args), full_env, cwd, stdout, stderr, text) if server else None
     return process or subprocess.Popen([sys.executable, "-m", "llmcustoms", *args], cwd=cwd, env=full_env,
                                        stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=text)

@@ -81,9 +81,9 @@ class ForkServer:
         Path(self.address).unlink(missing_ok=True)
 
     def _send(self, args: list[str], env: dict[str, str], cwd: Path | str | None, fds: list[int],
-              timeout: float) -> tuple[socket.socket, int]:
+              timeout: float, new_session: bool = False) -> tuple[socket.socket, int]:
         """Asks for a child with these stdin, stdout and stderr: its connection and pid."""
-        request = json.dumps({"args": args, "env": env, "cwd": str(cwd or os.getcwd())}).encode()
+        request = json.dumps({"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "session": new_session}).encode()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.address)
@@ -116,30 +116,34 @@ class ForkServer:
                                                out.read().decode(errors=errors), err.read().decode(errors=errors))
 
     def popen(self, args: list[str], env: dict[str, str], cwd: Path | str | None = None, stdout: int | None = None,
-              stderr: int | None = None, text: bool = False) -> "ForkedProcess | None":
+              stderr: int | None = None, text: bool = False, stdin: int | None = None,
+              new_session: bool = False) -> "ForkedProcess | None":
         """`python -m llmcustoms ARGS` started in a forked child, as `subprocess.Popen` starts it
-        (stdout/stderr: PIPE, DEVNULL, STDOUT for stderr, or None to share this process's);
-        stdin is empty. None when it must be a real subprocess."""
+        (stdout/stderr: PIPE, DEVNULL, STDOUT for stderr, a file descriptor, or None to share this
+        process's; stdin: a file descriptor, else empty; new_session: as start_new_session).
+        None when it must be a real subprocess."""
         if self.process.poll() is not None or _differs_at_import(env, self.env):
             return None
-        opened: list[int] = []  # the child's ends: closed here once the server has passed them on
-        mine: list[int | None] = []
+        opened: list[int] = [os.dup(stdin) if stdin is not None else os.open(os.devnull, os.O_RDONLY)]
+        mine: list[int | None] = []  # this side's ends of the pipes (opened: the child's, closed once passed on)
         for stream, inherited in ((stdout, 1), (stderr, 2)):
             if stream == subprocess.PIPE:
                 read, write = os.pipe()
                 opened.append(write)
                 mine.append(read)
             elif stream == subprocess.STDOUT:
-                opened.append(os.dup(opened[0]))
+                opened.append(os.dup(opened[1]))
+                mine.append(None)
+            elif stream == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_WRONLY))
                 mine.append(None)
             else:
-                opened.append(os.open(os.devnull, os.O_WRONLY) if stream == subprocess.DEVNULL else os.dup(inherited))
+                opened.append(os.dup(inherited if stream is None else stream))
                 mine.append(None)
-        stdin = os.open(os.devnull, os.O_RDONLY)
         try:
-            connection, pid = self._send(args, env, cwd, [stdin, *opened], 60)
+            connection, pid = self._send(args, env, cwd, opened, 60, new_session)
         finally:
-            for fd in (stdin, *opened):
+            for fd in opened:
                 os.close(fd)
         files = [None if fd is None else open(fd, "r" if text else "rb") for fd in mine]
         return ForkedProcess([sys.executable, "-m", "llmcustoms", *args], pid, connection, *files)
@@ -231,6 +235,8 @@ def _child(request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        if request.get("session"):
+            os.setsid()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

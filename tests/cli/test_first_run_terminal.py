@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from rich.cells import cell_len
 
+from conftest import cli_fork_server
+
 pytestmark = pytest.mark.slow
 
 COLUMNS, ROWS = 80, 24
@@ -30,16 +32,21 @@ ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9
 
 
 def in_terminal(argv: list[str], cwd: Path, typed: list[tuple[str, str]] = (),
-                timeout: float = 600) -> tuple[int, str]:
+                timeout: float = 600, fresh: bool = False) -> tuple[int, str]:
     """`llmcustoms ARGV` on a pseudo-terminal of COLUMNS x ROWS. A question (the output quiet
     after a line ending in ":", "?", "]" or ">") is answered by the first of `typed` (question,
-    answer) whose question its line holds (used once), else with Enter. Returns the exit code and all that was shown."""
+    answer) whose question its line holds (used once), else with Enter. `fresh`: a new interpreter, as
+    the user starts (its imports in the time the plan promised), not a fork of the tests' server.
+    Returns the exit code and all that was shown."""
     keyboard, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env.update(TERM="xterm-256color")
-    process = subprocess.Popen([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=env, stdin=terminal,
-                               stdout=terminal, stderr=terminal, close_fds=True, start_new_session=True)
+    server = None if fresh else cli_fork_server()  # a fork of the tests' server where it can (conftest.py)
+    process = server and server.popen(list(argv), env, cwd, stdout=terminal, stderr=terminal, stdin=terminal,
+                                      new_session=True)
+    process = process or subprocess.Popen([sys.executable, "-m", "llmcustoms", *argv], cwd=cwd, env=env, stdin=terminal,
+                                          stdout=terminal, stderr=terminal, close_fds=True, start_new_session=True)
     os.close(terminal)
     shown, answers, quiet_since, deadline = bytearray(), list(typed), time.monotonic(), time.monotonic() + timeout
     answered = 0
@@ -91,7 +98,7 @@ def test_the_readmes_first_run_reads_whole_and_its_numbers_hold(tmp_path, tiny_m
     assert code == 0, shown[-3000:]
     assert not check_screen(shown, [])
     started, loaded_before = time.monotonic(), os.getloadavg()[0]
-    code, shown = in_terminal(["train"], tmp_path, [("Start training", "y")])
+    code, shown = in_terminal(["train"], tmp_path, [("Start training", "y")], fresh=True)
     took = time.monotonic() - started
     assert code == 0, shown[-3000:]
     run = next(p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
