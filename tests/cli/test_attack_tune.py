@@ -14,17 +14,14 @@ trials of one or two steps.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import optuna
 import pytest
 
-from conftest import DATA_FILES, run_cli
-from tiny_models import WIDE
+from conftest import DATA_FILES, run_cli, start_cli
 
 PASSWORD = "S3cretPassw0rd"
 
@@ -48,11 +45,8 @@ def no_traceback(result: subprocess.CompletedProcess) -> None:
 @pytest.mark.slow
 def test_two_tunes_of_one_study_at_once_draw_different_values(tmp_path, tiny_models, clean_environment):
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "llmcustoms", *tune_args(out, tiny_models["llama"], "--study-name", "s",
-                                                           "--trials", "2", "--max-steps", "1")]
-    env = {**os.environ, "COLUMNS": WIDE}
-    runs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]
+    args = tune_args(out, tiny_models["llama"], "--study-name", "s", "--trials", "2", "--max-steps", "1")
+    runs = [start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:
         stdout, stderr = run.communicate(timeout=300)
         assert run.returncode == 0, stderr[-3000:]
