@@ -108,21 +108,30 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
     return {family: build_model(family, root / f"tiny-{family}") for family in TEMPLATE_FAMILIES}
 
 
-_FORK_SERVER: list = []  # this process's fork server, started at the first command (`fork_server.py`)
+# This process's fork servers (`fork_server.py`), each started at the first command that needs
+# its environment. A new one when this process's own environment has changed in what a library
+# reads at import (an in-process test's library set HF_HUB_DISABLE_PROGRESS_BARS, say): from then
+# on every command would differ from the older server's. At most MAX_FORK_SERVERS, then real subprocesses.
+_FORK_SERVERS: list = []
+MAX_FORK_SERVERS = 3
 
 
 def cli_fork_server():
-    """This process's fork server; None when turned off (TESTS_NO_FORK_SERVER=1) or it cannot start."""
+    """The fork server for this process's present environment; None when turned off
+    (TESTS_NO_FORK_SERVER=1), when one cannot start, or past MAX_FORK_SERVERS."""
     if os.environ.get("TESTS_NO_FORK_SERVER"):
         return None
-    if not _FORK_SERVER:
-        from fork_server import ForkServer
+    from fork_server import ForkServer, differs_at_import
 
+    base = {**os.environ, "COLUMNS": WIDE}
+    server = next((s for s in _FORK_SERVERS if s is None or not differs_at_import(base, s.env)), None)
+    if server is None and None not in _FORK_SERVERS and len(_FORK_SERVERS) < MAX_FORK_SERVERS:
         try:
-            _FORK_SERVER.append(ForkServer.start({**os.environ, "COLUMNS": WIDE}))
+            server = ForkServer.start(base)
         except (OSError, RuntimeError):  # no server here (a socket it cannot bind): real subprocesses
-            _FORK_SERVER.append(None)
-    return _FORK_SERVER[0]
+            server = None
+        _FORK_SERVERS.append(server)
+    return server
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 300,

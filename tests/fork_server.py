@@ -50,7 +50,7 @@ PER_COMMAND = ("LLMCUSTOMS_", "COLUMNS", "LINES", "HF_TOKEN", "PYTEST_", "NO_COL
                "TORCHINDUCTOR_CACHE_DIR")
 
 
-def _differs_at_import(env: dict[str, str], base: dict[str, str]) -> list[str]:
+def differs_at_import(env: dict[str, str], base: dict[str, str]) -> list[str]:
     keys = set(env) | set(base)
     return sorted(k for k in keys if env.get(k) != base.get(k) and not k.startswith(PER_COMMAND))
 
@@ -98,7 +98,7 @@ class ForkServer:
             timeout: float = 300, errors: str = "replace") -> subprocess.CompletedProcess | None:
         """`python -m llmcustoms ARGS` in a forked child; None when it must be a real subprocess.
         `errors`: how text that is not UTF-8 is encoded into stdin and decoded from the output."""
-        if self.process.poll() is not None or _differs_at_import(env, self.env):
+        if self.process.poll() is not None or differs_at_import(env, self.env):
             return None
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as stdin:
             stdin.write((input or "").encode(errors=errors))
@@ -122,7 +122,7 @@ class ForkServer:
         (stdout/stderr: PIPE, DEVNULL, STDOUT for stderr, a file descriptor, or None to share this
         process's; stdin: a file descriptor, else empty; new_session: as start_new_session).
         None when it must be a real subprocess."""
-        if self.process.poll() is not None or _differs_at_import(env, self.env):
+        if self.process.poll() is not None or differs_at_import(env, self.env):
             return None
         opened: list[int] = [os.dup(stdin) if stdin is not None else os.open(os.devnull, os.O_RDONLY)]
         mine: list[int | None] = []  # this side's ends of the pipes (opened: the child's, closed once passed on)
