@@ -50,13 +50,22 @@ DATA_FILES = {
 }
 
 
+# What llmcustoms sets in its own process when it first loads a model (models/loading.py:
+# `from_pretrained`, `quiet_libraries`), set from the start: the first in-process test to load
+# one would otherwise change this process's environment, and each CLI command's with it, from
+# the fork server's (`cli_fork_server`), costing a second server.
+LOADING_SETS = {"DISABLE_SAFETENSORS_CONVERSION": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_hub(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf_home")
     cache = tmp_path_factory.mktemp("llmcustoms_cache")
     saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LLMCUSTOMS_CACHE_DIR",
-                                          "LLMCUSTOMS_REPLAY")}
+                                          "LLMCUSTOMS_REPLAY", *LOADING_SETS)}
     os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LLMCUSTOMS_CACHE_DIR=str(cache))
+    os.environ.update(LOADING_SETS)
     # Module- and session-wide runs too (see `no_replay_unless_asked`).
     os.environ["LLMCUSTOMS_REPLAY"] = "0"
     import llmcustoms.planning.step_choices as step_choices

@@ -74,7 +74,7 @@ def test_quality_trains_through_the_cli_and_scores_against_the_base_model(tmp_pa
     results = tmp_path / "quality.json"
     summary = run("quality.py", "--model", str(tiny_models["qwen2"]), "--data-dir", str(data), "--rows", "12,6,4",
                   "--only", "code:base,code:quality,code:tune,code:unsloth,code:trl,code:default,code:equal-time,"
-                  "identity:base,identity:highspeed", "--trials", "2", "--seeds", "1", "--results", str(results),
+                  "identity:base,identity:highspeed", "--trials", "2", "--seeds", "1", "--results", str(results), "--fork",
                   "--work", str(tmp_path / "work"))
     assert set(summary["code"]) == {"base", "quality", "tune", "unsloth", "trl", "default", "equal-time"}
     assert set(summary["identity"]) == {"base", "highspeed"}
