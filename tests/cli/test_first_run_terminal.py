@@ -105,9 +105,11 @@ def test_the_readmes_first_run_reads_whole_and_its_numbers_hold(tmp_path, tiny_m
     plan, status = json.loads((run / "plan.json").read_text()), json.loads((run / "status.json").read_text())
     assert not check_screen(shown, [f"runs/{run.name}/adapter"])
     # The plan's numbers are what the run then measured: the memory always; the time where nothing else
-    # ran beside it (in the parallel suite another worker's load comes and goes, which no plan can know).
+    # ran beside it (in the parallel suite another worker's load comes and goes, which no plan can know:
+    # `python -m pytest -n 0 -m slow tests/cli/test_first_run_terminal.py` checks it).
     assert 0.75 <= status["memory"]["ratio"] <= 1.33, status["memory"]  # measured peak over the plan's
-    if max(os.getloadavg()[0], loaded_before) < (os.cpu_count() or 1):  # this test alone makes about 1
+    alone = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") == "1"
+    if alone and max(os.getloadavg()[0], loaded_before) < (os.cpu_count() or 1):  # this test alone makes about 1
         assert 0.75 <= took / plan["estimated_seconds"] <= 1.33, (took, plan["estimated_seconds"])
 
     code, shown = in_terminal(["report", f"runs/{run.name}", "--plot"], tmp_path)

@@ -22,6 +22,24 @@ pytestmark = pytest.mark.slow
 STEPS = 12
 
 
+def until_asleep(process, seconds: float = 120) -> None:
+    """Until the process's main thread sleeps: inside a micro-batch that `slow@N` or `slow_eval@N`
+    slows (its time.sleep), however long the evaluation and checkpoint before it took on a
+    loaded machine. Linux's /proc/PID/wchan says so; where there is none, a second."""
+    wchan = Path(f"/proc/{process.pid}/wchan")
+    if not wchan.exists():
+        time.sleep(1.0)
+        return
+    deadline = time.time() + seconds
+    while time.time() < deadline and process.poll() is None:
+        try:
+            if wchan.read_text().strip() == "hrtimer_nanosleep":
+                return
+        except OSError:  # the process just ended: the caller's assertions say so
+            return
+        time.sleep(0.01)
+
+
 def train_args(model: Path, output: Path, name: str, dropout: float, steps: int = STEPS) -> list[str]:
     # fp32: a run recovered with a halved micro-batch is compared with one that was not, a split
     # of the same work that bf16's rounding (the default on CPUs that have it) would blur.
@@ -118,7 +136,7 @@ def test_sigint_in_a_long_step_stops_at_the_next_micro_batch_and_resumes_exactly
     deadline = time.time() + 120
     while time.time() < deadline and process.poll() is None and '"step": 3, "epoch"' not in _text(run / "metrics.jsonl"):
         time.sleep(0.01)
-    time.sleep(1.0)  # after step 3's evaluation and checkpoint, inside step 4's first micro-batch
+    until_asleep(process)  # after step 3's evaluation and checkpoint, inside step 4's first micro-batch
     process.send_signal(signal.SIGINT)
     sent = time.monotonic()
     _, err = process.communicate(timeout=60)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA_FILES, start_cli
 from test_best_weights import prepared_run
+from test_recovery import until_asleep
 
 STOP_STEP = 6  # an evaluation is due after it (every 2 steps), a checkpoint is not (every 4)
 
@@ -168,7 +169,7 @@ def test_sigterm_during_a_long_evaluation_exits_143_within_a_micro_batch_and_res
     run = tmp_path / "run"
     process = start(cli_args(tiny_models["llama"], tmp_path, "run"), f"slow_eval@{STOP_STEP}")
     wait_for(lambda: f'"step": {STOP_STEP}, "epoch"' in _text(run / "metrics.jsonl"), process)
-    time.sleep(1.0)  # inside the evaluation's first micro-batch
+    until_asleep(process)  # inside the evaluation's first micro-batch
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     wait_for(lambda: '"interrupted"' in _text(run / "status.json"), process, seconds=60, ending=True)
@@ -196,7 +197,7 @@ def test_a_second_sigint_quits_at_once_and_status_json_says_so(tmp_path, tiny_mo
     run = tmp_path / "run"
     process = start(cli_args(tiny_models["llama"], tmp_path, "run"), "slow@3")
     wait_for(lambda: '"step": 2, "epoch"' in _text(run / "metrics.jsonl"), process)
-    time.sleep(1.0)  # after step 2's evaluation, inside step 3's first micro-batch
+    until_asleep(process)  # after step 2's evaluation, inside step 3's first micro-batch
     process.send_signal(signal.SIGINT)
     time.sleep(0.3)
     process.send_signal(signal.SIGINT)
