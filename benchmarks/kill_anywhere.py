@@ -11,8 +11,8 @@ difference of any weight, at most 1e-5), and its metrics.jsonl must hold one
 row per step, as the reference's does.
 
 Where a kill lands is chosen three ways in turn, so the dangerous moments are
-not left to chance: from outside, at a random moment once training is under
-way; from inside, with `LLMCUSTOMS_FAULT_INJECT=kill_saving@N` (N a few steps
+not left to chance: from outside, at a random moment of one of the next few
+steps; from inside, with `LLMCUSTOMS_FAULT_INJECT=kill_saving@N` (N a few steps
 ahead), which SIGKILLs the process at a random point of step N's checkpoint
 write or of the pruning after it (a tiny model writes a checkpoint in
 milliseconds: a kill from outside would rarely land there); and with
@@ -89,30 +89,44 @@ def last_status(run: Path) -> str | None:
         return None
 
 
-def last_step(run: Path) -> int:
-    try:
-        return int(json.loads((run / "status.json").read_text()).get("step", 0))
-    except (OSError, ValueError):
-        return 0
-
-
 def started_training(run: Path, since: float) -> bool:
     metrics = run / "metrics.jsonl"
     return metrics.exists() and metrics.stat().st_mtime > since
 
 
-def kill_once(args: list[str], run: Path, way: str, steps: int, rng: random.Random) -> str | None:
-    """Start the command, have it killed the chosen way; where it landed, or None if it finished first."""
+def logged_step(run: Path) -> int:
+    """The last training step metrics.jsonl has a row for (0 before the first)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [row.get("step", 0) for row in map(json.loads, filter(str.strip, lines[-20:])) if "loss" in row]
+    return max(steps, default=0)
+
+
+def kill_from_outside(process, run: Path, since: float, steps: int, pace: float, rng: random.Random) -> None:
+    """SIGKILL at a random moment of one of the next few steps. The step is drawn, not the delay
+    alone: on a fast machine a fixed window after the first row can outlast the whole run."""
+    deadline = time.monotonic() + 300
+    while process.poll() is None and not started_training(run, since) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    now = logged_step(run)
+    target = rng.randint(now, max(now, min(now + 3, steps - 2)))  # a few ahead, one left after the wait
+    while process.poll() is None and logged_step(run) < target and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, pace))
+    if process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+
+
+def kill_once(args: list[str], run: Path, way: str, steps: int, pace: float, rng: random.Random) -> str | None:
+    """Start the command, have it killed the chosen way; where it landed, or None if it finished first.
+    `pace` is the uninterrupted run's seconds per step."""
     since = time.time()
-    fault = f"{FAULTS[way]}@{min(steps, last_step(run) + rng.randint(1, 4))}" if way in FAULTS else None
+    fault = f"{FAULTS[way]}@{min(steps, logged_step(run) + rng.randint(1, 4))}" if way in FAULTS else None
     process = start(args, fault)
     if fault is None:
-        deadline = time.monotonic() + 300
-        while process.poll() is None and not started_training(run, since) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 1.5))
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
+        kill_from_outside(process, run, since, steps, pace, rng)
     _, err = process.communicate(timeout=600)
     if process.returncode == 0:
         return None
@@ -143,14 +157,15 @@ def steps_written(run: Path) -> list[int]:
     return [r["step"] for r in rows if "loss" in r]
 
 
-def killed_run(model: Path, root: Path, index: int, kills: int, steps: int, rng: random.Random) -> dict:
+def killed_run(model: Path, root: Path, index: int, kills: int, steps: int, pace: float,
+               rng: random.Random) -> dict:
     name = f"run-{index:02d}"
     run = root / name
     where: list[str] = []
     first = train_args(model, root, name, steps)
     while len(where) < kills and last_status(run) != "completed":  # a kill may land just after the end
         args = first if not (run / "plan.json").exists() else ["resume", str(run), "--quiet"]
-        spot = kill_once(args, run, WAYS[len(where) % len(WAYS)], steps, rng)
+        spot = kill_once(args, run, WAYS[len(where) % len(WAYS)], steps, pace, rng)
         if spot is None:
             break  # finished before the kill: the run is shorter than the kills asked for
         where.append(spot)
@@ -187,10 +202,12 @@ def main() -> None:
         if reference.returncode != 0:
             raise SystemExit(f"the reference run failed:\n{err[-3000:]}")
         expected_steps = steps_written(root / "reference")
+        status = json.loads((root / "reference" / "status.json").read_text())
+        pace = float(status.get("training_seconds") or args.steps * 0.1) / args.steps
         runs: list[dict] = []
         while sum(len(r["kills"]) for r in runs) < args.kills:
             kills = min(args.per_run, args.kills - sum(len(r["kills"]) for r in runs))
-            result = killed_run(model, root, len(runs), kills, args.steps, rng)
+            result = killed_run(model, root, len(runs), kills, args.steps, pace, rng)
             if not result["kills"]:
                 raise SystemExit("a run finished before its first kill: give it more --steps")
             result["max_difference"] = adapter_difference(root / result["run"], root / "reference")
