@@ -91,6 +91,9 @@ def run_case(case: Case, template: Path, scratch: Path) -> dict:
     except subprocess.TimeoutExpired as expired:
         code, output = None, f"timed out after {case.timeout} s: {expired}"
     after = snapshot(kept)
+    for process in world.background:
+        process.kill()
+        process.wait()
     if case.undo is not None:
         case.undo(world)
     problems = []

@@ -63,6 +63,9 @@ def run_llmcustoms(cwd: Path, argv: list[str], env: dict[str, str] | None = None
 @dataclass(frozen=True)
 class World:
     root: Path
+    # Processes a case's preparation leaves running (a lock's holder): stopped when the case ends,
+    # so none outlives it holding the attack's output pipe open.
+    background: list[subprocess.Popen] = field(default_factory=list)
 
     def path(self, relative: str) -> Path:
         return self.root / relative
@@ -153,7 +156,8 @@ def holding_the_lock(w: World, run: str) -> None:
 
     code = (f"import time; from llmcustoms.runs import run_lock\n"
             f"with run_lock.owning({str(w.path(run))!r}, 'training it'):\n    time.sleep(60)")
-    subprocess.Popen([sys.executable, "-c", code], cwd=w.root, start_new_session=True)
+    w.background.append(subprocess.Popen([sys.executable, "-c", code], cwd=w.root, start_new_session=True,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     deadline = time.time() + 30
     while run_lock.holder(w.path(run)) is None and time.time() < deadline:
         time.sleep(0.2)
