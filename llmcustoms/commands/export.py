@@ -126,7 +126,7 @@ def _write(run: RunDirectory, plan: Any, trained: Path, partial: Path, merge: bo
         make_readable(partial)  # runs trained before the weights were written readable
         return ("the model" if plan.method == "full" else "the adapter"), (), None
     with waiting(f"Merging the adapter into {model_name(plan.model)}") as say:
-        written_dtype, checks = _merge(plan, trained, partial, dtype, say, allowed)
+        written_dtype, checks = _merge(plan, run.path, trained, partial, dtype, say, allowed)
     return f"a merged model ({written_dtype} weights)", checks, None
 
 
@@ -235,12 +235,13 @@ def _put_in_place(partial: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _merge(plan: Any, adapter: Path, output: Path, dtype: str, say: Say, allowed: Allowed) -> tuple[str, tuple[str, ...]]:
+def _merge(plan: Any, run_path: Path, adapter: Path, output: Path, dtype: str, say: Say,
+           allowed: Allowed) -> tuple[str, tuple[str, ...]]:
     """Write the merged model; the dtype its weights were written in
     ("float32") and what its checks found. `say` hears each stage."""
     from transformers import AutoTokenizer
 
-    merged = load_merged(plan, adapter, dtype, say, allowed)
+    merged = load_merged(plan, run_path, adapter, dtype, say, allowed)
     # Before a byte is written: the weights as they will be saved (a tied head once), and the tokenizer.
     weights = sum(p.numel() * p.element_size() for p in merged.model.parameters())
     check_export_space(output, weights + TOKENIZER_BYTES, "the merged model", merged.dtype)

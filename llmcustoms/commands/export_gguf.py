@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcustoms.commands.merging import MergedModel, common_system_prompt, load_merged
+from llmcustoms.commands.merging import MergedModel, load_merged, system_prompt
 from llmcustoms.data import stop_tokens
 from llmcustoms.data.chat_templates import starts_with_bos
 from llmcustoms.errors import ConfigError
@@ -81,10 +81,10 @@ def write_gguf_export(run: RunDirectory, plan: Any, trained: Path, partial: Path
     (a line each) and, when one failed, why."""
     with waiting(f"Merging the adapter into {model_name(plan.model)}" if plan.method != "full"
                  else f"Loading the trained {model_name(plan.model)}") as say:
-        merged = load_merged(plan, trained, dtype, say, allowed)
+        merged = load_merged(plan, run.path, trained, dtype, say, allowed)
     architecture = check_exportable(merged.model.config)
     pieces, stops, end_of_turn = _chat_shape(merged)
-    modelfile_text = modelfile.modelfile(GGUF_NAME, pieces, stops, common_system_prompt(plan))  # refused before the writing
+    modelfile_text = modelfile.modelfile(GGUF_NAME, pieces, stops, system_prompt(plan, run.path))  # refused before the writing
     rows = merged.model.config.vocab_size
     past = tokens_past_rows(merged.tokenizer, rows, end_of_turn)
     weights = sum(p.numel() for p in merged.model.parameters())

@@ -17,8 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from llmcustoms.data.dataset import usable_examples
+from llmcustoms.data.prompt_draws import common_system_prompt, pick_prompts
+from llmcustoms.models import loading
 from llmcustoms.models.loading import Allowed, adapter_weights
+from llmcustoms.runs import check_prompts as run_check_prompts
 from llmcustoms.runs.run_weights import model_name
+from llmcustoms.training.samples import CHECK_PROMPTS
 from llmcustoms.ui.train_progress import counting
 
 Say = Callable[[str], None]
@@ -26,9 +31,6 @@ CHECK_TOKENS = 32
 # Asked when the run's data has no prompt to ask (or cannot be read any more).
 GENERAL_PROMPTS = ("What is the capital of France?", "Write one sentence about the sea.",
                    "Explain what a list is in Python.", "What is 12 times 7?")
-from llmcustoms.data.dataset import usable_examples
-from llmcustoms.models import loading
-from llmcustoms.training.samples import pick_prompts
 
 
 @dataclass
@@ -40,33 +42,36 @@ class MergedModel:
     replies_equal: int | None = None  # merged replies equal to the adapter's, of len(prompts); None: no adapter
 
 
-def check_prompts(plan: Any, count: int = 4) -> list[list[dict[str, str]]]:
-    """Prompts to check an export on: the run's own held-out (else training)
-    rows, drawn as its sample replies are, or general ones when the data is gone."""
+def check_prompts(plan: Any, run_path: Path) -> list[list[dict[str, str]]]:
+    """Prompts to check an export on: those the run drew from its own held-out (else
+    training) rows when it started (`runs/check_prompts.py`), or general ones."""
+    kept = run_check_prompts.read(run_path)
+    drawn = kept[0] if kept is not None else _drawn_from_data(plan)
+    return drawn or [[{"role": "user", "content": text}] for text in GENERAL_PROMPTS[:CHECK_PROMPTS]]
+
+
+def system_prompt(plan: Any, run_path: Path) -> str | None:
+    """The system prompt every chat row of the run's training data starts with, if they all share one."""
+    kept = run_check_prompts.read(run_path)
+    if kept is not None:
+        return kept[1]
+    try:  # a run from before check_prompts.json: its data file read, if it is still there
+        return common_system_prompt(usable_examples(plan.data))
+    except Exception:  # noqa: BLE001 - the data is gone: no system prompt to carry
+        return None
+
+
+def _drawn_from_data(plan: Any) -> list[list[dict[str, str]]]:
+    """A run from before check_prompts.json: its data file read for them, if it is still there."""
     try:
         examples = list(usable_examples(plan.eval_data or plan.data))
     except Exception:  # noqa: BLE001 - moved, deleted, unreadable: the general prompts do
-        examples = []
-    drawn = [list(p.messages) for p in pick_prompts(examples, count, plan.seed)]
-    return drawn or [[{"role": "user", "content": text}] for text in GENERAL_PROMPTS[:count]]
+        return []
+    return [list(p.messages) for p in pick_prompts(examples, CHECK_PROMPTS, plan.seed)]
 
 
-def common_system_prompt(plan: Any) -> str | None:
-    """The system prompt every chat row of the training data starts with, if they all share one."""
-    seen: set[str] = set()
-    try:
-        for example in usable_examples(plan.data):
-            first = example.messages[0] if example.is_chat and example.messages else None
-            seen.add(first.content if first is not None and first.role == "system" else "")
-            if len(seen) > 1:
-                return None
-    except Exception:  # noqa: BLE001 - the data is gone: no system prompt to carry
-        return None
-    return next(iter(seen)) or None if seen else None
-
-
-def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed) -> MergedModel:
-    """The run's model, merged and checked; `say` hears each stage."""
+def load_merged(plan: Any, run_path: Path, trained: Path, dtype: str, say: Say, allowed: Allowed) -> MergedModel:
+    """The model of the run at `run_path`, merged and checked; `say` hears each stage."""
     loading.quiet_libraries()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,7 +79,7 @@ def load_merged(plan: Any, trained: Path, dtype: str, say: Say, allowed: Allowed
     trust = plan.trust_remote_code and allowed.remote_code
     # With the chat template the run used; trust_remote_code given, else transformers asks on the terminal.
     tokenizer = loading.from_pretrained(AutoTokenizer, str(trained), trust_remote_code=trust)
-    prompts = check_prompts(plan)
+    prompts = check_prompts(plan, run_path)
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     if plan.method == "full":
         say(f"Loading the trained {model_name(plan.model)}")

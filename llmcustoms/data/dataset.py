@@ -1,9 +1,11 @@
 """Read a data file once, validating each row as it comes, and say what it holds.
 
 `read_dataset` streams the file (`data/data_files.py`), detects the row format
-(`data/row_formats.py`) and keeps only small per-row numbers (lengths, a hash for
-duplicates), never the rows, so a file larger than memory can be checked.
-`usable_examples` streams the usable rows again when they are tokenized.
+(`data/row_formats.py`) and keeps small per-row numbers (lengths, a hash for
+duplicates), so a file larger than memory can be checked. The usable rows
+themselves are kept too while they are small (`KEPT_CHARS`): tokenizing them,
+drawing sample prompts and export's check prompts then read no file again
+(`Dataset.examples`). Past that, `usable_examples` streams them again.
 
 Bad rows follow the policy users expect: by default a few (at most
 `BAD_ROW_SHARE` of the rows) are skipped and reported by reason, with the
@@ -30,6 +32,7 @@ import numpy as np
 
 from llmcustoms.data.chat_turns import reasoning_parts
 from llmcustoms.data.data_files import RawRow, read_rows
+from llmcustoms.data.prompt_draws import opening_system
 from llmcustoms.data.row_formats import DETECTION_ROWS, FORMAT_DESCRIPTIONS, Example, RowProblem, detect_format, to_example
 from llmcustoms.data.suspicious import SuspiciousRows
 from llmcustoms.errors import DataError
@@ -42,6 +45,10 @@ NEAR_EMPTY_CHARS = 5
 LOCATIONS_SHOWN = 3
 WHITESPACE = b" \t\n\r\x0b\x0c"
 POLICIES = ("default", "strict", "skip")
+# The usable rows are kept in memory while their text stays under this many
+# characters (about 100 MB of Python objects at most): every file of a few
+# thousand rows. A larger one is streamed again when its rows are needed.
+KEPT_CHARS = 16_000_000
 
 Progress = Callable[[int], None]  # called with the rows read so far
 
@@ -93,6 +100,12 @@ class Dataset:
     line_endings: int = 0  # rows whose "\r\n" or lone "\r" was read as "\n" (raw_rows.unix_line_endings)
     suspicious: SuspiciousRows = field(default_factory=SuspiciousRows)  # placeholders, echoed prompts, ...
     seconds: float = 0.0  # time spent reading and validating
+    kept: list[Example] | None = field(default=None, repr=False)  # the usable rows, while under KEPT_CHARS
+    system_prompt: str | None = None  # the one every usable row starts with, if they all share one
+
+    def examples(self) -> Iterator[Example]:
+        """The usable rows in order: those kept while reading, else the file streamed again."""
+        return iter(self.kept) if self.kept is not None else usable_examples(self.path)
 
     @property
     def rows(self) -> int:
@@ -143,6 +156,9 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
     fmt, rows = _validated(path)
     dataset = Dataset(path=path, format=fmt, policy=policy)
     total, prompt, turns, replies, hashes = array("q"), array("q"), array("i"), array("i"), array("Q")
+    kept: list[Example] | None = []
+    kept_chars = 0
+    systems: set[str] = set()  # the rows' opening system prompts: one shared, or more (two are enough to tell)
     first_problem = ""
     for raw, example, problem in rows:
         if dataset.suspicious.holds_media(raw, example):
@@ -163,6 +179,13 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
             raise DataError(f"{raw.where(path)}: {placeholder}.",
                             "Fill it in or remove the row, or run without --strict to train on it with a warning.")
         total.append(example.char_count())
+        kept_chars += total[-1]
+        if len(systems) < 2:
+            systems.add(opening_system(example))
+        if kept is not None and kept_chars <= KEPT_CHARS:
+            kept.append(example)
+        else:
+            kept = None  # too large to hold: streamed again when needed
         prompt.append(example.prompt_chars())
         turns.append(len(example.messages))
         replies.append(example.replies())
@@ -174,6 +197,8 @@ def read_dataset(path: str | Path, policy: str = "default", progress: Progress |
     dataset.total_chars, dataset.prompt_chars = np.frombuffer(total, np.int64), np.frombuffer(prompt, np.int64)
     dataset.turns, dataset.replies = np.frombuffer(turns, np.int32), np.frombuffer(replies, np.int32)
     dataset.duplicates = len(hashes) - len(np.unique(np.frombuffer(hashes, np.uint64)))
+    dataset.kept = kept
+    dataset.system_prompt = next(iter(systems)) or None if len(systems) == 1 else None
     dataset.seconds = time.perf_counter() - started
     dataset.suspicious.refuse_media(path)
     _check_bad_share(dataset, first_problem)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmcustoms.data.data_files import fingerprint
-from llmcustoms.data.dataset import Dataset, usable_examples
+from llmcustoms.data.dataset import Dataset
 from llmcustoms.data.row_formats import is_preference
 from llmcustoms.data.token_store import (
     MAX_ROW_TOKENS,
@@ -111,7 +111,7 @@ def stored_rows(key: str, data_key: str, cache: str | None, dataset: Dataset, to
 
     faults.edit_data_if_due(dataset.path)
     try:
-        rows = build_store(directory, usable_examples(dataset.path), tokenizer, meta, tick, workers=workers)
+        rows = build_store(directory, dataset.examples(), tokenizer, meta, tick, workers=workers)
     except OSError as exc:
         not_kept = _not_kept(cache_dir(cache), exc)
     else:
@@ -120,7 +120,7 @@ def stored_rows(key: str, data_key: str, cache: str | None, dataset: Dataset, to
     fallback = Path(tempfile.mkdtemp(prefix="llmcustoms-tokens-"))
     atexit.register(shutil.rmtree, fallback, True)
     try:
-        rows = build_store(fallback / key, usable_examples(dataset.path), tokenizer, meta, tick, workers=workers)
+        rows = build_store(fallback / key, dataset.examples(), tokenizer, meta, tick, workers=workers)
     except OSError as exc:
         raise DataError(f"Cannot store the tokenized rows of {dataset.path.name}: {exc.strerror or exc}.",
                         "Free some disk space, or point --cache-dir at a disk with room.") from None

@@ -9,11 +9,12 @@ record typed. Made by `preparing.prepare_run` and `preparing.prepare_resume`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from llmcustoms.data.dataset import Dataset
+from llmcustoms.data.row_formats import Example
 from llmcustoms.data.token_store import TokenRows
 from llmcustoms.planning.plan import DataStats, Plan
 
@@ -46,6 +47,12 @@ class PreparedRun:
     cache_notes: tuple[str, ...] = ()  # what to say about the cache: a store rebuilt, or nothing kept and why
     templated_prompts: bool = False  # prompt/completion rows go through the model's own chat template
     model_params: int = 0  # every parameter of the model: what `export --merge` writes (0: not known)
+    eval_dataset: Dataset | None = None  # what --eval-data's file held; None: the evaluation rows are the data's
+
+    def eval_file_examples(self) -> Iterator[Example]:
+        """The usable rows of the file the evaluation rows come from (--eval-data's, else the data's),
+        as `Dataset.examples` gives them: kept from reading, or streamed again."""
+        return (self.eval_dataset or self.dataset).examples()
 
 
 def estimated_stats(dataset: Dataset, indices: Sequence[int] | None, eval_rows: int) -> DataStats:

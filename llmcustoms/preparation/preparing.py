@@ -132,7 +132,8 @@ def prepare_run(options: TrainOptions, hardware: Hardware, budget_bytes: int | N
     plan = _with_run_facts(plan, options, dataset, split, choice_reason, start)
     prepared = PreparedRun(plan=plan, tokenizer=None, train=None, evaluation=None, dataset=dataset,
                            eval_source=split.source, truncated=0, dropped=0, used_fallback_template=False,
-                           read_seconds=read_seconds, model_params=sum(parameter_counts(model.arch)))
+                           read_seconds=read_seconds, model_params=sum(parameter_counts(model.arch)),
+                           eval_dataset=split.eval_dataset)
     if tokenized is None:
         cut, kept = stats.rows_truncated(plan.max_seq_len), stats.rows_kept(plan.max_seq_len)
         return replace(prepared, plan=replace(plan, data_report=_facts(dataset, stats.lengths, stats.length_source,
@@ -285,4 +286,4 @@ def prepare_resume(plan: Plan, world_size: int = 1, model_changed_ok: bool = Fal
                        dataset=dataset, eval_source=split.source, truncated=train_cut + eval_cut,
                        dropped=train_dropped + eval_dropped, used_fallback_template=tokenized.used_fallback,
                        read_seconds=dataset.seconds, tokenize_seconds=tokenized.seconds, cached=tokenized.cached,
-                       kept=tokenized.kept, cache_notes=tokenized.notes)
+                       kept=tokenized.kept, cache_notes=tokenized.notes, eval_dataset=split.eval_dataset)

@@ -26,86 +26,67 @@ token, writing none of them.
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmcustoms.data.dataset import usable_examples
+from llmcustoms.data.prompt_draws import SamplePrompt, pick_prompts
 from llmcustoms.data.row_formats import Example
 from llmcustoms.preparation.prepared_run import PreparedRun
 from llmcustoms.recovery.stop_signals import StopRequested
 from llmcustoms.reporting import Reporter
+from llmcustoms.runs import check_prompts
 from llmcustoms.training.base_replies import FOLDER, answers_key, keep_answers, kept_answers
 from llmcustoms.training.general_knowledge import LABELS as GENERAL_LABELS
 from llmcustoms.training.general_knowledge import GeneralKnowledge, general_check
 
 SAMPLE_PROMPTS = 3
+CHECK_PROMPTS = 4  # what an export's merge is checked on (`commands/merging.py`)
 MAX_NEW_TOKENS = 48
 # Answer at evaluations too when it takes at most this share of the time the
 # training between two evaluations took.
 CHEAP_SHARE = 0.05
 
 
-@dataclass(frozen=True)
-class SamplePrompt:
-    row: int
-    messages: tuple[dict[str, str], ...]  # the conversation up to the first reply
-    reference: str  # the reply the data gives
-
-    @property
-    def text(self) -> str:
-        """The last thing said before the reply: what a person reads as "the prompt"."""
-        return self.messages[-1]["content"]
-
-
-def prompt_of(example: Example) -> SamplePrompt | None:
-    """The first reply's prompt in a row, or None (plain text has no prompt)."""
-    if example.uses_tools:
-        # Answering it fairly would need the tools and calls passed to the
-        # template too; a sample is a look, so such rows are not drawn.
-        return None
-    if example.is_chat:
-        for index, message in enumerate(example.messages):
-            # A preference pair's earlier assistant turns are its prompt: its reply comes at `learned_from`;
-            # a reply marked weight 0 is no reference.
-            if message.role == "assistant" and index > 0 and index >= example.learned_from and message.learned:
-                before = tuple({"role": m.role, "content": m.content} for m in example.messages[:index])
-                return SamplePrompt(example.row, before, message.content) if before[-1]["role"] == "user" else None
-        return None
-    if example.prompt:
-        return SamplePrompt(example.row, ({"role": "user", "content": example.prompt},), example.completion)
-    return None
-
-
-def pick_prompts(examples: list[Example], count: int, seed: int) -> list[SamplePrompt]:
-    """Up to `count` prompts from `examples`, the same for the same seed, in row order."""
-    # One per distinct conversation: real data repeats questions ("What is up?"
-    # six times in the identity data), and the same prompt twice shows nothing new.
-    drawable = [p for p in map(prompt_of, examples) if p is not None]
-    distinct = {tuple((m["role"], m["content"]) for m in p.messages): p for p in reversed(drawable)}
-    prompts = sorted(distinct.values(), key=lambda p: p.row)
-    chosen = random.Random(seed).sample(prompts, min(count, len(prompts)))
-    return sorted(chosen, key=lambda p: p.row)
-
-
-def held_out_prompts(prepared: PreparedRun, count: int = SAMPLE_PROMPTS) -> list[SamplePrompt]:
-    """Prompts from the run's evaluation rows (none without evaluation), each
-    short enough to be answered within the plan's sequence length."""
-    room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
+def held_out_examples(prepared: PreparedRun) -> list[Example]:
+    """The run's evaluation rows as examples (at most `splits.MAX_EVAL_ROWS`), in row order:
+    from the rows preparation kept, or one pass over the file when it held too many to keep."""
     evaluation = prepared.evaluation
-    rows = set(evaluation.row_numbers[evaluation.first_loss <= room].tolist()) if evaluation is not None else set()
-    if not rows:
+    rows = set(evaluation.row_numbers.tolist()) if evaluation is not None else set()
+    return [e for e in prepared.eval_file_examples() if e.row in rows] if rows else []
+
+
+def held_out_prompts(prepared: PreparedRun, count: int = SAMPLE_PROMPTS,
+                     held_out: list[Example] | None = None) -> list[SamplePrompt]:
+    """Prompts from the run's evaluation rows (`held_out`, none without evaluation),
+    each short enough to be answered within the plan's sequence length."""
+    evaluation = prepared.evaluation
+    if evaluation is None or not len(evaluation):
         return []
-    plan = prepared.plan
-    source = plan.eval_data or plan.data
-    return pick_prompts([e for e in usable_examples(source) if e.row in rows], count, plan.seed)
+    room = prepared.plan.max_seq_len - MAX_NEW_TOKENS
+    short = set(evaluation.row_numbers[evaluation.first_loss <= room].tolist())
+    held_out = held_out_examples(prepared) if held_out is None else held_out
+    return pick_prompts((e for e in held_out if e.row in short), count, prepared.plan.seed)
+
+
+def keep_check_prompts(prepared: PreparedRun, held_out: list[Example], run_dir: Any) -> None:
+    """check_prompts.json (`runs/check_prompts.py`): what `export` checks its merge on, drawn
+    as the samples are from the held-out rows; where they give too few, from all the data's
+    rows while they are kept in memory (never a pass over a large file for it)."""
+    if not run_dir.writable:
+        return
+    drawn = pick_prompts(held_out, CHECK_PROMPTS, prepared.plan.seed)
+    if len(drawn) < CHECK_PROMPTS and prepared.dataset.kept is not None:  # a few held-out rows, or none
+        drawn = pick_prompts(prepared.dataset.kept, CHECK_PROMPTS, prepared.plan.seed)
+    check_prompts.write(run_dir.path, [list(p.messages) for p in drawn], prepared.dataset.system_prompt)
 
 
 def run_samples(prepared: PreparedRun, run_dir: Any, warn: Callable[[str], None]) -> "SampleReplies":
-    """A run's sample replies (`train`, `resume`), with the forgetting check when it has evaluation rows."""
-    return SampleReplies(held_out_prompts(prepared), prepared.tokenizer, prepared.plan, run_dir, warn=warn,
-                         general=general_check(prepared, run_dir, warn))
+    """A run's sample replies (`train`, `resume`), with the forgetting check when it has
+    evaluation rows; the export's check prompts kept beside them."""
+    held_out = held_out_examples(prepared)
+    keep_check_prompts(prepared, held_out, run_dir)
+    return SampleReplies(held_out_prompts(prepared, held_out=held_out), prepared.tokenizer, prepared.plan, run_dir,
+                         warn=warn, general=general_check(prepared, run_dir, warn))
 
 
 class SampleReplies:

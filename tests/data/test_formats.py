@@ -514,7 +514,7 @@ def test_a_weight_0_turn_is_context_never_learned_and_a_weight_1_turn_is_learned
                       + chatml_turn("assistant", "Milk.") + chatml_turn("user", "No. What do bees make?")
                       + "<|im_start|>assistant\n"]
     assert learned == ["Honey.<|im_end|>"]
-    from llmcustoms.training.samples import prompt_of
+    from llmcustoms.data.prompt_draws import prompt_of
 
     assert prompt_of(example).reference == "Honey."  # a sample answers where the data has a reply to learn
     # --train-on-prompt learns the prompts, never a reply the row marks weight 0: exactly its tokens stay masked.
