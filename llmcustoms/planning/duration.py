@@ -83,12 +83,20 @@ CPU_DECODE_BYTES_PER_S = 5e9
 # (34 s for TinyLlama's base answers on an H200, `training/base_replies.py`).
 GPU_DECODE_SECONDS_PER_LAYER = 0.005
 # Starting the command (imports, reading and tokenizing the data) and loading the
-# model: 8 s and 6 s for SmolLM2-135M on the reference machine; a model's weights
-# are read from disk at about this rate.
-STARTUP_S = 10.0
+# model: about 5 s for SmolLM2-135M on the reference machine (3 s of imports, 2 s
+# to load), 4.5 s for the tests' two-layer model; a model's weights are read from
+# disk at about this rate besides.
+STARTUP_S = 5.0
 DISK_BYTES_PER_S = 500e6
-# A checkpoint: its trainable weights and optimizer state written, plus torch.save's own time.
-SAVE_S = 1.0
+# A checkpoint beside its bytes (trainable weights and optimizer state, at the disk's
+# rate): torch.save's own time, the fsyncs and the rename; a few milliseconds for a
+# small adapter, so a tenth of a second allows for a slow disk.
+SAVE_S = 0.2
+# What a CPU step costs beside its matmuls, which a model's FLOPs leave out: the
+# optimizer, clipping, the scheduler and a metrics row. 0.05-0.07 s a step for the
+# tests' two-layer model on the reference machine (136 steps of the README's first
+# run: 7-9 s where its FLOPs said 0.6 s); nothing next to a real model's seconds.
+CPU_STEP_S = 0.05
 # Without a GPU the preset's CPU models are planned best first and the first
 # expected to finish within this is trained: half an hour is a wait a first
 # try can afford, and it still leaves time to change something and run again.
@@ -163,14 +171,15 @@ def replayed_per_step(share: float, step_rows: int) -> int:
 def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, arch: ModelSpec, method: str,
                      gradient_checkpointing: bool, max_seq_len: int, train_rows: int, rows_trained: int,
                      evaluations: int, threads: int = 0, micro_batch: int = 1, memory: dict[str, int] | None = None,
-                     saves: int = 0, replayed: int = 0) -> Duration:
+                     saves: int = 0, replayed: int = 0, steps: int = 0) -> Duration:
     """Notes the rows truncation cuts or drops; returns the command's estimated
     seconds in parts: training and evaluating (`evaluations` passes over the
     evaluation rows) with `threads` CPU threads in all (`cpu_share.choose_threads`;
     0 on a GPU), in micro-batches of `micro_batch` rows; the sample replies and
     general questions (a run with evaluation rows answers them twice); loading the
     model (`memory`: the plan's estimate, its weights) and `saves` checkpoints; `replayed`
-    rows replayed over the run, and the base model's replies they are made of."""
+    rows replayed over the run, and the base model's replies they are made of; on a CPU,
+    each of the `steps` optimizer steps' own work."""
     truncated = stats.rows_truncated(max_seq_len)
     if truncated:
         reasons.append(f"{truncated} of {stats.train_rows} rows are longer than {max_seq_len} tokens and will be truncated"
@@ -185,6 +194,9 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
     passes = (rows_trained + replayed + evaluations * (stats.eval_rows + general[0]) / 3) / max(1, micro_batch)
     training = estimate_seconds(arch, method, gradient_checkpointing, trained_tokens, hardware, 0.0, threads,
                                 (rows_trained + replayed) / max(1, micro_batch))
+    # A measured speed has the steps' own work in it already.
+    measured = hardware.measured_speed(arch.hub_id, method) is not None
+    stepping = 0.0 if hardware.has_gpu or measured else steps * CPU_STEP_S
     both = estimate_seconds(arch, method, gradient_checkpointing, trained_tokens, hardware,
                             evaluations * (stats.eval_rows * length + general[1]), threads, passes)
     # Sample prompts come from the evaluation rows: without them a run answers nothing.
@@ -193,11 +205,11 @@ def expected_seconds(reasons: list[str], hardware: Hardware, stats: DataStats, a
     memory = memory or {}
     written = saves * (memory.get("trainable_bytes", 0) + memory.get("optimizer_bytes", 0))
     disk = STARTUP_S + (memory.get("weights_bytes", 0) + written) / DISK_BYTES_PER_S + saves * SAVE_S
-    parts = {"training": training, "evaluations": both - training, BASE_ANSWERS: answers, TRAINED_ANSWERS: answers}
+    parts = {"training": training + stepping, "evaluations": both - training, BASE_ANSWERS: answers, TRAINED_ANSWERS: answers}
     if replayed:  # the base model's replies to the replay prompts, before the first step
         parts[REPLAY_REPLIES] = answering_seconds(arch, method, gradient_checkpointing, hardware, threads, 0.0, True)
     duration = Duration({**parts, "loading and saving": disk})
-    reasons.append(duration_reason(duration.total, hardware, hardware.measured_speed(arch.hub_id, method) is not None,
+    reasons.append(duration_reason(duration.total, hardware, measured,
                                    busy_text(hardware, threads), duration.text()))
     return duration
 

@@ -379,7 +379,7 @@ class Planner:
                                     batch.gradient_checkpointing, max_seq_len, train_rows,
                                     round(schedule.total_steps * effective * work), evaluations * evaluation_work,
                                     threads * world_size, micro, memory.to_json(), -(-schedule.total_steps // save_every),
-                                    schedule.total_steps * replayed_per_step(replay, effective))
+                                    schedule.total_steps * replayed_per_step(replay, effective), schedule.total_steps)
 
         r.record("model", model.source)
         r.record("preset", preset_source)

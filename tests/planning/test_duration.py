@@ -32,7 +32,21 @@ def test_the_plans_time_is_the_sum_of_its_named_parts_and_the_reason_names_each(
     # The base model's answers and the trained model's: a first run on 2 idle cores waited 35-45 s for each.
     assert 15 < parts["base model's answers"] == parts["trained model's answers"] < 120
     # Starting, loading 540 MB of weights and 5 LoRA checkpoints: seconds, not minutes.
-    assert 10 < parts["loading and saving"] < 30
+    assert duration.STARTUP_S < parts["loading and saving"] < 30
+
+
+def test_a_cpu_step_costs_its_own_work_beside_its_flops(monkeypatch):
+    # The README's first run (issue 47): 136 steps of a two-layer model whose FLOPs say 0.6 s took 7-9 s.
+    measured = replace(TWO_CORES, speeds=((f"{SMOLLM2}|lora", 500.0),))  # a measured speed has the steps' work in it
+
+    def training(machine, steps=20):
+        return plan_for(machine, SMOLLM2, {"max_steps": steps, "replay": 0}).duration_parts["training"]
+
+    few, more, with_speed = training(TWO_CORES), training(TWO_CORES, 40), training(measured)
+    monkeypatch.setattr(duration, "CPU_STEP_S", 0.0)
+    assert few == pytest.approx(training(TWO_CORES) + 20 * 0.05, abs=0.15)  # parts are rounded to 0.1 s
+    assert more == pytest.approx(2 * few, abs=0.25)
+    assert with_speed == training(measured)
 
 
 def test_replay_adds_its_rows_to_the_training_time_and_the_base_models_replies_as_a_part():
