@@ -54,6 +54,25 @@ DATA_FILES = {
 # `from_pretrained`, `quiet_libraries`), set from the start: the first in-process test to load
 # one would otherwise change this process's environment, and each CLI command's with it, from
 # the fork server's (`cli_fork_server`), costing a second server.
+# The slow tier's longest tests (a minute or so each on the reference machine, most
+# of it their own subprocesses), started first: the two workers then end together,
+# where one left to finish a long test alone held the tier up to a minute and a half.
+STARTED_FIRST = ("test_gpu_kit.py::test_the_dry_run_runs_every_step_on_this_cpu",
+                 "test_gpu_peers.py::test_the_dry_run_of_part_3_runs_the_side_by_side_and_the_profile_on_this_cpu",
+                 "test_first_run_terminal.py::test_the_readmes_first_run_reads_whole_and_its_numbers_hold",
+                 "test_attack.py::test_the_reduced_attack_finds_nothing",
+                 "test_benchmarks.py::test_quality_trains_through_the_cli_and_scores_against_the_base_model",
+                 "test_benchmarks.py::test_sharding_memory_measures_ddp_and_fsdp_per_process")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """STARTED_FIRST first, longest first; pytest-xdist hands tests out in this order."""
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, name in enumerate(STARTED_FIRST) if item.nodeid.endswith(name)), len(STARTED_FIRST))
+
+    items.sort(key=rank)
+
+
 LOADING_SETS = {"DISABLE_SAFETENSORS_CONVERSION": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                 "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
