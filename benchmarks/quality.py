@@ -262,7 +262,7 @@ def prompts(dataset: str, test: Path) -> list[tuple[list[dict], str]]:
     the conversation before it); sentiment, every test row's question; code,
     the first row's first prompt (a sample to look at)."""
     from llmcustoms.data.dataset import usable_examples
-    from llmcustoms.training.samples import prompt_of
+    from llmcustoms.data.prompt_draws import prompt_of
 
     chosen = []
     for example in usable_examples(test):

@@ -11,21 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import FIXTURES
 
-from llmcustoms.training.batching import TrainingRows
-from llmcustoms.runs.best_weights import BestWeightFiles
 from llmcustoms.commands.model_card import model_card
-from llmcustoms.training.finetuner import FineTuner
-from llmcustoms.planning.hardware import Hardware
+from llmcustoms.commands.report import analyse
+from llmcustoms.data.prompt_draws import pick_prompts, prompt_of
 from llmcustoms.losses.sft import select_logits, token_cross_entropy
+from llmcustoms.planning.hardware import Hardware
 from llmcustoms.planning.train_options import TrainOptions
 from llmcustoms.preparation.preparing import prepare_run
 from llmcustoms.recovery.recovery_system import TrainingInterrupted
-from llmcustoms.commands.report import analyse
 from llmcustoms.reporting import SilentReporter
+from llmcustoms.runs.best_weights import BestWeightFiles
 from llmcustoms.runs.run_directory import RunDirectory
-from llmcustoms.training.samples import SampleReplies, held_out_prompts, pick_prompts, prompt_of, side_by_side
-from tiny_models import FIXTURES
+from llmcustoms.training.batching import TrainingRows
+from llmcustoms.training.finetuner import FineTuner
+from llmcustoms.training.samples import SampleReplies, held_out_prompts, side_by_side
 
 STEPS, SAVE_EVERY = 8, 4
 
