@@ -100,8 +100,14 @@ def logged_step(run: Path) -> int:
         lines = (run / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return 0
-    steps = [row.get("step", 0) for row in map(json.loads, filter(str.strip, lines[-20:])) if "loss" in row]
-    return max(steps, default=0)
+    steps = [0]
+    for line in lines[-20:]:
+        try:
+            row = json.loads(line)
+        except ValueError:  # blank, or the line being written as we read
+            continue
+        steps += [row.get("step", 0)] if "loss" in row else []
+    return max(steps)
 
 
 def kill_from_outside(process, run: Path, since: float, steps: int, pace: float, rng: random.Random) -> None:

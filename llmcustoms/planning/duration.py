@@ -90,7 +90,7 @@ STARTUP_S = 5.0
 DISK_BYTES_PER_S = 500e6
 # A checkpoint beside its bytes (trainable weights and optimizer state, at the disk's
 # rate): torch.save's own time, the fsyncs and the rename; a few milliseconds for a
-# small adapter, so a tenth of a second allows for a slow disk.
+# small adapter, so a fifth of a second allows for a slow disk.
 SAVE_S = 0.2
 # What a CPU step costs beside its matmuls, which a model's FLOPs leave out: the
 # optimizer, clipping, the scheduler and a metrics row. 0.05-0.07 s a step for the

@@ -68,23 +68,29 @@ def held_out_prompts(prepared: PreparedRun, count: int = SAMPLE_PROMPTS,
     return pick_prompts((e for e in held_out if e.row in short), count, prepared.plan.seed)
 
 
-def keep_check_prompts(prepared: PreparedRun, held_out: list[Example], run_dir: Any) -> None:
+def keep_check_prompts(prepared: PreparedRun, held_out: list[Example], run_dir: Any,
+                       warn: Callable[[str], None]) -> None:
     """check_prompts.json (`runs/check_prompts.py`): what `export` checks its merge on, drawn
     as the samples are from the held-out rows; where they give too few, from all the data's
-    rows while they are kept in memory (never a pass over a large file for it)."""
+    rows while they are kept in memory (never a pass over a large file for it). A write that
+    fails (a full disk) is a warning: export then draws them from the data file."""
     if not run_dir.writable:
         return
     drawn = pick_prompts(held_out, CHECK_PROMPTS, prepared.plan.seed)
     if len(drawn) < CHECK_PROMPTS and prepared.dataset.kept is not None:  # a few held-out rows, or none
         drawn = pick_prompts(prepared.dataset.kept, CHECK_PROMPTS, prepared.plan.seed)
-    check_prompts.write(run_dir.path, [list(p.messages) for p in drawn], prepared.dataset.system_prompt)
+    try:
+        check_prompts.write(run_dir.path, [list(p.messages) for p in drawn], prepared.dataset.system_prompt)
+    except OSError as error:
+        warn(f"{check_prompts.FILE} not written ({error.strerror or error}): export will read its check prompts "
+             "from the data file")
 
 
 def run_samples(prepared: PreparedRun, run_dir: Any, warn: Callable[[str], None]) -> "SampleReplies":
     """A run's sample replies (`train`, `resume`), with the forgetting check when it has
     evaluation rows; the export's check prompts kept beside them."""
     held_out = held_out_examples(prepared)
-    keep_check_prompts(prepared, held_out, run_dir)
+    keep_check_prompts(prepared, held_out, run_dir, warn)
     return SampleReplies(held_out_prompts(prepared, held_out=held_out), prepared.tokenizer, prepared.plan, run_dir,
                          warn=warn, general=general_check(prepared, run_dir, warn))
 
