@@ -29,7 +29,8 @@ With --peers, the recipes people copy instead, each on the same training rows
   trl            `trl sft --use_peft` with the installed TRL's defaults
   equal-time     llmcustoms train TRAIN --eval-data VAL --max-steps N, N chosen so
                  it takes the wall time of the fastest peer recipe (sized once,
-                 from seed 0's runs, so every seed runs the same configuration)
+                 by seed 0, from the fastest measured run of each; later seeds
+                 run seed 0's N, so every seed runs the same configuration)
 
 Seeds: each trained configuration runs once per seed index 0..N-1 (--seeds,
 3 by default): index S is `--seed 42+S` for llmcustoms (42, its default) and a
@@ -159,21 +160,6 @@ def peer(recipe: str, model: str, paths: dict[str, Path], out: Path, seed: int) 
         raise SystemExit(f"peer recipe {recipe} failed:\n{done.stderr[-3000:]}")
     WALL[recipe] = time.perf_counter() - started
     return out / recipe, json.loads((out / recipe / "peer.json").read_text())["training_seconds"]
-
-
-def equal_time_steps(results: dict) -> int:
-    """Steps for llmcustoms to take the wall time of the fastest peer recipe:
-    what is left of that time after `quality`'s fixed costs (loading, the
-    base model's replies, the checks; its wall time less its training time),
-    at `quality`'s seconds per step. `results`: {configuration: measures}, seed 0's."""
-    quality = results["quality"]
-    peers = [results[r]["wall_seconds"] for r in ("unsloth", "trl") if r in results]
-    if not peers:
-        raise SystemExit("equal-time is sized from a peer recipe's time: run DATASET:unsloth:0 or DATASET:trl:0 first")
-    fastest = min(peers)
-    per_step = quality["step_seconds"] / max(quality["steps"], 1)
-    fixed = quality["wall_seconds"] - quality["step_seconds"]
-    return max(1, int((fastest - fixed) / per_step))
 
 
 def _seconds(status: dict) -> float:
@@ -370,7 +356,8 @@ def jobs(args) -> list[tuple[str, str, int]]:
 def configuration(args, results: dict, dataset: str, config: str, seed: int, paths: dict[str, Path],
                   out: Path) -> dict:
     """Train (or not: `base`) one configuration at seed index `seed` and measure it;
-    `results`: everything measured so far (tune and equal-time are sized from seed 0's runs)."""
+    `results`: everything measured so far (tune is sized from seed 0's `quality` run,
+    equal-time as `quality_table.equal_time_steps` says)."""
     first = {c: quality_table.runs(results, dataset, c).get(0) for c in CONFIGS + PEERS}
     first = {c: measures for c, measures in first.items() if measures is not None}
     load_before, started = os.getloadavg()[0], time.perf_counter()
@@ -383,7 +370,8 @@ def configuration(args, results: dict, dataset: str, config: str, seed: int, pat
         budget = first["quality"]["planned_steps"]
         run, seconds, chosen = tune_then_train(args.model, paths, out, args.trials, budget, at[1])
     elif config == "equal-time":
-        run, seconds = train(args.model, paths, out, config, "--max-steps", str(equal_time_steps(first)), *at)
+        steps = quality_table.equal_time_steps(results, dataset)
+        run, seconds = train(args.model, paths, out, config, "--max-steps", str(steps), *at)
     elif config in ("unsloth", "trl"):
         run, seconds = peer(config, args.model, paths, out, seed)
     elif config == "default":

@@ -52,6 +52,28 @@ def record(results: dict, dataset: str, config: str, seed: int, measures: dict) 
     results.setdefault(dataset, {}).setdefault(config, {})[str(seed)] = measures
 
 
+def equal_time_steps(results: dict, dataset: str) -> int:
+    """Steps for `equal-time` to take the wall time of the fastest peer recipe on
+    `dataset`: what is left of that time after `quality`'s fixed costs (loading,
+    the base model's replies, the checks: its wall time less its training time),
+    at `quality`'s seconds per step. Each side is its fastest measured run, the
+    one least slowed by whatever else the machine ran (seed 0's runs were measured
+    beside up to three other benchmarks, later seeds beside one). Once seed 0 of
+    `equal-time` has run, every later seed takes its steps."""
+    sized = runs(results, dataset, "equal-time").get(0)
+    if sized is not None:
+        return sized["planned_steps"]
+    peers = [m["wall_seconds"] for r in PEER_RECIPES for m in runs(results, dataset, r).values()]
+    qualities = list(runs(results, dataset, "quality").values())
+    if not peers or not qualities:
+        raise SystemExit(f"equal-time is sized from {dataset}'s `quality` and a peer recipe's runs: "
+                         f"run {dataset}:quality:0 and {dataset}:unsloth:0 first")
+    quality = min(qualities, key=lambda m: m["wall_seconds"])
+    per_step = quality["step_seconds"] / max(quality["steps"], 1)
+    fixed = quality["wall_seconds"] - quality["step_seconds"]
+    return max(1, int((min(peers) - fixed) / per_step))
+
+
 @dataclass(frozen=True)
 class Summary:
     n: int

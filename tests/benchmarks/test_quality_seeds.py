@@ -166,3 +166,21 @@ def test_the_sentiment_file_is_built_in_the_work_directory_unless_the_data_direc
     assert built == work / sentiment_data.FILE and len(json.loads(built.read_text())) == 4
     (data / sentiment_data.FILE).write_text("[]")
     assert sentiment_data.ensure_file(data, work) == data / sentiment_data.FILE
+
+
+def test_equal_time_is_sized_from_the_fastest_runs_and_later_seeds_keep_seed_0s_steps():
+    results: dict = {}
+    slow_quality = {**entry(0.8), "wall_seconds": 2000.0, "step_seconds": 1500.0, "steps": 80}
+    fast_quality = {**entry(0.8), "wall_seconds": 600.0, "step_seconds": 400.0, "steps": 80}  # 5 s a step, 200 s fixed
+    for seed, measures in enumerate((slow_quality, fast_quality)):
+        quality_table.record(results, "code", "quality", seed, measures)
+    for seed, wall in enumerate((1800.0, 450.0)):
+        quality_table.record(results, "code", "unsloth", seed, {**entry(0.8), "wall_seconds": wall})
+    quality_table.record(results, "code", "trl", 0, {**entry(2.0), "wall_seconds": 700.0})
+    assert quality_table.equal_time_steps(results, "code") == 50  # (450 - 200) / 5
+
+    quality_table.record(results, "code", "equal-time", 0, {**entry(0.8), "planned_steps": 50})
+    quality_table.record(results, "code", "unsloth", 2, {**entry(0.8), "wall_seconds": 300.0})
+    assert quality_table.equal_time_steps(results, "code") == 50
+    with pytest.raises(SystemExit, match="identity:quality:0"):
+        quality_table.equal_time_steps(results, "identity")
