@@ -174,11 +174,11 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
     world = launching.world_size()
     quiet = session.quiet or not launching.is_main_process()  # one display, from the main process
     keep = overwriting.given_paths(options)  # what --overwrite must never remove
-    # Fail before any slow work, not after it.
-    if run_name:
-        RunDirectory.inside(session.output_dir, run_name).check_available(overwrite or world > 1, keep)
-    else:
-        RunDirectory(session.output_dir).check_no_file_in_the_way()
+    # Fail before any slow work, not after it. Behind a launcher only the main
+    # process looks: the launcher checked already, and another process could find
+    # the folder half made by the main one (no plan.json yet) and refuse it.
+    if launching.is_main_process():
+        check_run_directory_early(session.output_dir, run_name, overwrite or world > 1, keep)
     hardware = usable_hardware()  # without GPUs the installed torch cannot use: the plan says so
     with PreparationProgress() if not quiet else nullcontext(no_progress) as progress:
         prepared = prepare_run(options, hardware, world_size=world, progress=progress)
@@ -204,6 +204,14 @@ def _train(options: TrainOptions, session: Session, run_name: str | None, overwr
             console.print_path("Run directory", run_dir.path)
         wait_for_all_processes(world)
         return run_training(prepared, run_dir, quiet, resume=False, tracker=tracker, cache=options.cache_dir)
+
+
+def check_run_directory_early(output_dir: Path, run_name: str | None, overwrite: bool, keep: dict[str, Path]) -> None:
+    """Refuse a run directory that cannot be used before the data is prepared."""
+    if run_name:
+        RunDirectory.inside(output_dir, run_name).check_available(overwrite, keep)
+    else:
+        RunDirectory(output_dir).check_no_file_in_the_way()
 
 
 def launch_resume(run_dir: Path | None, session: Session, launch: Launch) -> int:

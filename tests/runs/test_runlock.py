@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import DATA_FILES, start_cli
-from llmcustoms.runs import run_lock
-from llmcustoms.errors import ConfigError
 from tiny_models import WIDE
+
+from llmcustoms.errors import ConfigError
+from llmcustoms.runs import run_lock
 
 HOLD = ("import sys, time\nfrom pathlib import Path\nfrom llmcustoms.runs import run_lock\n"
         "with run_lock.owning(Path(sys.argv[1]), 'testing'):\n    print('held', flush=True)\n    time.sleep(600)\n")
@@ -74,6 +74,36 @@ def test_a_file_where_the_runs_would_go_is_named_not_reported_as_a_lock_error(tm
         with run_lock.owning(afile / "run", "starting another run in it"):
             pass
     assert "File exists" not in refused.value.message and "Not a directory" not in refused.value.message
+
+
+class ReachedPreparation(Exception):
+    pass
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_behind_a_launcher_only_the_main_process_refuses_a_half_made_run_directory(rank, tmp_path, monkeypatch,
+                                                                                   clean_environment):
+    """CI, 2026-12-03: process 1 of an FSDP run started late, found the run folder the
+    main process had just made with plan.json not yet in it, refused it as "not an
+    llmcustoms run" and stopped the run. The launcher checked the folder already:
+    only the main process looks again; the others go on to prepare their data."""
+    from llmcustoms.commands import train as train_command
+
+    half_made = tmp_path / "runs" / "run"
+    half_made.mkdir(parents=True)
+    (half_made / ".plan.json.tmp").write_text("{")  # the main process writing plan.json
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", rank), ("RANK", rank)):
+        monkeypatch.setenv(name, value)
+
+    def prepare_run(*args, **kwargs):
+        raise ReachedPreparation
+
+    monkeypatch.setattr(train_command, "prepare_run", prepare_run)
+    session = train_command.Session.load({"output_dir": str(tmp_path / "runs"), "data": DATA_FILES["alpaca"]},
+                                          None, quiet=True)
+    refused = pytest.raises(ConfigError, match="is not an llmcustoms run")
+    with refused if rank == "0" else pytest.raises(ReachedPreparation):
+        train_command.train(session.train_options(), session, "run", False, True, lambda question: True)
 
 
 def train_args(model: Path, output: Path, name: str, *extra: str) -> list[str]:
