@@ -5,7 +5,7 @@ A step's rows are a random draw, as in every trainer, never a group of rows
 of similar length: the loss is normalised by the trained tokens of the whole
 step, so in a step of short rows each token weighs more than in a step of
 long ones. Steps grouped by length taught short rows several times harder
-than long ones, which cost 1.7% held-out loss on code (mixed lengths) against
+than long ones, which cost 1.9% held-out loss on code (mixed lengths) against
 random steps (docs/benchmarks.md, "Steps drawn at random"). Within a step the
 rows are sorted, so with gradient accumulation a micro-batch pads little;
 with packing (GPUs) nothing is padded at all. The whole order is a pure

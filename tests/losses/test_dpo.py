@@ -209,7 +209,11 @@ def train_in_process(tmp_path: Path, model: Path, name: str, **overrides):
 def test_any_split_of_a_step_into_micro_batches_gives_the_same_update(tmp_path, tiny_models):
     _, whole_rows, whole = train_in_process(tmp_path, tiny_models["llama"], "whole", micro_batch_size=8, grad_accum=1)
     _, split_rows, split = train_in_process(tmp_path, tiny_models["llama"], "split", micro_batch_size=2, grad_accum=4)
-    assert max(float((whole[k] - split[k]).abs().max()) for k in whole) <= 1e-5
+    # A step's rows are a random draw, so the two splits pad its pairs to different lengths,
+    # and a DPO loss is a small difference of summed log-probabilities: float rounding moves
+    # an update at lr 1e-2 by up to about 1e-4 (9.2e-5 measured). A pair dropped or counted
+    # twice moves it by about the learning rate.
+    assert max(float((whole[k] - split[k]).abs().max()) for k in whole) <= 3e-4
     for a, b in zip(whole_rows, split_rows):
         for key in ("loss", "reward_accuracy", "reward_margin", "eval_loss", "eval_reward_accuracy"):
             assert (key in a) == (key in b)
