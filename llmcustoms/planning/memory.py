@@ -93,10 +93,13 @@ CHUNK_LOGITS = 2 ** 26
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
 # Autograd bookkeeping, batch tensors, kernel workspaces: fitted ~106 MiB.
 RUNTIME_OVERHEAD_BYTES = 100 * 1024 ** 2
-# bf16 on a CPU: oneDNN's kernels, built for each shape of a run (lengths rounded up to a multiple, so a
-# few: `training/batching.pad_multiple`), with their scratch space. Fitted: a tiny Llama on the example
-# data peaked 175 MiB over its fp32-fitted plan, SmolLM2-135M 0.5 GiB over with 1.24x creep.
-CPU_BF16_KERNELS_BYTES = 160 * 1024 ** 2
+# bf16 on a CPU: oneDNN's kernels, built for each shape of a run (lengths and the head's rows rounded up
+# to multiples, so a few: `training/batching.pad_multiple`, `losses/sft.HEAD_ROWS_MULTIPLE`), with their
+# scratch space. Fitted: a tiny Llama on the example data peaked 175 MiB over its fp32-fitted plan, and
+# SmolLM2-135M 0.5 GiB over, both while a head of unpadded rows still grew (160 MiB then). Since, flat,
+# and refitted to the middle: with 160 MiB the tiny Llama peaked 0.89x its plan over 408 steps,
+# SmolLM2-135M 1.08x over 80, `benchmarks/memory_accuracy.py --mixed-precision bf16` 0.80-1.09x.
+CPU_BF16_KERNELS_BYTES = 128 * 1024 ** 2
 # The CPU heap's share on top of the batch's tensors (activations, logits,
 # dropout copies): peak resident size per token over the live tensors' on
 # SmolLM2-135M-Instruct with the shared datasets (benchmarks/NOTES.md: 1.29 and

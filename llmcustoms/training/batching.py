@@ -74,6 +74,7 @@ def eval_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
 # 6.6x its plan) where fp32 stayed flat. Lengths rounded up to a multiple bound them to max_seq_len / multiple:
 # with 64, 0.32 GiB at the end (2.4x before the plan counted the kernels) and 22.1 s -> 17.4 s for the run,
 # fewer kernels built (measured with 1, 32 and 64 on 2 idle cores).
+# The head's rows, a new count each batch, are rounded likewise: `losses/sft.HEAD_ROWS_MULTIPLE`.
 CPU_BF16_MULTIPLE = 64
 
 

@@ -95,3 +95,44 @@ def test_chunked_loss_bounds_the_logits_in_the_memory_estimate():
     assert small <= CHUNK_LOGITS * 4 * 3
     sharded = memory.estimate("full", 16, 1024, "bf16", False, shards=2).logits_bytes
     assert sharded > 16 * small  # under FSDP the head computes every position's logits
+
+
+def test_on_a_cpu_in_bf16_the_head_meets_row_counts_in_multiples_and_learns_the_same(tiny_models, monkeypatch):
+    """oneDNN keeps kernels for each row count a bf16 matmul meets on a CPU: a head run on however many
+    positions a batch learns made a run's memory grow every step. Padded with zero rows, the head meets
+    multiples of HEAD_ROWS_MULTIPLE only (summed loss, and DPO's logits alike), and what is learned is unchanged."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    head, rows_met = model.get_output_embeddings(), []
+    head_forward = head.forward
+    head.forward = lambda hidden: rows_met.append(hidden.shape[0]) or head_forward(hidden)
+    select_logits(model.get_base_model())
+    chunk_loss = sft._chunk_loss
+    monkeypatch.setattr(sft, "_chunk_loss", lambda h, *rest: rows_met.append(len(h)) or chunk_loss(h, *rest))
+    batch = collate(rows(base.config.vocab_size), pad_token_id=0)
+    learned = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert learned % sft.HEAD_ROWS_MULTIPLE  # a count that needs padding
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def learn(multiple: int):
+        monkeypatch.setattr(sft, "HEAD_ROWS_MULTIPLE", multiple)
+        rows_met.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = token_cross_entropy(model, batch, torch.tensor(float(learned)))
+            logits, targets, _ = sft.learned_logits(model, batch)
+        return loss, torch.autograd.grad(loss, trained), logits, list(rows_met)
+
+    multiple = sft.HEAD_ROWS_MULTIPLE
+    loss, grads, logits, met = learn(multiple)
+    plain_loss_, plain_grads, plain_logits, plain_met = learn(1)
+    assert plain_met == [learned, learned]  # the summed loss's rows, then the logits' rows
+    assert met == [learned + -learned % multiple] * 2
+    assert logits.shape == plain_logits.shape and torch.allclose(logits.float(), plain_logits.float(), atol=1e-2)
+    assert float(loss.detach()) == pytest.approx(float(plain_loss_.detach()), rel=1e-3)
+    for got, want in zip(grads, plain_grads):
+        assert torch.allclose(got, want, rtol=1e-2, atol=1e-4)
+
+    rows_met.clear()
+    token_cross_entropy(model, batch, torch.tensor(float(learned)))  # fp32: nothing padded
+    assert rows_met == [learned]
