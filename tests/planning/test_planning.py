@@ -89,6 +89,23 @@ def test_more_memory_never_gives_a_smaller_micro_batch(hub_id, method):
         previous = plan.micro_batch_size
 
 
+@pytest.mark.parametrize("length, rows", [(128, 16), (256, 8), (384, 4), (1024, 2), (4096, 1)])
+def test_a_cpu_micro_batch_holds_at_most_2048_tokens_and_keeps_the_effective_batch(length, rows):
+    """On a CPU more rows a forward pass ran no faster and padded more (code: micro-batch 16 88 tokens/s,
+    4 247 tokens/s); the preset's effective batch is kept by accumulation. A GPU, or a given size, is not capped."""
+    big_cpu = Hardware.cpu_only(ram_gib=256)
+    plan = plan_for(big_cpu, "HuggingFaceTB/SmolLM2-135M-Instruct", {"max_seq_len": length})
+    assert plan.effective_batch_size == 16  # the preset's, for this many rows
+    assert (plan.micro_batch_size, plan.micro_batch_size * plan.grad_accum) == (rows, 16)
+    if rows < 16:
+        assert any("2,048 tokens a forward pass" in r for r in plan.reasons)
+    given = plan_for(big_cpu, "HuggingFaceTB/SmolLM2-135M-Instruct",
+                     {"max_seq_len": length, "micro_batch_size": 16})
+    assert given.micro_batch_size == 16
+    gpu = plan_for(MACHINES["80GB"], "HuggingFaceTB/SmolLM2-135M-Instruct", {"max_seq_len": length})
+    assert gpu.micro_batch_size == 16
+
+
 def test_mistral_7b_needs_qlora_on_8gb_and_lora_on_24gb():
     small = plan_for(MACHINES["8GB"], "mistralai/Mistral-7B-Instruct-v0.3")
     assert small.method == "qlora" and small.sources["method"] == "planner"
@@ -225,7 +242,7 @@ def test_without_a_gpu_the_best_cpu_model_that_finishes_in_time_is_chosen():
                 f"min (SmolLM2-360M-Instruct would take about {round(minutes(cpu_models[0], 300))} min, over 30 min)")
     assert reason == expected
     # Nothing finishes in time: the smallest, and the reason says none would.
-    chosen, reason = optimizer.choose_model(cpu_models, stats(rows=1000), {})
+    chosen, reason = optimizer.choose_model(cpu_models, stats(rows=2000), {})
     assert chosen.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "the smallest CPU model" in reason and "none is expected to finish within 30 min" in reason
     assert "SmolLM2-360M-Instruct about" in reason
