@@ -317,8 +317,8 @@ class Planner:
         cap_reason = ""
         if r.given("micro_batch_size"):
             cap = r.given_value("micro_batch_size")
-        elif not self.hardware.has_gpu and cap > cpu_micro_batch_cap(max_seq_len):
-            cap = cpu_micro_batch_cap(max_seq_len)
+        elif not self.hardware.has_gpu and cap > (cpu_cap := cpu_micro_batch_cap(max_seq_len)):
+            cap = cpu_cap
             cap_reason = (f" (on a CPU, {CPU_MICRO_BATCH_TOKENS:,} tokens a forward pass at most: more run no faster "
                           "and pad more)")
         memory = self._memory_estimator(model.arch)
